@@ -1,0 +1,31 @@
+# megatron-sap: install into .venv/ and run the suite on CPU.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_FLAGS ?= -q
+
+.PHONY: install test demo bench gpu-check clean
+
+install:
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or set PYTHON=...)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	# The CPU build of torch from local disk: a bare 'torch' would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -c "import torch, megatron.core, megatron_sap; print('installed torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
+
+test:
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_FLAGS) tests
+
+demo:
+	OMP_NUM_THREADS=1 $(PY) -m megatron_sap.demo
+
+bench:
+	OMP_NUM_THREADS=1 $(PY) -m megatron_sap.bench
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

