@@ -1,0 +1,172 @@
+"""The explicit cost model SAP plans against.
+
+One attention layer (forward plus backward) is modelled per rank as kernel time on
+tile-rounded (q, k) pairs plus point-to-point transfers over two link classes
+(intra-node and inter-node), each message paying a fixed latency. Every number is a
+field with a documented default so that presets and calibration files can replace it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+LINK_INTRA = "intra"
+LINK_INTER = "inter"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Hardware rates and model shape used to estimate attention time.
+
+    Rates are per GPU. Bandwidths are GB/s per direction (1 GB = 1e9 bytes).
+    """
+
+    name: str = "h100"
+    gpus_per_node: int = 8
+    attention_tflops: float = 400.0  # effective forward attention rate
+    backward_factor: float = 2.5  # backward FLOPs / forward FLOPs
+    intra_node_gbps: float = 360.0
+    inter_node_gbps: float = 45.0
+    message_latency_us: float = 15.0
+    tile: int = 128  # kernel tile: a segment shorter than a tile still costs a tile
+    num_heads: int = 32  # Hq
+    num_kv_heads: int = 8  # Hkv
+    head_dim: int = 128
+    bytes_per_element: int = 2  # bf16
+
+    def __post_init__(self) -> None:
+        for field in ("gpus_per_node", "tile", "num_heads", "num_kv_heads", "head_dim", "bytes_per_element"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"CostModel.{field} must be positive, got {getattr(self, field)}")
+        for field in ("attention_tflops", "intra_node_gbps", "inter_node_gbps", "backward_factor"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"CostModel.{field} must be positive, got {getattr(self, field)}")
+        if self.message_latency_us < 0:
+            raise ValueError(f"CostModel.message_latency_us must be >= 0, got {self.message_latency_us}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"CostModel.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    # ---- construction -------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "CostModel":
+        """A named preset (`h100`, `h200`, `cpu`), with fields optionally overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown cost-model preset {name!r}; known: {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    @classmethod
+    def from_calibration(cls, source: str | os.PathLike | dict, base: str = "h100") -> "CostModel":
+        """Replace preset rates by measured ones.
+
+        `source` is a dict or a JSON file whose keys are CostModel fields (unknown keys
+        are rejected); the GPU check script writes such a file.
+        """
+        if not isinstance(source, dict):
+            with open(source) as f:
+                source = json.load(f)
+        values = source.get("cost_model", source)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"calibration has unknown CostModel fields {unknown}; known: {sorted(known)}")
+        base_name = values.get("name", base) if values.get("name") in PRESETS else base
+        return dataclasses.replace(cls.preset(base_name), **values)
+
+    def with_shape(self, num_heads: int, num_kv_heads: int, head_dim: int, bytes_per_element: int | None = None) -> "CostModel":
+        """The same hardware with another model shape."""
+        return dataclasses.replace(
+            self,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            bytes_per_element=bytes_per_element or self.bytes_per_element,
+        )
+
+    def key(self) -> tuple:
+        """Hashable identity, part of the plan-cache key."""
+        return dataclasses.astuple(self)
+
+    # ---- compute --------------------------------------------------------------------
+    def block_pairs(self, q_len: int, k_len: int, causal: bool) -> int:
+        """Tile-rounded (q, k) pairs a kernel spends on one block.
+
+        A causal block is diagonal (q_len == k_len): the lower triangle of tiles. A full
+        block is every tile of the q_len x k_len rectangle.
+        """
+        if q_len <= 0 or k_len <= 0:
+            return 0
+        t = self.tile
+        nq, nk = math.ceil(q_len / t), math.ceil(k_len / t)
+        if causal:
+            return t * t * nq * (nq + 1) // 2
+        return t * t * nq * nk
+
+    @property
+    def flops_per_pair(self) -> float:
+        """Forward FLOPs per (q, k) pair: QK^T and PV, 2*D each, for every query head."""
+        return 4.0 * self.head_dim * self.num_heads
+
+    def compute_seconds(self, pairs: float, backward: bool = False, head_fraction: float = 1.0) -> float:
+        """Kernel time for `pairs` tile-rounded pairs over `head_fraction` of the heads."""
+        flops = pairs * self.flops_per_pair * head_fraction
+        if backward:
+            flops *= self.backward_factor
+        return flops / (self.attention_tflops * 1e12)
+
+    # ---- communication --------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's K and V over all KV heads."""
+        return 2 * self.num_kv_heads * self.head_dim * self.bytes_per_element
+
+    @property
+    def q_bytes_per_token(self) -> int:
+        """Bytes of one token's query (or output) over all query heads."""
+        return self.num_heads * self.head_dim * self.bytes_per_element
+
+    def bandwidth(self, link: str) -> float:
+        """Bytes per second of a link class."""
+        if link == LINK_INTRA:
+            return self.intra_node_gbps * 1e9
+        if link == LINK_INTER:
+            return self.inter_node_gbps * 1e9
+        raise ValueError(f"unknown link class {link!r}; expected {LINK_INTRA!r} or {LINK_INTER!r}")
+
+    def transfer_seconds(self, nbytes: float, link: str, messages: int = 1) -> float:
+        """Time to move `nbytes` over one link class in `messages` messages."""
+        if nbytes <= 0 and messages <= 0:
+            return 0.0
+        return messages * self.message_latency_us * 1e-6 + nbytes / self.bandwidth(link)
+
+    def node_of(self, cp_rank: int) -> int:
+        """Node holding a CP rank, with CP ranks laid out contiguously over nodes."""
+        return cp_rank // self.gpus_per_node
+
+    def link_between(self, cp_rank_a: int, cp_rank_b: int) -> str:
+        """Link class between two CP ranks."""
+        return LINK_INTRA if self.node_of(cp_rank_a) == self.node_of(cp_rank_b) else LINK_INTER
+
+
+PRESETS: dict[str, CostModel] = {
+    # H100 SXM: NVLink 4 (~360 GB/s achievable per direction), one 400 Gb/s NIC per GPU.
+    "h100": CostModel(),
+    # H200 SXM: same die as H100 with faster HBM3e; NVLink ~450 GB/s, 400 Gb/s NIC per GPU.
+    "h200": CostModel(name="h200", attention_tflops=450.0, intra_node_gbps=450.0, inter_node_gbps=48.0),
+    # CPU gloo, for sanity runs of the model against wall time on this machine.
+    "cpu": CostModel(
+        name="cpu",
+        gpus_per_node=64,
+        attention_tflops=0.02,
+        intra_node_gbps=2.0,
+        inter_node_gbps=2.0,
+        message_latency_us=50.0,
+        tile=64,
+        bytes_per_element=4,
+    ),
+}
