@@ -1,0 +1,103 @@
+"""Benchmark data: real corpus lengths, synthetic mixes and Megatron-style packing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_sap.bench import data
+from megatron_sap.bench.packing import pack, segment_lengths
+
+
+# ---- real corpora ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "corpus, median_range, p99_range, max_range",
+    [
+        ("stdlib", (1_000, 2_500), (25_000, 60_000), (100_000, 250_000)),
+        ("sharegpt", (600, 1_600), (15_000, 40_000), (100_000, 300_000)),
+    ],
+)
+def test_corpus_lengths_realistic(corpus, median_range, p99_range, max_range):
+    lengths = data.document_lengths(corpus)  # cached after the first run
+    assert lengths.dtype == np.int64 and (lengths > 0).all()
+    stats = data.describe(lengths)
+    assert median_range[0] <= stats["median"] <= median_range[1]
+    assert p99_range[0] <= stats["p99"] <= p99_range[1]
+    assert max_range[0] <= stats["max"] <= max_range[1]
+    assert 0.05 <= stats["share_tokens_over_32k"] <= 0.35
+
+
+def test_cached_lengths_are_read_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_SAP_CACHE", str(tmp_path))
+    path = data.cache_path("stdlib")
+    assert path.parent == tmp_path and "py3" in path.name and "tiktoken" in path.name
+    np.save(path, np.array([3, 5, 8], dtype=np.int64))
+    np.testing.assert_array_equal(data.document_lengths("stdlib"), [3, 5, 8])
+    with pytest.raises(ValueError, match="unknown corpus"):
+        data.document_lengths("nope")
+
+
+def test_tokenise_small_subsets():
+    assert data.token_lengths(["", "def f(x):\n    return x\n", "hello world"]).tolist()[0] == 0
+    files = data.stdlib_files()
+    assert len(files) > 1_000 and all(p.suffix == ".py" for p in files[:50])
+    records = list(data.sharegpt_records(limit=30))
+    assert len(records) == 30 and all("conversations" in r for r in records)
+    texts = list(data.sharegpt_texts(limit=30))
+    assert 0 < len(texts) <= 30
+    lengths = data.token_lengths(texts)
+    assert (lengths > 0).all()
+
+
+def test_conversation_id_groups_pieces():
+    assert data.conversation_id("QWJhYvA_0") == "QWJhYvA"
+    assert data.conversation_id("QWJhYvA_12") == "QWJhYvA"
+    assert data.conversation_id("a_b_3") == "a_b"
+    assert data.conversation_id("plain") == "plain"
+
+
+@pytest.mark.parametrize("kind", data.SYNTHETIC_KINDS)
+def test_synthetic_lengths(kind):
+    a = data.synthetic_lengths(kind, 20_000, seed=1)
+    assert a.shape == (20_000,) and (a >= 1).all()
+    np.testing.assert_array_equal(a, data.synthetic_lengths(kind, 20_000, seed=1))
+    assert 500 <= np.median(a) <= 1_500
+    if kind == "bimodal":
+        assert 0.0005 <= (a > 16_384).mean() <= 0.002
+
+
+# ---- packing --------------------------------------------------------------------------------
+def test_pack_fills_every_row_and_is_deterministic():
+    lengths = data.synthetic_lengths("longtail", 5_000, seed=0)
+    T = 32_768
+    batches = pack(lengths, T, num_batches=20, seed=7)
+    assert len(batches) == 20
+    for cu in batches:
+        assert cu[0] == 0 and cu[-1] == T
+        assert (segment_lengths(cu) > 0).all()
+    assert batches == pack(lengths, T, num_batches=20, seed=7)
+    assert batches != pack(lengths, T, num_batches=20, seed=8)
+
+
+def test_pack_carries_the_cut_document_into_the_next_row():
+    lengths = np.array([5, 7, 3], dtype=np.int64)
+    T, rows = 4, 3  # 12 tokens, inside the first 15-token epoch
+    batches = pack(lengths, T, num_batches=rows, seed=0)
+    order = np.random.default_rng(0).permutation(3)
+    doc_ends = set(np.cumsum(lengths[order]).tolist())
+    row_ends = {T * (i + 1) for i in range(rows)}
+    expected_ends = sorted(e for e in doc_ends | row_ends if e <= T * rows)
+    ends = [T * i + end for i, cu in enumerate(batches) for end in cu[1:]]
+    assert ends == expected_ends  # every cut is a document end or a row end, nothing dropped
+
+
+def test_pack_long_document_spans_rows():
+    batches = pack(np.array([100], dtype=np.int64), T=32, num_batches=4, seed=0)
+    assert batches[:3] == [[0, 32]] * 3
+    assert batches[3] == [0, 4, 32]
+
+
+def test_real_corpus_packing():
+    lengths = data.document_lengths("sharegpt")
+    batches = pack(lengths, 131_072, num_batches=4, seed=0)
+    assert all(cu[-1] == 131_072 for cu in batches)
+    assert sum(len(cu) - 1 for cu in batches) > 4 * 20  # many documents per 128K row
