@@ -1,0 +1,275 @@
+"""Placement: which document pieces each (outer) rank holds.
+
+Every rank holds exactly `capacity` tokens. Candidate strategies:
+
+- ``greedy``: documents in order of decreasing cost; a document stays whole on the
+  least-loaded rank that has room when that keeps the rank within `(1 + slack)` of the
+  ideal load, otherwise it is split over the fewest ranks `k` that do, as `2k` chunks
+  paired head-to-tail (rank i holds chunks i and 2k-1-i) so causal work balances.
+  What no longer fits whole is cut over the ranks with the most room.
+- ``zigzag``: every document split over all ranks in 2R paired chunks (the ring layout
+  without padding).
+- ``contiguous``: the packed row cut into R equal contiguous slices (all-gather layout).
+
+The planner evaluates every candidate with the cost model and keeps the fastest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cost_model import CostModel
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous token range [start, end) of document `doc`, in global packed positions."""
+
+    doc: int
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Pieces held by each rank (sorted by position), `capacity` tokens per rank."""
+
+    capacity: int
+    ranks: tuple[tuple[Piece, ...], ...]
+    strategy: str
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+
+def piece_cost(model: CostModel, offset: int, length: int) -> int:
+    """Tile-rounded pairs of a piece at `offset` in its document: its causal diagonal
+    block plus one full block over every earlier key of the document."""
+    t = model.tile
+    nq = -(-length // t)
+    return t * t * (nq * (nq + 1) // 2 + nq * -(-offset // t))
+
+
+def chunk_sizes(length: int, k: int) -> list[int]:
+    """Sizes of 2k near-equal chunks whose head-to-tail pairs (i, 2k-1-i) differ by at most one token."""
+    n = 2 * k
+    sizes = [length // n] * n
+    extra = length % n
+    order = [i for i in range(k)] + [n - 1 - i for i in range(k)]
+    for j in order[:extra]:
+        sizes[j] += 1
+    return sizes
+
+
+def _zigzag_pieces(doc: int, start: int, sizes: list[int]) -> list[list[Piece]]:
+    """Cut a document into chunks of `sizes` and pair them head-to-tail: result[i] = pieces of pair i."""
+    k = len(sizes) // 2
+    bounds = [start]
+    for s in sizes:
+        bounds.append(bounds[-1] + s)
+    pairs: list[list[Piece]] = []
+    for i in range(k):
+        j = 2 * k - 1 - i
+        pair = [Piece(doc, bounds[c], bounds[c + 1]) for c in (i, j) if sizes[c] > 0]
+        pairs.append(pair)
+    return pairs
+
+
+def _finish(capacity: int, per_rank: list[list[Piece]], strategy: str) -> Placement:
+    ranks = tuple(tuple(sorted(p, key=lambda x: x.start)) for p in per_rank)
+    for r, pieces in enumerate(ranks):
+        held = sum(p.length for p in pieces)
+        if held != capacity:
+            raise AssertionError(f"placement {strategy} gave rank {r} {held} tokens, expected {capacity}")
+    return Placement(capacity, ranks, strategy)
+
+
+def contiguous(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: int) -> Placement:
+    """Rank r holds the packed positions [r*capacity, (r+1)*capacity)."""
+    per_rank: list[list[Piece]] = [[] for _ in range(num_ranks)]
+    for d, (s, n) in enumerate(zip(doc_starts, lengths)):
+        pos, end = s, s + n
+        while pos < end:
+            r = pos // capacity
+            cut = min(end, (r + 1) * capacity)
+            per_rank[r].append(Piece(d, pos, cut))
+            pos = cut
+    return _finish(capacity, per_rank, "contiguous")
+
+
+def zigzag(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: int) -> Placement | None:
+    """Every document over all ranks in head-to-tail chunk pairs.
+
+    The longest document absorbs the rounding so that every rank ends with exactly
+    `capacity` tokens; None when that is impossible.
+    """
+    docs = [d for d, n in enumerate(lengths) if n > 0]
+    if not docs:
+        return None
+    absorber = max(docs, key=lambda d: (lengths[d], -d))
+    held = [0] * num_ranks
+    per_rank: list[list[Piece]] = [[] for _ in range(num_ranks)]
+    for d in docs:
+        if d == absorber:
+            continue
+        sizes = chunk_sizes(lengths[d], num_ranks)
+        # Pair i of chunk_sizes is the largest for small i: give it to the emptiest rank.
+        ranks_by_room = sorted(range(num_ranks), key=lambda r: (held[r], r))
+        for i, pair in enumerate(_zigzag_pieces(d, doc_starts[d], sizes)):
+            r = ranks_by_room[i]
+            per_rank[r].extend(pair)
+            held[r] += sum(p.length for p in pair)
+    need = [capacity - h for h in held]
+    if min(need) < 0:
+        return None
+    sizes = []
+    for r in range(num_ranks):
+        sizes.append(need[r] // 2)
+    sizes += [need[r] - need[r] // 2 for r in reversed(range(num_ranks))]
+    for r, pair in enumerate(_zigzag_pieces(absorber, doc_starts[absorber], sizes)):
+        per_rank[r].extend(pair)
+    return _finish(capacity, per_rank, "zigzag")
+
+
+def greedy(
+    doc_starts: list[int],
+    lengths: list[int],
+    num_ranks: int,
+    capacity: int,
+    model: CostModel,
+    slack: float,
+    rank_node: list[int] | None = None,
+) -> Placement:
+    """Sequence-aware placement: keep documents whole, split the ones that would
+    overload a rank over as few ranks as possible, preferring ranks of one node
+    (see module docstring). `rank_node[r]` is the node of rank r."""
+    R = num_ranks
+    rank_node = rank_node or [0] * R
+    cost = [piece_cost(model, 0, n) for n in lengths]
+    limit = (1.0 + slack) * sum(cost) / R
+    load = [0] * R
+    room = [capacity] * R
+    per_rank: list[list[Piece]] = [[] for _ in range(R)]
+
+    def put(r: int, piece: Piece, piece_load: int) -> None:
+        per_rank[r].append(piece)
+        room[r] -= piece.length
+        load[r] += piece_load
+
+    order = sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-cost[d], d))
+    for d in order:
+        n, start = lengths[d], doc_starts[d]
+        by_load = sorted(range(R), key=load.__getitem__)
+        whole = next((r for r in by_load if room[r] >= n), None)
+        options: list[tuple[int, int, list[int], list[int]]] = []
+        if whole is not None:
+            if load[whole] + cost[d] <= limit:
+                put(whole, Piece(d, start, start + n), cost[d])
+                continue
+            options.append((load[whole] + cost[d], 1, [whole], [n, 0]))
+        for k in _split_degrees(cost[d], [load[r] for r in by_load], limit, min(R, n)):
+            sizes = chunk_sizes(n, k)
+            offsets = [0]
+            for size in sizes:
+                offsets.append(offsets[-1] + size)
+            pair_cost = [
+                piece_cost(model, offsets[i], sizes[i]) + piece_cost(model, offsets[2 * k - 1 - i], sizes[2 * k - 1 - i])
+                for i in range(k)
+            ]
+            need = max(sizes[i] + sizes[2 * k - 1 - i] for i in range(k))
+            eligible = [r for r in by_load if room[r] >= need]
+            if len(eligible) < k:
+                continue
+            heavy_first = sorted(range(k), key=lambda i: -pair_cost[i])
+            best_here = None
+            for chosen in (_node_local(eligible, k, rank_node), eligible[:k]):
+                chosen = sorted(chosen, key=load.__getitem__)
+                assignment = [0] * k
+                for slot, i in enumerate(heavy_first):
+                    assignment[i] = chosen[slot]
+                peak = max(load[assignment[i]] + pair_cost[i] for i in range(k))
+                if best_here is None or (best_here[0] > limit and peak < best_here[0]):
+                    best_here = (peak, k, assignment, sizes)
+            options.append(best_here)
+            if best_here[0] <= limit:
+                break
+        if options:
+            # The loop stops at the first k within the limit; else take the lowest peak.
+            best = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
+            _, k, assignment, sizes = best
+            if k == 1:
+                put(assignment[0], Piece(d, start, start + n), cost[d])
+                continue
+            offsets = [0]
+            for size in sizes:
+                offsets.append(offsets[-1] + size)
+            for i, r in enumerate(assignment):
+                for c in (i, 2 * k - 1 - i):
+                    if sizes[c]:
+                        put(r, Piece(d, start + offsets[c], start + offsets[c + 1]), piece_cost(model, offsets[c], sizes[c]))
+            continue
+        # Fragmented room: cut the document over the ranks with the most room.
+        pos, end = start, start + n
+        for r in sorted(range(R), key=lambda r: (-room[r], load[r], r)):
+            if pos == end:
+                break
+            take = min(room[r], end - pos)
+            if take > 0:
+                put(r, Piece(d, pos, pos + take), piece_cost(model, pos - start, take))
+                pos += take
+    return _finish(capacity, per_rank, f"greedy(slack={slack:g})")
+
+
+def _node_local(eligible: list[int], k: int, rank_node: list[int]) -> list[int]:
+    """k of the eligible ranks (given least-loaded first) spread over as few nodes as possible."""
+    by_node: dict[int, list[int]] = {}
+    for r in eligible:
+        by_node.setdefault(rank_node[r], []).append(r)
+    fitting = [ranks for ranks in by_node.values() if len(ranks) >= k]
+    if fitting:
+        position = {r: i for i, r in enumerate(eligible)}
+        # The node whose k-th least-loaded eligible rank is the least loaded.
+        return min(fitting, key=lambda ranks: position[ranks[k - 1]])[:k]
+    chosen: list[int] = []
+    for ranks in sorted(by_node.values(), key=len, reverse=True):
+        chosen.extend(ranks[: k - len(chosen)])
+        if len(chosen) == k:
+            break
+    return chosen
+
+
+def _split_degrees(doc_cost: int, sorted_loads: list[int], limit: float, max_k: int) -> list[int]:
+    """Split degrees worth trying, smallest first.
+
+    A split over k ranks lands about doc_cost / k on each of the k least-loaded ranks;
+    the first k whose estimate fits the limit is tried with its neighbours (tile
+    rounding makes the estimate slightly optimistic), then the largest degree as the
+    fallback when nothing fits.
+    """
+    for k in range(2, max_k + 1):
+        if sorted_loads[k - 1] + doc_cost / k <= limit:
+            return [k2 for k2 in (k, k + 1, k + 2) if k2 <= max_k] + ([max_k] if k + 2 < max_k else [])
+    return [max_k] if max_k >= 2 else []
+
+
+def candidates(
+    doc_starts: list[int],
+    lengths: list[int],
+    num_ranks: int,
+    capacity: int,
+    model: CostModel,
+    slacks: tuple[float, ...],
+    rank_node: list[int] | None = None,
+) -> list[Placement]:
+    """Every placement the planner weighs, sequence-aware ones first."""
+    out = [greedy(doc_starts, lengths, num_ranks, capacity, model, s, rank_node) for s in slacks]
+    if num_ranks > 1:
+        z = zigzag(doc_starts, lengths, num_ranks, capacity)
+        if z is not None:
+            out.append(z)
+        out.append(contiguous(doc_starts, lengths, num_ranks, capacity))
+    return out

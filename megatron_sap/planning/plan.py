@@ -1,0 +1,288 @@
+"""`plan_sequences`: place one packed batch, pick the fastest candidate, cache the plan."""
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..validation import check_divisible, cu_seqlens_to_list
+from .cost_model import CostModel
+from .evaluate import Evaluation, evaluate
+from .placement import Placement, candidates
+from .program import RankProgram, _Layout, compile_program
+
+DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
+
+
+@dataclass
+class Plan:
+    """Where every token of one packed batch lives and what every rank computes.
+
+    `cp_rank = outer_rank * inner_size + inner_rank`. The R outer ranks each hold
+    `capacity = T / R` tokens (the placement); inside an outer group the U inner ranks
+    hold consecutive slices of T / P tokens of the group's order and all run the outer
+    rank's program on their own heads.
+    """
+
+    cu_seqlens: tuple[int, ...]
+    outer_size: int
+    inner_size: int
+    cost_model: CostModel
+    placement: Placement
+    evaluation: Evaluation
+    considered: dict[str, float]  # modelled makespan of every candidate, by strategy
+    _layout: _Layout | None = field(default=None, repr=False)
+    _programs: dict[tuple[int, str], RankProgram] = field(default_factory=dict, repr=False)
+    _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    # ---- sizes --------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.outer_size * self.inner_size
+
+    @property
+    def total_tokens(self) -> int:
+        return self.cu_seqlens[-1]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens per outer group (T / R)."""
+        return self.placement.capacity
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens per CP rank (T / P)."""
+        return self.total_tokens // self.world_size
+
+    @property
+    def strategy(self) -> str:
+        return self.placement.strategy
+
+    def signature(self) -> str:
+        """A short hash of the batch and layout, equal on ranks that planned the same batch."""
+        text = f"{self.cu_seqlens}|{self.outer_size}|{self.inner_size}|{self.placement.strategy}"
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+    # ---- placement ----------------------------------------------------------------
+    def _check_rank(self, cp_rank: int) -> None:
+        if not 0 <= cp_rank < self.world_size:
+            raise ValueError(f"cp_rank {cp_rank} out of range for a plan over {self.world_size} ranks")
+
+    def pieces(self, outer_rank: int) -> list[tuple[int, int, int]]:
+        """(document, start, end) pieces the outer group holds, in its local order."""
+        return [(p.doc, p.start, p.end) for p in self.placement.ranks[outer_rank]]
+
+    def group_indices(self, outer_rank: int) -> torch.Tensor:
+        """Global positions of the outer group's T / R tokens, in its local order."""
+        if outer_rank not in self._indices:
+            pieces = self.placement.ranks[outer_rank]
+            idx = [torch.arange(p.start, p.end) for p in pieces]
+            self._indices[outer_rank] = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
+        return self._indices[outer_rank]
+
+    def local_indices(self, cp_rank: int) -> torch.Tensor:
+        """Global packed positions this CP rank holds, in its local order (T / P of them)."""
+        self._check_rank(cp_rank)
+        outer, inner = divmod(cp_rank, self.inner_size)
+        n = self.local_tokens
+        return self.group_indices(outer)[inner * n : (inner + 1) * n]
+
+    def position_ids(self, cp_rank: int) -> torch.Tensor:
+        """Each local token's position inside its own document (for RoPE)."""
+        idx = self.local_indices(cp_rank)
+        starts = torch.tensor(self.cu_seqlens[:-1], dtype=torch.long)
+        doc = torch.searchsorted(torch.tensor(self.cu_seqlens[1:], dtype=torch.long), idx, right=True)
+        return idx - starts[doc]
+
+    def work(self, cp_rank: int) -> list[tuple[int, int, int, int, bool]]:
+        """Attention blocks (q_start, q_end, k_start, k_end, causal) the rank computes.
+
+        Global packed positions; each piece contributes its causal diagonal and one full
+        block over every earlier key of its document. Ranks of one inner group list
+        the same blocks (each computes them for its own heads).
+        """
+        self._check_rank(cp_rank)
+        doc_start = self.cu_seqlens
+        blocks = []
+        for p in self.placement.ranks[cp_rank // self.inner_size]:
+            blocks.append((p.start, p.end, p.start, p.end, True))
+            if p.start > doc_start[p.doc]:
+                blocks.append((p.start, p.end, doc_start[p.doc], p.start, False))
+        return blocks
+
+    # ---- program ------------------------------------------------------------------
+    def program(self, outer_rank: int, device: torch.device | str | None = None) -> RankProgram:
+        """The compiled program of an outer rank, on `device` (compiled once, then cached)."""
+        device = torch.device(device or "cpu")
+        key = (outer_rank, str(device))
+        if key not in self._programs:
+            cpu_key = (outer_rank, "cpu")
+            if cpu_key not in self._programs:
+                if self._layout is None:
+                    self._layout = _Layout(self.placement)
+                self._programs[cpu_key] = compile_program(self.placement, outer_rank, self._layout)
+            if key != cpu_key:
+                self._programs[key] = self._programs[cpu_key].to(device)
+        return self._programs[key]
+
+    # ---- statistics ---------------------------------------------------------------
+    def stats(self, cost_model: CostModel | None = None) -> dict[str, Any]:
+        """Per-CP-rank tokens, pairs, bytes (forward + backward) and modelled times.
+
+        Bytes use the cost model's shape (heads, head dim, element size); pass another
+        `cost_model` to count for a different shape. Inner ranks each move their own
+        head slice (1/U of the outer traffic) and add the Ulysses all-to-all (intra-node).
+        """
+        m = cost_model or self.cost_model
+        ev = self.evaluation if cost_model is None else evaluate(self.placement, list(self.cu_seqlens[:-1]), self.inner_size, m)
+        U = self.inner_size
+        traffic = ev.traffic_tokens
+        kv = m.kv_bytes_per_token / U
+        intra = ev.intra
+        # forward sends KV it owns; backward sends dK/dV of what it received
+        sent_intra = (traffic * intra).sum(1) + (traffic * intra).sum(0)
+        sent_inter = (traffic * ~intra).sum(1) + (traffic * ~intra).sum(0)
+        sent = (sent_intra + sent_inter) * kv
+        expand = lambda a: [float(x) for x in np.repeat(np.asarray(a, dtype=np.float64), U)]  # noqa: E731
+        pairs = expand(ev.exact_pairs / U)
+        mean = float(np.mean(pairs)) if pairs else 0.0
+        group_tokens = self.capacity
+        acc_bytes = group_tokens * (m.num_heads / U) * (m.head_dim * 4 + 4)  # fp32 output + lse accumulators
+        a2a_buffers = group_tokens * (m.num_heads + 2 * m.num_kv_heads) / U * m.head_dim * m.bytes_per_element if U > 1 else 0
+        recv_kv = traffic.sum(0) * kv
+        return {
+            "method": "sap",
+            "candidate": self.placement.strategy,
+            "world_size": self.world_size,
+            "outer_size": self.outer_size,
+            "inner_size": U,
+            "total_tokens": self.total_tokens,
+            "tokens_per_rank": [self.local_tokens] * self.world_size,
+            "padding_tokens": 0,
+            "pairs_per_rank": pairs,
+            "imbalance": (max(pairs) / mean) if mean > 0 else 1.0,
+            "sent_tokens_per_outer_rank": [int(x) for x in traffic.sum(1)],
+            "recv_tokens_per_outer_rank": [int(x) for x in traffic.sum(0)],
+            "sent_bytes_per_rank": [x + ev.a2a_bytes for x in expand(sent)],
+            "recv_bytes_per_rank": [x + ev.a2a_bytes for x in expand(sent)],
+            "sent_bytes_intra_per_rank": [x + ev.a2a_bytes for x in expand(sent_intra * kv)],
+            "sent_bytes_inter_per_rank": expand(sent_inter * kv),
+            "peak_extra_bytes_per_rank": expand(recv_kv + acc_bytes + a2a_buffers),
+            "modelled_time_s": ev.makespan_s,
+            "ideal_time_s": ev.ideal_s,
+            "candidates_modelled_time_s": dict(self.considered),
+        }
+
+
+class PlanCache:
+    """LRU of plans keyed by batch signature and layout, with hit/miss counters."""
+
+    def __init__(self, maxsize: int = 64):
+        if maxsize < 1:
+            raise ValueError(f"plan cache size must be >= 1, got {maxsize}")
+        self.maxsize = maxsize
+        self.hits = 0
+        self.misses = 0
+        self._plans: OrderedDict[tuple, Plan] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> Plan | None:
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self._plans.move_to_end(key)
+            return plan
+
+    def put(self, key: tuple, plan: Plan) -> None:
+        with self._lock:
+            self._plans[key] = plan
+            self._plans.move_to_end(key)
+            while len(self._plans) > self.maxsize:
+                self._plans.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+            self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+DEFAULT_CACHE = PlanCache()
+
+
+def _cache_key_values(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[int, ...] | None:
+    """The cu_seqlens as a tuple of ints when that is cheap and unambiguous, else None."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+            return None
+        return tuple(cu_seqlens.tolist())
+    try:
+        values = tuple(cu_seqlens)
+    except TypeError:
+        return None
+    return values if all(type(v) is int for v in values) else None
+
+
+def plan_sequences(
+    cu_seqlens: Sequence[int] | torch.Tensor,
+    outer_size: int = 1,
+    inner_size: int = 1,
+    *,
+    cost_model: CostModel | None = None,
+    cache: PlanCache | None = DEFAULT_CACHE,
+    slacks: tuple[float, ...] = DEFAULT_SLACKS,
+) -> Plan:
+    """Plan one packed batch for a CP group of `outer_size * inner_size` ranks.
+
+    Every rank holds exactly T / P tokens. Candidate placements (sequence-aware greedy
+    at several load slacks, zigzag over all ranks, contiguous) are evaluated with the
+    cost model; the one with the lowest modelled forward+backward layer time wins.
+    Plans are cached by (cu_seqlens, sizes, cost model): a repeated batch shape costs a
+    dictionary lookup. Pass `cache=None` to bypass the cache.
+    """
+    model = cost_model or CostModel.preset("h100")
+    values = _cache_key_values(cu_seqlens)
+    key = None
+    if cache is not None and values is not None:
+        key = (values, outer_size, inner_size, model.key(), slacks)
+        plan = cache.get(key)
+        if plan is not None:
+            return plan
+    cu = cu_seqlens_to_list(cu_seqlens)
+    for name, size in (("outer_size", outer_size), ("inner_size", inner_size)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be a positive integer, got {size!r}")
+    total = cu[-1]
+    world = outer_size * inner_size
+    if total == 0:
+        raise ValueError("cu_seqlens describes an empty batch (0 tokens)")
+    check_divisible(total, world, "total tokens T = cu_seqlens[-1]", f"CP size P = outer_size*inner_size = {outer_size}*{inner_size}")
+    capacity = total // outer_size
+    doc_starts = cu[:-1]
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+
+    best: tuple[float, Placement, Evaluation] | None = None
+    considered: dict[str, float] = {}
+    rank_node = [model.node_of(r * inner_size) for r in range(outer_size)]
+    for placement in candidates(doc_starts, lengths, outer_size, capacity, model, slacks, rank_node):
+        ev = evaluate(placement, doc_starts, inner_size, model)
+        considered[placement.strategy] = ev.makespan_s
+        if best is None or ev.makespan_s < best[0] * (1 - 1e-9):
+            best = (ev.makespan_s, placement, ev)
+    assert best is not None
+    plan = Plan(tuple(cu), outer_size, inner_size, model, best[1], best[2], considered)
+    if cache is not None:
+        if key is None:
+            key = (tuple(cu), outer_size, inner_size, model.key(), slacks)
+        cache.put(key, plan)
+    return plan
