@@ -1,0 +1,300 @@
+"""Zigzag ring attention over packed documents: the `p2p` context parallelism of
+Megatron-Core / Transformer Engine for the THD format.
+
+Layout: each document is padded to a multiple of 2P and cut into 2P equal chunks;
+rank r holds chunks r and 2P-1-r of every document, stored per document as
+[chunk r, chunk 2P-1-r]. Every rank therefore holds the same rows per document and
+the same causal work, whatever the documents are.
+
+Forward: one contiguous KV buffer travels P-1 steps around the ring. At step i rank
+r holds the KV of rank s = r - i (mod P) and computes what causality allows:
+  * i = 0: its own chunks, causal per document (the diagonal tile);
+  * s < r: all local queries against the first-half KV chunk (chunk s);
+  * s > r: the second-half query chunk against all KV.
+Partial results merge by log-sum-exp. Backward sends the same KV around again and
+a dKV buffer chases it so each block's gradient ends at its owner. Every transfer
+is posted before the step's kernels run, so it overlaps them.
+
+Padding sits at the end of each document, so real queries never see a padding key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_sap.baselines.common import (
+    BaselineLayout,
+    accumulation_dtype,
+    as_cu_seqlens,
+    causal_pairs,
+    check_world_size,
+    cu_tensor,
+    global_ranks,
+    summarize,
+    zero_padding_rows,
+)
+from megatron_sap.comm.traffic import record_send
+from megatron_sap.kernels import merge_partials, varlen_backward, varlen_forward
+from megatron_sap.planning.cost_model import CostModel
+
+NAME = "p2p"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZigzagLayout(BaselineLayout):
+    """Zigzag layout; chunk_sizes[d]: rows of each of document d's 2P chunks."""
+
+    chunk_sizes: tuple[int, ...]
+
+
+def zigzag_layout(cu_seqlens: Tensor | Sequence[int], world_size: int, *, method: str = NAME,
+                  inner_size: int = 1) -> ZigzagLayout:
+    """Zigzag placement over `world_size` ranks: rank r holds chunks r and 2P-1-r of every document."""
+    check_world_size(world_size)
+    cu = as_cu_seqlens(cu_seqlens)
+    lengths = torch.diff(cu)
+    chunks = (lengths + 2 * world_size - 1) // (2 * world_size)
+    doc = torch.repeat_interleave(torch.arange(chunks.numel()), 2 * chunks)
+    offset_in_doc = torch.arange(doc.numel()) - (torch.cumsum(2 * chunks, 0) - 2 * chunks)[doc]
+    second = offset_in_doc >= chunks[doc]
+    offset_in_chunk = offset_in_doc - second * chunks[doc]
+    positions = []
+    for rank in range(world_size):
+        chunk_index = torch.where(second, 2 * world_size - 1 - rank, rank)
+        pos = cu[doc] + chunk_index * chunks[doc] + offset_in_chunk
+        positions.append(torch.where(pos < cu[doc + 1], pos, -1))
+    return ZigzagLayout(method=method, world_size=world_size, cu_seqlens=cu, positions=tuple(positions),
+                        inner_size=inner_size, chunk_sizes=tuple(chunks.tolist()))
+
+
+def layout(cu_seqlens: Tensor | Sequence[int], world_size: int) -> ZigzagLayout:
+    """Token placement of the `p2p` method."""
+    return zigzag_layout(cu_seqlens, world_size)
+
+
+# ---- the ring ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RingShape:
+    """Local segment structure of a zigzag shard with chunk sizes c_d.
+
+    full: per document 2*c_d rows (both chunks); half: c_d rows (one chunk).
+    first_rows / second_rows: local rows of the first / second chunk of every document.
+    """
+
+    cu_full: Tensor
+    cu_half: Tensor
+    max_full: int
+    max_half: int
+    first_rows: Tensor
+    second_rows: Tensor
+
+    @classmethod
+    def from_chunks(cls, chunk_sizes: Sequence[int], device: torch.device) -> "RingShape":
+        chunks = torch.as_tensor(chunk_sizes, dtype=torch.int64)
+        rows = int(2 * chunks.sum())
+        doc = torch.repeat_interleave(torch.arange(chunks.numel()), 2 * chunks)
+        offset = torch.cumsum(2 * chunks, 0) - 2 * chunks
+        first = torch.arange(rows) - offset[doc] < chunks[doc]
+        max_half = int(chunks.max()) if chunks.numel() else 0
+        return cls(
+            cu_full=cu_tensor(2 * chunks, device),
+            cu_half=cu_tensor(chunks, device),
+            max_full=2 * max_half,
+            max_half=max_half,
+            first_rows=first.nonzero().flatten().to(device),
+            second_rows=(~first).nonzero().flatten().to(device),
+        )
+
+
+@dataclass(frozen=True)
+class Ring:
+    """A process group seen as a ring: this rank's place and its neighbours' global ranks."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    next_peer: int
+    prev_peer: int
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None) -> "Ring":
+        members = global_ranks(group)
+        rank, size = dist.get_rank(group), len(members)
+        return cls(group, rank, size, members[(rank + 1) % size], members[(rank - 1) % size])
+
+
+class _Shift:
+    """Send a buffer to the next rank while receiving an equal one from the previous rank."""
+
+    def __init__(self, send: Tensor, ring: Ring) -> None:
+        self.recv = torch.empty_like(send)
+        record_send(send, ring.next_peer, "p2p")
+        self.works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, send, ring.next_peer, ring.group),
+            dist.P2POp(dist.irecv, self.recv, ring.prev_peer, ring.group),
+        ])
+        self.send = send  # kept alive until the send completes
+
+    def wait(self) -> Tensor:
+        for work in self.works:
+            work.wait()
+        return self.recv
+
+
+@dataclass(frozen=True)
+class _Block:
+    """What rank computes at one ring step: query rows x key rows (None = all rows)."""
+
+    q_rows: Tensor | None
+    kv_rows: Tensor | None
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+    causal: bool
+
+
+def _block(step: int, ring: Ring, shape: RingShape) -> _Block:
+    """The causally allowed block when holding the KV of rank (ring.rank - step)."""
+    if step == 0:
+        return _Block(None, None, shape.cu_full, shape.cu_full, shape.max_full, shape.max_full, True)
+    if step <= ring.rank:  # KV from an earlier rank: every local query sees its first chunk
+        return _Block(None, shape.first_rows, shape.cu_full, shape.cu_half, shape.max_full, shape.max_half, False)
+    # KV from a later rank: only the second query chunk sees it, all of it
+    return _Block(shape.second_rows, None, shape.cu_half, shape.cu_full, shape.max_half, shape.max_full, False)
+
+
+def _rows(x: Tensor, rows: Tensor | None, dim: int = 0) -> Tensor:
+    return x if rows is None else x.index_select(dim, rows)
+
+
+class ZigzagRingAttention(torch.autograd.Function):
+    """Ring attention over local zigzag shards q [n, Hq, D], k/v [n, Hkv, D]."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, shape: RingShape, ring: Ring,
+                softmax_scale: float | None, backend: str) -> Tensor:
+        kw: dict[str, Any] = {"softmax_scale": softmax_scale, "backend": backend}
+        acc = accumulation_dtype(q)
+        kv = torch.stack([k, v])  # the one contiguous buffer that travels
+        out = lse = None
+        for step in range(ring.size):
+            shift = _Shift(kv, ring) if step + 1 < ring.size else None
+            b = _block(step, ring, shape)
+            o, l = varlen_forward(_rows(q, b.q_rows), _rows(kv[0], b.kv_rows), _rows(kv[1], b.kv_rows),
+                                  b.cu_q, b.cu_k, b.max_q, b.max_k, causal=b.causal, **kw)
+            if out is None:
+                out, lse = o.to(acc), l.to(acc)
+            elif b.q_rows is None:
+                out, lse = merge_partials(out, lse, o, l)
+            else:
+                merged_out, merged_lse = merge_partials(out.index_select(0, b.q_rows), lse.index_select(1, b.q_rows), o, l)
+                out.index_copy_(0, b.q_rows, merged_out)
+                lse.index_copy_(1, b.q_rows, merged_lse.to(acc))
+            if shift is not None:
+                kv = shift.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.shape, ctx.ring, ctx.kw = shape, ring, kw
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        shape, ring, kw = ctx.shape, ctx.ring, ctx.kw
+        dout = dout.contiguous()
+        acc = accumulation_dtype(q)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        own = None  # gradient of this rank's KV from its own queries
+        chase: _Shift | None = None  # dKV buffer following the KV around the ring
+        for step in range(ring.size):
+            shift = _Shift(kv, ring) if step + 1 < ring.size else None
+            b = _block(step, ring, shape)
+            dq_b, dk_b, dv_b = varlen_backward(
+                _rows(dout, b.q_rows), _rows(q, b.q_rows), _rows(kv[0], b.kv_rows), _rows(kv[1], b.kv_rows),
+                _rows(out, b.q_rows), _rows(lse, b.q_rows, dim=1),
+                b.cu_q, b.cu_k, b.max_q, b.max_k, causal=b.causal, **kw)
+            if b.q_rows is None:
+                dq += dq_b
+            else:
+                dq.index_add_(0, b.q_rows, dq_b.to(acc))
+            dkv = torch.stack([dk_b, dv_b]).to(acc)
+            if b.kv_rows is not None:
+                dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device).index_copy_(1, b.kv_rows, dkv)
+            if step == 0:
+                own = dkv
+            else:
+                if chase is not None:
+                    dkv += chase.wait()
+                chase = _Shift(dkv.to(k.dtype), ring)
+            if shift is not None:
+                kv = shift.wait()
+        if chase is not None:  # the last hop brings this rank's own block home
+            own += chase.wait()
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout, group: dist.ProcessGroup | None, *,
+              softmax_scale: float | None = None, backend: str = "auto") -> Tensor:
+    """`p2p` attention of this rank's zigzag rows; padding rows come back zero."""
+    ring = Ring.of(group)
+    shape = RingShape.from_chunks(layout.chunk_sizes, q.device)
+    out = ZigzagRingAttention.apply(q, k, v, shape, ring, softmax_scale, backend)
+    return zero_padding_rows(out, layout.positions[ring.rank])
+
+
+# ---- analytic model ------------------------------------------------------------------
+
+def ring_step_pairs(cost_model: CostModel, chunk_sizes: Sequence[int]) -> tuple[int, int]:
+    """Tile-rounded pairs of the diagonal step and of every later step, per rank."""
+    diagonal = sum(cost_model.block_pairs(2 * c, 2 * c, causal=True) for c in chunk_sizes)
+    off_diagonal = sum(cost_model.block_pairs(2 * c, c, causal=False) for c in chunk_sizes)
+    return diagonal, off_diagonal
+
+
+def ring_seconds(cost_model: CostModel, size: int, diagonal_pairs: int, off_diagonal_pairs: int,
+                 transfer_s: float, head_fraction: float = 1.0) -> float:
+    """Forward plus backward of a zigzag ring of `size` ranks with overlapped transfers.
+
+    transfer_s: the slowest link's time for one buffer (the ring moves at its pace).
+    Forward step i overlaps the KV transfer for step i+1; backward step i overlaps
+    the next KV transfer and the dKV sent after step i-1; the last dKV hop is exposed.
+    """
+    total = 0.0
+    for backward in (False, True):
+        for step in range(size):
+            pairs = diagonal_pairs if step == 0 else off_diagonal_pairs
+            step_s = cost_model.compute_seconds(pairs, backward=backward, head_fraction=head_fraction)
+            if step + 1 < size:
+                step_s = max(step_s, transfer_s)
+            if backward and step >= 2:
+                step_s = max(step_s, transfer_s)
+            total += step_s
+        if backward and size > 1:
+            total += transfer_s
+    return total
+
+
+def model_stats(cu_seqlens: Tensor | Sequence[int], world_size: int, cost_model: CostModel,
+                inner_size: int = 1) -> dict[str, Any]:
+    """Analytic cost of `p2p` (inner_size is unused: one signature for all baselines).
+
+    Each rank sends its KV buffer to the next rank P-1 times in forward, and in
+    backward P-1 times again plus P-1 dKV buffers of the same size.
+    """
+    lay = layout(cu_seqlens, world_size)
+    buffer = lay.local_tokens * cost_model.kv_bytes_per_token
+    sent = [{(r + 1) % world_size: 3 * (world_size - 1) * buffer} if world_size > 1 else {}
+            for r in range(world_size)]
+    transfer_s = max(cost_model.transfer_seconds(buffer, cost_model.link_between(r, (r + 1) % world_size))
+                     for r in range(world_size))
+    diagonal, off_diagonal = ring_step_pairs(cost_model, lay.chunk_sizes)
+    pairs = [causal_pairs(p, lay.cu_seqlens) for p in lay.positions]
+    time_s = ring_seconds(cost_model, world_size, diagonal, off_diagonal, transfer_s)
+    return summarize(cost_model, lay.cu_seqlens, [lay.local_tokens] * world_size, pairs, sent, time_s)

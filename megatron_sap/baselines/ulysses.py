@@ -1,0 +1,197 @@
+"""Ulysses (`a2a`) context parallelism over packed documents.
+
+Layout: the packed row, padded at its end to a multiple of P, split contiguously.
+One all-to-all turns the sequence sharding into head sharding (every rank receives
+all tokens for Hq/P query heads and their KV heads), plain varlen attention over the
+documents runs locally, and a second all-to-all brings the output back. Backward
+mirrors it: all-to-all of dout, local backward, one all-to-all of dq, dk and dv.
+
+KV heads: with Hkv a multiple of P each rank gets Hkv/P of them; with Hkv < P and
+P a multiple of Hkv each KV head is replicated to the P/Hkv ranks whose query heads
+read it, and autograd sums the replicas' gradients. Other shapes raise ValueError.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_sap.baselines.common import (
+    BaselineLayout,
+    contiguous_layout,
+    collective_seconds,
+    global_ranks,
+    padded_segments,
+    summarize,
+    total_causal_pairs,
+    zero_padding_rows,
+)
+from megatron_sap.comm.traffic import record_send
+from megatron_sap.kernels import varlen_backward, varlen_forward
+from megatron_sap.planning.cost_model import CostModel
+
+NAME = "a2a"
+
+
+def layout(cu_seqlens: Tensor | Sequence[int], world_size: int) -> BaselineLayout:
+    """Token placement of the `a2a` method: contiguous slices of the padded row."""
+    return contiguous_layout(cu_seqlens, world_size, NAME)
+
+
+def kv_heads_per_rank(num_heads: int, num_kv_heads: int, size: int) -> int:
+    """KV heads each rank receives when `size` ranks split the heads; ValueError if they cannot."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if num_heads % size:
+        raise ValueError(f"Ulysses needs the query heads ({num_heads}) to divide by the group size ({size})")
+    if num_kv_heads % size == 0:
+        return num_kv_heads // size
+    if size % num_kv_heads == 0:
+        return 1
+    raise ValueError(
+        f"Ulysses cannot split {num_kv_heads} KV heads over {size} ranks: "
+        f"KV heads must be a multiple of the group size or divide it"
+    )
+
+
+def replicate_kv_heads(k: Tensor, v: Tensor, num_heads: int, size: int) -> tuple[Tensor, Tensor]:
+    """K and V with the head order the head all-to-all expects.
+
+    When Hkv < size, head j of the result is the KV head read by rank j's query heads
+    (index_select, so the replicas' gradients sum in backward).
+    """
+    num_kv_heads = k.shape[1]
+    kv_heads_per_rank(num_heads, num_kv_heads, size)
+    if num_kv_heads % size == 0:
+        return k, v
+    index = (torch.arange(size) * num_kv_heads // size).to(k.device)
+    return k.index_select(1, index), v.index_select(1, index)
+
+
+def _all_to_all(send: Tensor, group: dist.ProcessGroup | None, ranks: list[int]) -> Tensor:
+    """send[j] goes to group rank j; the result's [j] came from group rank j."""
+    me = dist.get_rank(group)
+    for j, peer in enumerate(ranks):
+        if j != me:
+            record_send(send[j], peer, "a2a")
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def scatter_heads(tensors: Sequence[Tensor], group: dist.ProcessGroup | None) -> list[Tensor]:
+    """Sequence-sharded [n, H_i, D] tensors to head-sharded [P*n, H_i/P, D], in one all-to-all.
+
+    Rows of the result are the group's token shards in rank order.
+    """
+    ranks = global_ranks(group)
+    size, rows = len(ranks), tensors[0].shape[0]
+    heads = [t.shape[1] // size for t in tensors]
+    send = torch.cat([t.reshape(rows, size, h, *t.shape[2:]) for t, h in zip(tensors, heads)], dim=2)
+    recv = _all_to_all(send.transpose(0, 1).contiguous(), group, ranks)
+    return list(recv.flatten(0, 1).split(heads, dim=1))
+
+
+def gather_heads(tensors: Sequence[Tensor], group: dist.ProcessGroup | None) -> list[Tensor]:
+    """Inverse of `scatter_heads`: head-sharded [P*n, h_i, D] to sequence-sharded [n, P*h_i, D]."""
+    ranks = global_ranks(group)
+    heads = [t.shape[1] for t in tensors]
+    send = torch.cat(list(tensors), dim=1)
+    send = send.reshape(len(ranks), -1, *send.shape[1:])
+    recv = _all_to_all(send, group, ranks).transpose(0, 1)
+    return [x.flatten(1, 2) for x in recv.split(heads, dim=2)]
+
+
+class ScatterHeads(torch.autograd.Function):
+    """`scatter_heads`, whose backward is `gather_heads` of the gradients."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup | None, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.group = group
+        return tuple(scatter_heads(tensors, group))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        return (None, *gather_heads(grads, ctx.group))
+
+
+class GatherHeads(torch.autograd.Function):
+    """`gather_heads`, whose backward is `scatter_heads` of the gradients."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup | None, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.group = group
+        return tuple(gather_heads(tensors, group))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        return (None, *scatter_heads(grads, ctx.group))
+
+
+class VarlenAttention(torch.autograd.Function):
+    """Causal varlen attention of head-sharded tokens on one rank."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int,
+                softmax_scale: float | None, backend: str) -> Tensor:
+        out, lse = varlen_forward(q, k, v, cu, cu, max_len, max_len, causal=True,
+                                  softmax_scale=softmax_scale, backend=backend)
+        ctx.save_for_backward(q, k, v, out, lse, cu)
+        ctx.max_len, ctx.softmax_scale, ctx.backend = max_len, softmax_scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        dq, dk, dv = varlen_backward(dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len,
+                                     causal=True, softmax_scale=ctx.softmax_scale, backend=ctx.backend)
+        return dq, dk, dv, None, None, None, None
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, layout: BaselineLayout, group: dist.ProcessGroup | None, *,
+              softmax_scale: float | None = None, backend: str = "auto") -> Tensor:
+    """`a2a` attention of this rank's contiguous rows; padding rows come back zero."""
+    size = dist.get_world_size(group)
+    k, v = replicate_kv_heads(k, v, q.shape[1], size)
+    q_h, k_h, v_h = ScatterHeads.apply(group, q, k, v)
+    segments = padded_segments(layout)
+    cu = segments.to(device=q.device, dtype=torch.int32)
+    out_h = VarlenAttention.apply(q_h, k_h, v_h, cu, int(torch.diff(segments).max()), softmax_scale, backend)
+    (out,) = GatherHeads.apply(group, out_h)
+    return zero_padding_rows(out, layout.positions[dist.get_rank(group)])
+
+
+# ---- analytic model ------------------------------------------------------------------
+
+def exchange_bytes(cost_model: CostModel, tokens: int, size: int) -> list[int]:
+    """Bytes a rank sends each peer in the four all-to-alls: q/k/v, out, dout, dq/dk/dv.
+
+    tokens: rows the rank holds before the exchange; size: ranks splitting the heads.
+    """
+    per_head = tokens * cost_model.head_dim * cost_model.bytes_per_element
+    q_heads = cost_model.num_heads // size
+    kv_heads = kv_heads_per_rank(cost_model.num_heads, cost_model.num_kv_heads, size)
+    qkv, o = per_head * (q_heads + 2 * kv_heads), per_head * q_heads
+    return [qkv, o, o, qkv]
+
+
+def model_stats(cu_seqlens: Tensor | Sequence[int], world_size: int, cost_model: CostModel,
+                inner_size: int = 1) -> dict[str, Any]:
+    """Analytic cost of `a2a` (inner_size is unused: one signature for all baselines).
+
+    Every rank computes the whole row's causal attention for 1/P of the heads; the
+    four all-to-alls are not overlapped with compute.
+    """
+    lay = layout(cu_seqlens, world_size)
+    phases = exchange_bytes(cost_model, lay.local_tokens, world_size)
+    ranks = list(range(world_size))
+    sent = [{p: sum(phases) for p in ranks if p != r} for r in ranks]
+    tile_pairs = sum(cost_model.block_pairs(n, n, causal=True) for n in torch.diff(padded_segments(lay)).tolist())
+    fraction = 1.0 / world_size
+    time_s = (sum(collective_seconds(cost_model, ranks, b) for b in phases)
+              + cost_model.compute_seconds(tile_pairs, head_fraction=fraction)
+              + cost_model.compute_seconds(tile_pairs, backward=True, head_fraction=fraction))
+    pairs = [total_causal_pairs(lay.cu_seqlens) * fraction] * world_size
+    return summarize(cost_model, lay.cu_seqlens, [lay.local_tokens] * world_size, pairs, sent, time_s)

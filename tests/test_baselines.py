@@ -1,0 +1,214 @@
+"""Baseline CP methods against the dense float64 reference, and their traffic against the model."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_sap.baselines import METHODS, get, shard, unshard
+from megatron_sap.baselines.hybrid import outer_order
+from megatron_sap.baselines.ulysses import kv_heads_per_rank
+from megatron_sap.comm.traffic import count_traffic
+from megatron_sap.planning.cost_model import CostModel
+from megatron_sap.reference import dense_attention
+
+HEAD_DIM = 8
+TOL = 1e-10
+# Mixed lengths: 1-token documents, and one document longer than T / P for P = 2 and 4.
+DOCS = {
+    "mixed": [1, 37, 1, 5, 70, 1, 13, 2],
+    "one_long": [97],
+    "tiny": [1, 1, 2, 1, 3],
+}
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+
+def _cost_model(heads: tuple[int, int]) -> CostModel:
+    """The float64 test shape, two CP ranks per node so both link classes appear at P = 4."""
+    return CostModel.preset("cpu", gpus_per_node=2).with_shape(heads[0], heads[1], HEAD_DIM, bytes_per_element=8)
+
+
+def _groups(name: str, inner_size: int):
+    """The group argument of `attention`: the world, or (inner, outer) groups for a2a+p2p."""
+    if name != "a2a+p2p":
+        return dist.group.WORLD
+    world, rank = dist.get_world_size(), dist.get_rank()
+    inner = outer = None
+    for g in range(world // inner_size):  # every rank creates every group, in one order
+        members = list(range(g * inner_size, (g + 1) * inner_size))
+        group = dist.new_group(members)
+        inner = group if rank in members else inner
+    for u in range(inner_size):
+        members = list(range(u, world, inner_size))
+        group = dist.new_group(members)
+        outer = group if rank in members else outer
+    return inner, outer
+
+
+def _layout_kwargs(name: str, inner_size: int) -> dict:
+    return {"inner_size": inner_size} if name == "a2a+p2p" else {}
+
+
+def run_method(rank: int, world_size: int, name: str, inner_size: int, cu: torch.Tensor,
+               q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> dict:
+    """One rank's forward and backward; padding rows are filled with noise to show they never matter."""
+    method = get(name)
+    layout = method.layout(cu, world_size, **_layout_kwargs(name, inner_size))
+    group = _groups(name, inner_size)
+    pad = layout.positions[rank] < 0
+    gen = torch.Generator().manual_seed(1000 + rank)
+    local = []
+    for x in (q, k, v):
+        part = shard(x, layout, rank)
+        part[pad] = torch.randn(part[pad].shape, generator=gen, dtype=part.dtype)
+        local.append(part.requires_grad_())
+    with count_traffic() as log:
+        out = method.attention(*local, layout, group)
+        out.backward(shard(dout, layout, rank))
+    return {
+        "out": out.detach(),
+        "grads": [x.grad for x in local],
+        "sent": dict(log.sent_bytes),
+    }
+
+
+def _inputs(lengths: list[int], heads: tuple[int, int], seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, heads[0], HEAD_DIM, generator=gen, dtype=torch.float64)
+    k = torch.randn(total, heads[1], HEAD_DIM, generator=gen, dtype=torch.float64)
+    v = torch.randn(total, heads[1], HEAD_DIM, generator=gen, dtype=torch.float64)
+    dout = torch.randn(total, heads[0], HEAD_DIM, generator=gen, dtype=torch.float64)
+    return q, k, v, dout
+
+
+CASES = [
+    (name, inner, heads, docs)
+    for name, inner in (("p2p", 1), ("all_gather", 1), ("a2a", 1), ("a2a+p2p", 2))
+    for heads in ((4, 4), (4, 2), (4, 1))
+    for docs in DOCS
+]
+
+
+def _check(dist_pool, name: str, inner_size: int, heads: tuple[int, int], docs: str) -> None:
+    world_size = dist_pool.world_size
+    lengths = DOCS[docs]
+    cu = _cu(lengths)
+    q, k, v, dout = _inputs(lengths, heads, seed=len(lengths) + heads[1])
+    results = dist_pool.run(run_method, name, inner_size, cu, q, k, v, dout)
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, _ = dense_attention(*leaves, cu)
+    ref_out.backward(dout)
+
+    layout = get(name).layout(cu, world_size, **_layout_kwargs(name, inner_size))
+    out = unshard([r["out"] for r in results], layout)
+    torch.testing.assert_close(out, ref_out.detach(), atol=TOL, rtol=0)
+    for i, leaf in enumerate(leaves):
+        grad = unshard([r["grads"][i] for r in results], layout)
+        torch.testing.assert_close(grad, leaf.grad, atol=TOL, rtol=0, msg=lambda m: f"grad {'qkv'[i]}: {m}")
+    for rank, r in enumerate(results):
+        pad = layout.positions[rank] < 0
+        assert not r["out"][pad].any() and not any(g[pad].any() for g in r["grads"])
+
+    stats = get(name).model_stats(cu, world_size, _cost_model(heads), inner_size=inner_size)
+    cost_model = _cost_model(heads)
+    for rank, r in enumerate(results):
+        intra = sum(b for (_, peer), b in r["sent"].items() if cost_model.link_between(rank, peer) == "intra")
+        assert sum(r["sent"].values()) == stats["sent_bytes_per_rank"][rank]
+        assert intra == stats["sent_bytes_intra_per_rank"][rank]
+    assert stats["tokens_per_rank"] == [layout.local_tokens] * world_size
+
+
+@pytest.mark.parametrize("dist_pool", [2], indirect=True)
+@pytest.mark.parametrize("name,inner_size,heads,docs", [c for c in CASES if c[0] != "a2a+p2p"])
+def test_matches_reference_world2(dist_pool, name, inner_size, heads, docs):
+    _check(dist_pool, name, inner_size, heads, docs)
+
+
+@pytest.mark.parametrize("dist_pool", [4], indirect=True)
+@pytest.mark.parametrize("name,inner_size,heads,docs", CASES + [
+    ("a2a+p2p", 1, (4, 2), "mixed"),  # pure ring
+    ("a2a+p2p", 4, (4, 2), "mixed"),  # pure Ulysses, KV heads replicated
+])
+def test_matches_reference_world4(dist_pool, name, inner_size, heads, docs):
+    _check(dist_pool, name, inner_size, heads, docs)
+
+
+def ulysses_error(rank: int, world_size: int, heads_q: int, heads_kv: int) -> str:
+    """The ValueError of `a2a` attention for a head shape that cannot be split."""
+    layout = get("a2a").layout(_cu([8]), world_size)
+    q = torch.zeros(layout.local_tokens, heads_q, HEAD_DIM, dtype=torch.float64)
+    kv = torch.zeros(layout.local_tokens, heads_kv, HEAD_DIM, dtype=torch.float64)
+    with pytest.raises(ValueError) as err:
+        get("a2a").attention(q, kv, kv, layout, dist.group.WORLD)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("dist_pool", [4], indirect=True)
+@pytest.mark.parametrize("heads_q,heads_kv,match", [(6, 6, "query heads"), (12, 6, "KV heads"), (12, 3, "KV heads")])
+def test_ulysses_head_errors(dist_pool, heads_q, heads_kv, match):
+    assert all(match in message for message in dist_pool.run(ulysses_error, heads_q, heads_kv))
+
+
+def test_kv_heads_per_rank():
+    assert kv_heads_per_rank(8, 4, 2) == 2  # sharded
+    assert kv_heads_per_rank(8, 2, 4) == 1  # replicated twice
+    assert kv_heads_per_rank(8, 1, 8) == 1  # replicated to every rank
+    with pytest.raises(ValueError, match="divide by the group size"):
+        kv_heads_per_rank(6, 2, 4)
+    with pytest.raises(ValueError):
+        get("a2a").model_stats(_cu([10]), 4, CostModel().with_shape(12, 6, 64))
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_layout_places_every_token_once(name, world_size):
+    inner = 2 if name == "a2a+p2p" and world_size % 2 == 0 else 1
+    cu = _cu(DOCS["mixed"])
+    layout = get(name).layout(cu, world_size, **_layout_kwargs(name, inner))
+    held = torch.cat(layout.positions)
+    assert sorted(held[held >= 0].tolist()) == list(range(int(cu[-1])))
+    assert all(p.numel() == layout.local_tokens for p in layout.positions)
+    assert layout.padding_tokens == int((held < 0).sum())
+
+
+def test_zigzag_layout_chunks():
+    layout = get("p2p").layout(_cu([16, 3]), 2)  # chunks of 4 and 1 (3 padded to 4)
+    assert layout.positions[0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 16, -1]
+    assert layout.positions[1].tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 17, 18]
+
+
+def test_outer_order_matches_zigzag_of_outer_groups():
+    """After the inner all-to-all, an inner group's reordered rows are its outer zigzag chunks."""
+    lengths, world, inner = [16, 9, 1], 4, 2
+    layout = get("a2a+p2p").layout(_cu(lengths), world, inner_size=inner)
+    padded = [16, 16, 8]  # each document padded to a multiple of 2P
+    outer = get("p2p").layout(_cu(padded), world // inner)
+    for g in range(world // inner):
+        stacked = torch.cat([layout.positions[g * inner + u] for u in range(inner)])
+        reordered = stacked[outer_order(layout.chunk_sizes, inner, torch.device("cpu"))]
+        pos = outer.positions[g]
+        doc = torch.searchsorted(_cu(padded), pos, right=True) - 1
+        offset = pos - _cu(padded)[doc]
+        expected = torch.where(offset < torch.tensor(lengths)[doc], _cu(lengths)[doc] + offset, -1)
+        assert torch.equal(reordered, expected)
+
+
+def test_model_stats_shape_and_balance():
+    cost_model = CostModel()
+    cu = _cu([4096] * 4)
+    p2p = get("p2p").model_stats(cu, 8, cost_model)
+    gathered = get("all_gather").model_stats(cu, 8, cost_model)
+    for stats in (p2p, gathered, get("a2a").model_stats(cu, 8, cost_model),
+                  get("a2a+p2p").model_stats(cu, 16, cost_model, inner_size=8)):
+        assert set(stats) >= {"tokens_per_rank", "padding_tokens", "pairs_per_rank", "imbalance",
+                              "sent_bytes_per_rank", "recv_bytes_per_rank", "sent_bytes_intra_per_rank",
+                              "sent_bytes_inter_per_rank", "modelled_time_s", "ideal_time_s"}
+        assert stats["modelled_time_s"] >= stats["ideal_time_s"] > 0
+        assert sum(stats["sent_bytes_per_rank"]) == sum(stats["recv_bytes_per_rank"])
+    assert p2p["imbalance"] == pytest.approx(1.0, abs=1e-3)  # zigzag balances causal work
+    assert gathered["imbalance"] > 1.4  # contiguous shards do not (3:1 within each document)
