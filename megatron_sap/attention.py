@@ -1,0 +1,259 @@
+"""`sap_attention`: causal attention over packed documents split across a CP group.
+
+The op only executes a plan (see `megatron_sap.planning`): at the inner level an
+all-to-all turns token shards into head shards; at the outer level the compiled
+program moves the K/V each rank needs and runs the kernel calls on what has arrived,
+merging partial results by log-sum-exp in fp32.
+
+Saved for backward (per rank): q, k, v, the output and its lse (fp32, [H, T/R]) and,
+unless `recompute_kv=True`, the K/V rows received from other ranks. With
+`recompute_kv=True` those rows are fetched again during backward (less memory, one
+more forward-sized exchange).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .comm.p2p import PendingExchange, post_exchange
+from .comm.ulysses import check_heads, head_to_seq, seq_to_head
+from .kernels import merge_into, varlen_backward, varlen_forward
+from .planning import Plan, RankProgram
+
+_BACKWARD_TAG = 1 << 20
+_REFETCH_TAG = 2 << 20
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _Outer:
+    """What the outer-level executor needs from the groups: ranks and the group."""
+
+    def __init__(self, groups, plan: Plan):
+        self.rank = 0 if groups is None else groups.outer_rank
+        self.group = None if groups is None else groups.outer_group
+        self.peer = (lambda r: r) if groups is None else groups.outer_peer
+        self.num_ranks = plan.outer_size
+
+
+def _post_kv(program: RankProgram, index: int, kv: torch.Tensor, outer: _Outer, tag: int) -> tuple[PendingExchange, torch.Tensor]:
+    """Post transfer `index` of the forward program; return its handle and receive buffer."""
+    step = program.transfers[index]
+    recv = kv.new_empty((step.recv_tokens, *kv.shape[1:]))
+    send = None if step.send_rows is None else kv.index_select(0, step.send_rows)
+    pending = post_exchange(
+        send,
+        None if step.send_peer is None else outer.peer(step.send_peer),
+        recv,
+        None if step.recv_peer is None else outer.peer(step.recv_peer),
+        outer.group,
+        tag + step.offset,
+        f"step {step.offset} of {len(program.transfers)} on outer rank {outer.rank}",
+    )
+    return pending, recv
+
+
+def _forward_calls(calls, q, kv_source, acc_out, acc_lse, all_rows, scale, backend) -> None:
+    for call in calls:
+        q_part = q if call.q_rows is None else q.index_select(0, call.q_rows)
+        kv = kv_source if call.k_rows is None else kv_source.index_select(0, call.k_rows)
+        out, lse = varlen_forward(
+            q_part, kv[:, 0], kv[:, 1], call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
+            causal=call.causal, softmax_scale=scale, backend=backend,
+        )
+        merge_into(acc_out, acc_lse, all_rows if call.q_rows is None else call.q_rows, out, lse)
+
+
+def _backward_calls(calls, dout, q, out, lse, kv_source, dq, dkv, scale, backend) -> None:
+    for call in calls:
+        rows = call.q_rows
+        pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+        kv = kv_source if call.k_rows is None else kv_source.index_select(0, call.k_rows)
+        lse_part = lse if rows is None else lse.index_select(1, rows)
+        g_q, g_k, g_v = varlen_backward(
+            pick(dout), pick(q), kv[:, 0], kv[:, 1], pick(out), lse_part,
+            call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
+            causal=call.causal, softmax_scale=scale, backend=backend,
+        )
+        g_kv = torch.stack([g_k, g_v], 1).to(dkv.dtype)
+        if rows is None:
+            dq.add_(g_q.to(dq.dtype))
+        else:
+            dq.index_add_(0, rows, g_q.to(dq.dtype))
+        if call.k_rows is None:
+            dkv.add_(g_kv)
+        else:
+            dkv.index_add_(0, call.k_rows, g_kv)
+
+
+class _SAPOuterAttention(torch.autograd.Function):
+    """The outer-level program as one autograd op on [T/R, H, D] tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: Plan, outer: _Outer, scale: float, backend: str, recompute_kv: bool):
+        program = plan.program(outer.rank, q.device)
+        acc_dtype = _accumulation_dtype(q.dtype)
+        kv = torch.stack([k, v], 1)  # [T/R, 2, Hkv, D]: one message per step
+        acc_out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        acc_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype, device=q.device)
+        all_rows = torch.arange(q.shape[0], device=q.device)
+        received: list[torch.Tensor] = []
+        n = len(program.transfers)
+        pending = _post_kv(program, 0, kv, outer, 0) if n else None
+        _forward_calls(program.local_calls, q, kv, acc_out, acc_lse, all_rows, scale, backend)
+        for i in range(n):
+            handle, recv = pending
+            pending = _post_kv(program, i + 1, kv, outer, 0) if i + 1 < n else None
+            handle.wait()
+            _forward_calls(program.transfers[i].calls, q, recv, acc_out, acc_lse, all_rows, scale, backend)
+            received.append(recv)
+        out = acc_out.to(q.dtype)
+        lse = acc_lse
+        ctx.plan, ctx.outer, ctx.scale, ctx.backend, ctx.recompute_kv = plan, outer, scale, backend, recompute_kv
+        ctx.save_for_backward(q, k, v, out, lse, *([] if recompute_kv else received))
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *received = ctx.saved_tensors
+        outer, scale, backend = ctx.outer, ctx.scale, ctx.backend
+        program = ctx.plan.program(outer.rank, q.device)
+        dout = dout.contiguous()
+        acc_dtype = _accumulation_dtype(q.dtype)
+        kv = torch.stack([k, v], 1)
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
+        n = len(program.transfers)
+        if ctx.recompute_kv:
+            fetched = [_post_kv(program, i, kv, outer, _REFETCH_TAG) for i in range(n)]
+        _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
+        returns: list[tuple[PendingExchange, torch.Tensor | None]] = []
+        for i, step in enumerate(program.transfers):
+            if ctx.recompute_kv:
+                handle, recv = fetched[i]
+                handle.wait()
+            else:
+                recv = received[i]
+            grad_recv = torch.zeros(recv.shape, dtype=acc_dtype, device=q.device)
+            _backward_calls(step.calls, dout, q, out, lse, recv, dq, grad_recv, scale, backend)
+            # Gradients of the received rows go back to their owner (the reverse of the forward step).
+            grad_in = None if step.send_rows is None else kv.new_empty((len(step.send_rows), *kv.shape[1:]))
+            handle = post_exchange(
+                grad_recv.to(kv.dtype) if step.recv_tokens else None,
+                None if step.recv_peer is None else outer.peer(step.recv_peer),
+                grad_in,
+                None if step.send_peer is None else outer.peer(step.send_peer),
+                outer.group,
+                _BACKWARD_TAG + step.offset,
+                f"backward step {step.offset} of {n} on outer rank {outer.rank}",
+            )
+            returns.append((handle, grad_in))
+        for step, (handle, grad_in) in zip(program.transfers, returns):
+            handle.wait()
+            if grad_in is not None:
+                dkv.index_add_(0, step.send_rows, grad_in.to(acc_dtype))
+        return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None, None
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, groups) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k/v must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if not isinstance(plan, Plan):
+        raise ValueError(f"plan must be a megatron_sap Plan from plan_sequences, got {type(plan).__name__}")
+    world = 1 if groups is None else groups.world_size
+    inner = 1 if groups is None else groups.inner_size
+    if plan.world_size != world or plan.inner_size != inner:
+        raise ValueError(
+            f"plan was built for inner x outer = {plan.inner_size} x {plan.outer_size} ranks, "
+            f"but the groups are {inner} x {world // inner}"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[0] != plan.local_tokens:
+            raise ValueError(
+                f"{name} has {t.shape[0]} tokens but the plan gives each rank T/P = "
+                f"{plan.total_tokens}/{plan.world_size} = {plan.local_tokens}"
+            )
+    check_heads(q.shape[1], k.shape[1], inner)
+
+
+def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{name} contains NaN or Inf (MEGATRON_SAP_CHECK_FINITE / check_finite is on)")
+
+
+def _check_agreement(plan: Plan, groups) -> None:
+    """Every rank of the CP group must have planned the same batch and layout.
+
+    Runs once per (plan, group): on plan-cache misses. Raises on every rank, with
+    both hashes, instead of deadlocking in P2P or computing garbage.
+    """
+    seen = plan.__dict__.setdefault("_agreed_groups", set())
+    if id(groups.cp_group) in seen:
+        return
+    mine = int(plan.signature(), 16) & ((1 << 62) - 1)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(groups.cp_group) == "nccl" else torch.device("cpu")
+    values = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=groups.cp_group)
+    high, low = int(values[0]), -int(values[1])
+    if high != low:
+        raise RuntimeError(
+            f"CP ranks disagree on the batch: this rank (cp_rank {groups.cp_rank}) planned hash {mine:x} "
+            f"({plan.total_tokens} tokens, {len(plan.cu_seqlens) - 1} documents, layout "
+            f"{plan.inner_size}x{plan.outer_size}), the group has hashes from {low:x} to {high:x}"
+        )
+    seen.add(id(groups.cp_group))
+
+
+def sap_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: Plan,
+    groups=None,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    recompute_kv: bool = False,
+    check_agreement: bool = True,
+    check_finite: bool | None = None,
+) -> torch.Tensor:
+    """Causal attention of this rank's tokens over the packed batch described by `plan`.
+
+    q [T/P, Hq, D], k/v [T/P, Hkv, D] hold the rank's tokens in `plan.local_indices(cp_rank)`
+    order; returns [T/P, Hq, D]. `groups` is the SAPGroups of the CP group (None: one rank).
+    """
+    if not causal:
+        raise ValueError("sap_attention computes causal attention only (causal=False is not supported)")
+    _check_inputs(q, k, v, plan, groups)
+    if check_finite if check_finite is not None else os.environ.get("MEGATRON_SAP_CHECK_FINITE") == "1":
+        _check_finite(q, k, v)
+    if groups is not None and groups.world_size > 1 and check_agreement:
+        _check_agreement(plan, groups)
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    outer = _Outer(groups, plan)
+    U = 1 if groups is None else groups.inner_size
+    if U == 1:
+        return _SAPOuterAttention.apply(q, k, v, plan, outer, scale, backend, recompute_kv)
+    replicate = check_heads(q.shape[1], k.shape[1], U)
+    q_h = seq_to_head(q, groups.inner_group, U)
+    k_h = seq_to_head(k, groups.inner_group, U, replicate)
+    v_h = seq_to_head(v, groups.inner_group, U, replicate)
+    out_h = _SAPOuterAttention.apply(q_h, k_h, v_h, plan, outer, scale, backend, recompute_kv)
+    return head_to_seq(out_h, groups.inner_group, U)

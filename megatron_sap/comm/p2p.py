@@ -1,0 +1,50 @@
+"""Batched point-to-point exchanges for the compiled program.
+
+One step of the program sends one contiguous buffer to one peer and receives one
+from another, posted together with `batch_isend_irecv` so NCCL and gloo can run them
+while the caller computes. `wait` turns a failure (a dead peer, a timeout) into an
+error naming the step and the peers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .traffic import record_send
+
+
+@dataclass
+class PendingExchange:
+    """Handles of one posted step."""
+
+    works: list
+    description: str
+
+    def wait(self) -> None:
+        for work in self.works:
+            try:
+                work.wait()
+            except Exception as exc:  # the backend's own error type varies (gloo, NCCL)
+                raise RuntimeError(f"SAP {self.description} failed: {exc}") from exc
+
+
+def post_exchange(
+    send: torch.Tensor | None,
+    send_peer: int | None,
+    recv: torch.Tensor | None,
+    recv_peer: int | None,
+    group: dist.ProcessGroup | None,
+    tag: int,
+    what: str,
+) -> PendingExchange:
+    """Post a send of `send` to global rank `send_peer` and a receive into `recv` from `recv_peer`."""
+    ops = []
+    if send is not None and send.numel():
+        record_send(send, send_peer, "p2p")
+        ops.append(dist.P2POp(dist.isend, send, send_peer, group=group, tag=tag))
+    if recv is not None and recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, recv_peer, group=group, tag=tag))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return PendingExchange(works, f"{what} (send to rank {send_peer}, receive from rank {recv_peer}, tag {tag})")

@@ -1,0 +1,111 @@
+"""Random packed batches and the per-rank job for distributed SAP attention tests.
+
+Kept apart from the test modules so pool workers import only this small file.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+_GROUPS: dict[tuple[int, int], object] = {}
+
+
+def random_cu_seqlens(rng: random.Random, total: int, kind: str) -> list[int]:
+    """cu_seqlens of `total` tokens drawn in one of several shapes of batch."""
+    if kind == "one":
+        lengths = [total]
+    elif kind == "tiny":
+        lengths = [rng.randint(1, 3) for _ in range(total)]
+    elif kind == "long":
+        lengths = [rng.randint(total // 3, total)]
+        while sum(lengths) < total:
+            lengths.append(rng.randint(1, total // 2))
+    elif kind == "zeros":
+        lengths = []
+        while sum(lengths) < total:
+            lengths.append(rng.choice([0, 0, 1, rng.randint(1, total // 4 + 1)]))
+    else:  # mixture: a long-tailed mix of short and long documents
+        lengths = []
+        while sum(lengths) < total:
+            lengths.append(max(1, int(rng.paretovariate(1.2) * 8)))
+    cu = [0]
+    for n in lengths:
+        cu.append(min(total, cu[-1] + n))
+        if cu[-1] == total:
+            break
+    if cu[-1] < total:
+        cu.append(total)
+    return cu
+
+
+def make_inputs(cu: list[int], heads: int, kv_heads: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v and an upstream gradient for the whole packed batch, float64."""
+    gen = torch.Generator().manual_seed(seed)
+    total = cu[-1]
+    q = torch.randn(total, heads, dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(total, kv_heads, dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(total, kv_heads, dim, generator=gen, dtype=torch.float64)
+    dout = torch.randn(total, heads, dim, generator=gen, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def groups_for(inner: int, outer: int):
+    """SAP groups of the whole world, created once per worker and layout."""
+    import megatron_sap as sap
+
+    if (inner, outer) not in _GROUPS:
+        _GROUPS[(inner, outer)] = sap.init_sap_groups(inner_size=inner, outer_size=outer)
+    return _GROUPS[(inner, outer)]
+
+
+def run_rank(
+    rank: int,
+    world: int,
+    cu: list[int],
+    inner: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: str,
+    seed: int,
+    scale: float | None = None,
+    recompute_kv: bool = False,
+    fresh_plan: bool = False,
+    perturb_doc: int | None = None,
+    count_bytes: bool = False,
+) -> dict:
+    """One rank's forward and backward of sap_attention; returns its slices and gradients."""
+    import megatron_sap as sap
+    from megatron_sap.comm.traffic import count_traffic
+    from megatron_sap.planning import PlanCache
+
+    outer = world // inner
+    groups = groups_for(inner, outer)
+    plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=PlanCache() if fresh_plan else sap.planning.DEFAULT_CACHE)
+    q, k, v, dout = make_inputs(cu, heads, kv_heads, dim, seed)
+    if perturb_doc is not None:
+        lo, hi = cu[perturb_doc], cu[perturb_doc + 1]
+        for t in (q, k, v):
+            t[lo:hi] += 1.0
+    idx = plan.local_indices(groups.cp_rank)
+    cast = DTYPES[dtype]
+    ql, kl, vl = (t[idx].to(cast).requires_grad_() for t in (q, k, v))
+    with count_traffic() as log:
+        out = sap.sap_attention(ql, kl, vl, plan, groups, softmax_scale=scale, recompute_kv=recompute_kv)
+        out.backward(dout[idx].to(cast))
+    result = {
+        "cp_rank": groups.cp_rank,
+        "indices": idx,
+        "out": out.detach(),
+        "dq": ql.grad,
+        "dk": kl.grad,
+        "dv": vl.grad,
+    }
+    if count_bytes:
+        result["p2p_bytes"] = log.total_bytes("p2p")
+        result["a2a_bytes"] = log.total_bytes("a2a")
+        result["stats"] = plan.stats()
+    return result

@@ -1,0 +1,155 @@
+"""Distributed SAP attention on gloo against the dense float64 reference."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dist_pool import make_pool_fixture
+from megatron_sap.reference import dense_attention
+from sap_cases import make_inputs, random_cu_seqlens, run_rank
+
+pool2 = make_pool_fixture(2, timeout=120)
+pool3 = make_pool_fixture(3, timeout=120)
+pool4 = make_pool_fixture(4, timeout=180)
+pool8 = make_pool_fixture(8, timeout=240)
+
+TOL = {"float64": 1e-10, "float32": 1e-5}
+
+
+def reference(cu: list[int], heads: int, kv_heads: int, dim: int, seed: int, scale: float | None, perturb_doc=None):
+    q, k, v, dout = make_inputs(cu, heads, kv_heads, dim, seed)
+    if perturb_doc is not None:
+        lo, hi = cu[perturb_doc], cu[perturb_doc + 1]
+        for t in (q, k, v):
+            t[lo:hi] += 1.0
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, _ = dense_attention(q, k, v, torch.tensor(cu), causal=True, softmax_scale=scale)
+    out.backward(dout)
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def assemble(results: list[dict], total: int) -> dict[str, torch.Tensor]:
+    """Scatter every rank's local rows back to global packed positions."""
+    full = {}
+    for name in ("out", "dq", "dk", "dv"):
+        shape = (total, *results[0][name].shape[1:])
+        t = torch.full(shape, float("nan"), dtype=torch.float64)
+        for r in results:
+            t[r["indices"]] = r[name].to(torch.float64)
+        full[name] = t
+    return full
+
+
+def check_against_reference(pool, cu, inner, heads, kv_heads, dim, dtype, seed, scale=None, **kw) -> dict:
+    results = pool.run(run_rank, cu, inner, heads, kv_heads, dim, dtype, seed, scale, **kw)
+    got = assemble(results, cu[-1])
+    ref = reference(cu, heads, kv_heads, dim, seed, scale)
+    for name, value in got.items():
+        err = (value - ref[name]).abs().max().item()
+        assert err <= TOL[dtype] * max(1.0, ref[name].abs().max().item()), (name, err, cu)
+    return got
+
+
+KINDS = ["one", "tiny", "long", "zeros", "mixture"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_world2_float64(pool2, kind):
+    rng = random.Random(hash(kind) % 1000)
+    for case in range(3):
+        cu = random_cu_seqlens(rng, 2 * rng.randint(20, 120), kind)
+        heads, kv = rng.choice([(4, 4), (4, 2), (6, 1)])
+        check_against_reference(pool2, cu, 1, heads, kv, 8, "float64", seed=case, scale=rng.choice([None, 0.3]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_world3_float64(pool3, kind):
+    rng = random.Random(7 + len(kind))
+    for case in range(2):
+        cu = random_cu_seqlens(rng, 3 * rng.randint(20, 100), kind)
+        check_against_reference(pool3, cu, 1, 4, 2, 8, "float64", seed=case)
+
+
+@pytest.mark.parametrize("inner", [1, 2, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_world4_float64(pool4, inner, kind):
+    rng = random.Random(31 * inner + len(kind))
+    cu = random_cu_seqlens(rng, 4 * rng.randint(32, 128), kind)
+    heads, kv = rng.choice([(4, 4), (8, 2), (4, 1)])  # includes KV heads fewer than the inner size
+    check_against_reference(pool4, cu, inner, heads, kv, 8, "float64", seed=inner)
+
+
+@pytest.mark.parametrize("inner", [1, 2, 4])
+def test_world8_float64(pool8, inner):
+    rng = random.Random(inner)
+    for kind in ("mixture", "long"):
+        cu = random_cu_seqlens(rng, 8 * rng.randint(24, 64), kind)
+        check_against_reference(pool8, cu, inner, 8, 2, 8, "float64", seed=3)
+
+
+def test_float32_and_recompute(pool4):
+    rng = random.Random(5)
+    cu = random_cu_seqlens(rng, 4 * 96, "mixture")
+    check_against_reference(pool4, cu, 1, 4, 2, 16, "float32", seed=1)
+    check_against_reference(pool4, cu, 2, 4, 2, 16, "float64", seed=1, recompute_kv=True)
+
+
+def test_world1_is_plain_varlen():
+    """P = 1 runs in-process without groups or communication."""
+    import megatron_sap as sap
+
+    rng = random.Random(11)
+    for kind in KINDS:
+        cu = random_cu_seqlens(rng, rng.randint(50, 300), kind)
+        plan = sap.plan_sequences(cu)
+        assert torch.equal(plan.local_indices(0), torch.arange(cu[-1]))
+        q, k, v, dout = make_inputs(cu, 4, 2, 8, seed=2)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = sap.sap_attention(q, k, v, plan)
+        out.backward(dout)
+        ref = reference(cu, 4, 2, 8, 2, None)
+        for name, value in (("out", out.detach()), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+            assert (value - ref[name]).abs().max().item() < 1e-10, (name, kind)
+
+
+def test_deterministic_across_runs_and_cache(pool4):
+    rng = random.Random(9)
+    cu = random_cu_seqlens(rng, 4 * 80, "long")
+    first = pool4.run(run_rank, cu, 2, 4, 2, 8, "float32", 4)
+    again = pool4.run(run_rank, cu, 2, 4, 2, 8, "float32", 4)
+    fresh = pool4.run(run_rank, cu, 2, 4, 2, 8, "float32", 4, fresh_plan=True)
+    for a, b, c in zip(first, again, fresh):
+        for name in ("out", "dq", "dk", "dv"):
+            assert torch.equal(a[name], b[name]) and torch.equal(a[name], c[name]), name
+
+
+def test_no_contamination(pool4):
+    """Changing one document changes no other document's outputs or gradients, bitwise."""
+    rng = random.Random(21)
+    cu = random_cu_seqlens(rng, 4 * 64, "mixture")
+    docs = [d for d in range(len(cu) - 1) if cu[d + 1] > cu[d]]
+    target = docs[len(docs) // 2]
+    base = assemble(pool4.run(run_rank, cu, 1, 4, 2, 8, "float32", 6), cu[-1])
+    moved = assemble(pool4.run(run_rank, cu, 1, 4, 2, 8, "float32", 6, perturb_doc=target), cu[-1])
+    inside = torch.zeros(cu[-1], dtype=torch.bool)
+    inside[cu[target] : cu[target + 1]] = True
+    for name in ("out", "dq", "dk", "dv"):
+        assert torch.equal(base[name][~inside], moved[name][~inside]), name
+        assert not torch.equal(base[name][inside], moved[name][inside]), name
+
+
+@pytest.mark.parametrize("inner", [1, 2])
+def test_bytes_sent_match_plan(pool4, inner):
+    rng = random.Random(13)
+    cu = random_cu_seqlens(rng, 4 * 100, "long")
+    heads, kv, dim = 4, 2, 8
+    results = pool4.run(run_rank, cu, inner, heads, kv, dim, "float64", 1, count_bytes=True)
+    stats = results[0]["stats"]
+    per_token = 2 * kv * dim * 8 / inner  # K and V rows of this rank's heads, float64
+    for r in results:
+        outer_rank = r["cp_rank"] // inner
+        expected = (stats["sent_tokens_per_outer_rank"][outer_rank] + stats["recv_tokens_per_outer_rank"][outer_rank]) * per_token
+        assert r["p2p_bytes"] == expected
+    assert any(r["p2p_bytes"] for r in results)
