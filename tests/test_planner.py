@@ -1,0 +1,323 @@
+"""Planner properties over extreme packed batches: placement, positions, work, errors, cache, stats."""
+from __future__ import annotations
+
+import hashlib
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import megatron_sap as sap
+from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
+from megatron_sap.planning.evaluate import evaluate
+from megatron_sap.planning.placement import candidates
+from megatron_sap.planning.plan import DEFAULT_SLACKS
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MAX_TOKENS = 768  # keeps the dense T x T coverage matrices small
+
+
+# ---- batch generators -----------------------------------------------------------------------
+@st.composite
+def layouts(draw: st.DrawFn, max_world: int = 64) -> tuple[int, int]:
+    """(outer_size R, inner_size U) with U in {1, 2, 4} and R * U <= max_world."""
+    inner = draw(st.sampled_from([1, 2, 4]))
+    outer = draw(st.one_of(st.integers(1, max_world // inner), st.just(max_world // inner)))
+    return outer, inner
+
+
+@st.composite
+def cu_seqlens_for(draw: st.DrawFn, total: int) -> list[int]:
+    """cu_seqlens of `total` tokens: one document, all 1-token documents, a few long ones, or a
+    random mixture; zero-length documents (repeated entries) may be inserted anywhere."""
+    kind = draw(st.sampled_from(["one", "ones", "long", "mixed"]))
+    if kind == "one":
+        cuts: list[int] = []
+    elif kind == "ones":
+        cuts = list(range(1, total))
+    elif kind == "long":
+        cuts = draw(st.lists(st.integers(0, total), max_size=3))
+    else:
+        cuts = draw(st.lists(st.integers(0, total), max_size=min(total, 60)))
+    cu = [0] + sorted(cuts) + [total]
+    repeats = draw(st.lists(st.integers(0, len(cu) - 1), max_size=3))
+    for i in sorted(repeats, reverse=True):
+        cu.insert(i, cu[i])
+    return cu
+
+
+@st.composite
+def batches(draw: st.DrawFn, max_world: int = 64, max_tokens: int = MAX_TOKENS) -> tuple[list[int], int, int]:
+    """(cu_seqlens, R, U) with T divisible by P = R * U."""
+    outer, inner = draw(layouts(max_world))
+    world = outer * inner
+    per_rank = draw(st.integers(1, max(1, max_tokens // world)))
+    return draw(cu_seqlens_for(world * per_rank)), outer, inner
+
+
+def expected_mask(cu: list[int]) -> np.ndarray:
+    """[T, T] bool: (q, k) is a causal pair inside one document."""
+    total = cu[-1]
+    doc = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
+    pos = np.arange(total)
+    return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+
+
+def position_in_document(cu: list[int]) -> np.ndarray:
+    return np.concatenate([np.arange(b - a) for a, b in zip(cu, cu[1:])])
+
+
+def plan_of(cu: list[int], outer: int, inner: int) -> sap.Plan:
+    return sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
+
+
+# ---- placement and positions ------------------------------------------------------------------
+@SETTINGS
+@given(batches())
+def test_placement_is_a_balanced_permutation(batch):
+    cu, outer, inner = batch
+    plan = plan_of(cu, outer, inner)
+    world, total = outer * inner, cu[-1]
+    local = [plan.local_indices(r) for r in range(world)]
+    assert all(len(idx) == total // world for idx in local)
+    assert sorted(torch.cat(local).tolist()) == list(range(total))
+    positions = position_in_document(cu)
+    for r, idx in enumerate(local):
+        assert plan.position_ids(r).tolist() == positions[idx.numpy()].tolist()
+
+
+@SETTINGS
+@given(batches())
+def test_work_covers_each_causal_pair_once(batch):
+    cu, outer, inner = batch
+    plan = plan_of(cu, outer, inner)
+    total = cu[-1]
+    count = np.zeros((total, total), dtype=np.int64)
+    for outer_rank in range(outer):
+        held = set(plan.group_indices(outer_rank).tolist())
+        blocks = plan.work(outer_rank * inner)
+        for inner_rank in range(1, inner):  # ranks of one inner group list the same blocks
+            assert plan.work(outer_rank * inner + inner_rank) == blocks
+        for qs, qe, ks, ke, causal in blocks:
+            assert set(range(qs, qe)) <= held, "a rank computes queries it does not hold"
+            block = np.ones((qe - qs, ke - ks), dtype=np.int64)
+            if causal:
+                assert (qs, qe) == (ks, ke)
+                block = np.tril(block)
+            count[qs:qe, ks:ke] += block
+    np.testing.assert_array_equal(count, expected_mask(cu).astype(np.int64))
+
+
+@SETTINGS
+@given(batches(max_world=16))
+def test_pieces_partition_the_documents(batch):
+    cu, outer, inner = batch
+    plan = plan_of(cu, outer, inner)
+    for outer_rank in range(outer):
+        pieces = plan.pieces(outer_rank)
+        assert sum(end - start for _, start, end in pieces) == plan.capacity
+        for doc, start, end in pieces:
+            assert cu[doc] <= start < end <= cu[doc + 1]
+        got = torch.cat([torch.arange(s, e) for _, s, e in pieces]).tolist() if pieces else []
+        assert got == plan.group_indices(outer_rank).tolist()
+
+
+# ---- input validation -------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(layouts(), st.integers(1, 2000))
+def test_indivisible_total_names_both_numbers(layout, total):
+    outer, inner = layout
+    world = outer * inner
+    if total % world == 0:
+        total += 1 if world > 1 else 0
+    if total % world == 0:
+        return  # P == 1 divides everything
+    with pytest.raises(ValueError) as err:
+        sap.plan_sequences([0, total], outer_size=outer, inner_size=inner, cache=None)
+    message = str(err.value)
+    assert re.search(rf"\b{total}\b", message) and re.search(rf"\b{world}\b", message), message
+
+
+@pytest.mark.parametrize(
+    "cu_seqlens, problem",
+    [
+        ([3, 8, 16], "start at 0"),
+        (torch.tensor([2, 8, 16]), "start at 0"),
+        ([0, 8, 4, 16], "non-decreasing"),
+        (torch.tensor([0, 9, 8, 16]), "non-decreasing"),
+        (torch.tensor([0.0, 8.0, 16.0]), "integer dtype"),
+        ([0, 8.0, 16], "integers"),
+        (torch.tensor([[0, 8, 16]]), "1-D"),
+        ([], "empty"),
+        (torch.zeros(0, dtype=torch.long), "empty"),
+        ([0], "empty batch"),
+        ([0, 0, 0], "empty batch"),
+    ],
+)
+@pytest.mark.parametrize("cache", [None, "fresh"])
+def test_invalid_cu_seqlens_is_rejected(cu_seqlens, problem, cache):
+    with pytest.raises(ValueError, match=problem):
+        sap.plan_sequences(cu_seqlens, outer_size=2, inner_size=1, cache=PlanCache() if cache else None)
+
+
+@pytest.mark.parametrize("outer, inner", [(0, 1), (2, 0), (-2, 1), (2.0, 1), (True, 2)])
+def test_invalid_sizes_are_rejected(outer, inner):
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        sap.plan_sequences([0, 8, 16], outer_size=outer, inner_size=inner, cache=None)
+
+
+# ---- cache ------------------------------------------------------------------------------------
+def test_cache_hits_misses_and_identity():
+    cache = PlanCache(maxsize=4)
+    cu = [0, 5, 16, 32]
+    first = sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=cache)
+    assert (cache.hits, cache.misses, len(cache)) == (0, 1, 1)
+    assert sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=cache) is first
+    assert sap.plan_sequences(torch.tensor(cu, dtype=torch.int32), outer_size=4, inner_size=2, cache=cache) is first
+    assert sap.plan_sequences(tuple(cu), outer_size=4, inner_size=2, cache=cache) is first
+    assert (cache.hits, cache.misses) == (3, 1)
+    # Another layout or cost model is another entry.
+    other = sap.plan_sequences(cu, outer_size=2, inner_size=4, cache=cache)
+    assert other is not first and (cache.hits, cache.misses, len(cache)) == (3, 2, 2)
+    h200 = sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=cache, cost_model=CostModel.preset("h200"))
+    assert h200 is not first and h200.cost_model.name == "h200" and cache.misses == 3
+    # A cached plan equals a fresh one.
+    fresh = sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=None)
+    assert fresh is not first and fresh.placement == first.placement
+    cache.clear()
+    assert (cache.hits, cache.misses, len(cache)) == (0, 0, 0)
+    assert sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=cache) is not first
+
+
+def test_cache_evicts_least_recently_used():
+    cache = PlanCache(maxsize=2)
+    a, b, c = [0, 8], [0, 4, 8], [0, 2, 8]
+    plan_a = sap.plan_sequences(a, outer_size=2, cache=cache)
+    plan_b = sap.plan_sequences(b, outer_size=2, cache=cache)
+    assert sap.plan_sequences(a, outer_size=2, cache=cache) is plan_a  # a is now the most recent
+    sap.plan_sequences(c, outer_size=2, cache=cache)  # evicts b
+    assert len(cache) == 2
+    assert sap.plan_sequences(a, outer_size=2, cache=cache) is plan_a
+    assert sap.plan_sequences(b, outer_size=2, cache=cache) is not plan_b
+    assert (cache.hits, cache.misses) == (2, 4)
+
+
+def test_cache_size_must_be_positive():
+    with pytest.raises(ValueError, match="cache size"):
+        PlanCache(maxsize=0)
+
+
+def test_default_cache_is_used_without_argument():
+    cu = [0, 7, 24]
+    before = DEFAULT_CACHE.hits
+    plan = sap.plan_sequences(cu, outer_size=3)
+    assert sap.plan_sequences(cu, outer_size=3) is plan
+    assert DEFAULT_CACHE.hits == before + 1
+
+
+# ---- candidates and statistics ----------------------------------------------------------------
+@SETTINGS
+@given(batches())
+def test_chosen_candidate_is_the_fastest(batch):
+    cu, outer, inner = batch
+    plan = plan_of(cu, outer, inner)
+    considered = plan.considered
+    expected = {f"greedy(slack={s:g})" for s in DEFAULT_SLACKS}
+    if outer > 1:
+        expected.add("contiguous")
+    assert expected <= set(considered) <= expected | {"zigzag"}
+    assert considered[plan.strategy] == plan.evaluation.makespan_s
+    for name, seconds in considered.items():
+        assert plan.evaluation.makespan_s <= seconds * (1 + 1e-9), name
+    assert plan.stats()["candidates_modelled_time_s"] == considered
+
+
+@SETTINGS
+@given(batches())
+def test_stats_invariants(batch):
+    cu, outer, inner = batch
+    plan = plan_of(cu, outer, inner)
+    stats = plan.stats()
+    world, total = outer * inner, cu[-1]
+    assert stats["method"] == "sap" and stats["candidate"] == plan.strategy
+    assert (stats["world_size"], stats["outer_size"], stats["inner_size"]) == (world, outer, inner)
+    assert stats["total_tokens"] == total and stats["padding_tokens"] == 0
+    assert stats["tokens_per_rank"] == [total // world] * world
+    pairs = stats["pairs_per_rank"]
+    assert len(pairs) == world and sum(pairs) == pytest.approx(sum(n * (n + 1) // 2 for n in np.diff(cu)))
+    assert stats["imbalance"] >= 1.0
+    assert stats["imbalance"] == pytest.approx(max(pairs) / (sum(pairs) / world))
+    assert sum(stats["sent_bytes_per_rank"]) == pytest.approx(sum(stats["recv_bytes_per_rank"]))
+    assert sum(stats["sent_tokens_per_outer_rank"]) == sum(stats["recv_tokens_per_outer_rank"])
+    for name in ("sent_bytes_per_rank", "recv_bytes_per_rank", "sent_bytes_intra_per_rank", "sent_bytes_inter_per_rank", "peak_extra_bytes_per_rank"):
+        assert len(stats[name]) == world and min(stats[name]) >= 0, name
+    for intra, inter, sent in zip(stats["sent_bytes_intra_per_rank"], stats["sent_bytes_inter_per_rank"], stats["sent_bytes_per_rank"]):
+        assert intra + inter == pytest.approx(sent)
+    assert 0 < stats["ideal_time_s"] <= stats["modelled_time_s"] * (1 + 1e-9)
+    if world == 1:
+        assert stats["sent_bytes_per_rank"] == [0.0] and stats["imbalance"] == 1.0
+
+
+def test_single_rank_holds_the_batch_in_order():
+    plan = plan_of([0, 3, 3, 10, 16], 1, 1)
+    assert plan.local_indices(0).tolist() == list(range(16))
+    assert plan.position_ids(0).tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="out of range"):
+        plan.local_indices(1)
+
+
+# ---- pinned placements (guards speed work on placement.py / evaluate.py) ---------------------
+def realistic_cu_seqlens(total: int, seed: int) -> list[int]:
+    """One packed row: lognormal body (median 1K) plus a 3% Pareto tail from 8K, cut at `total`."""
+    rng = np.random.default_rng(seed)
+    cu = [0]
+    while cu[-1] < total:
+        n = 8192 * (1 + rng.pareto(1.1)) if rng.random() < 0.03 else rng.lognormal(np.log(1024), 1.0)
+        cu.append(min(total, cu[-1] + max(1, int(round(n)))))
+    return cu
+
+
+def candidates_digest(cu: list[int], outer: int, inner: int) -> str:
+    """Hash of every candidate placement and its evaluation (floats to 9 significant digits)."""
+    model = CostModel.preset("h100")
+    starts, lengths = cu[:-1], list(np.diff(cu).tolist())
+    rank_node = [model.node_of(r * inner) for r in range(outer)]
+    text = []
+    for placement in candidates(starts, lengths, outer, cu[-1] // outer, model, DEFAULT_SLACKS, rank_node):
+        ev = evaluate(placement, starts, inner, model)
+        text.append(repr((placement.strategy, [[(p.doc, p.start, p.end) for p in r] for r in placement.ranks])))
+        text.append(repr((ev.exact_pairs.tolist(), ev.tile_pairs.tolist(), ev.traffic_tokens.tolist())))
+        text.append(" ".join(f"{x:.9g}" for x in [*ev.rank_time_s, ev.makespan_s, ev.ideal_s, ev.a2a_bytes]))
+    return hashlib.sha1("\n".join(text).encode()).hexdigest()[:16]
+
+
+def pinned_batch(name: str) -> list[int]:
+    """`realistic:<T>:<seed>`, or a named extreme batch."""
+    if name == "ones":
+        return list(range(1025))
+    if name == "one-and-ones":
+        return [0, 900, *range(901, 1025)]
+    _, total, seed = name.split(":")
+    return realistic_cu_seqlens(int(total), int(seed))
+
+
+PINNED = {
+    ("realistic:16384:0", 8, 1): "be0ce463ba1adc93",
+    ("realistic:16384:1", 4, 2): "7d967c11633b7cfd",
+    ("realistic:65536:2", 16, 4): "94073d90cf1ffc52",
+    ("realistic:131072:3", 64, 1): "d2e0bf6e4c8a11eb",
+    ("realistic:131072:4", 32, 2): "556f5a11b9a28409",
+    ("realistic:131072:6", 64, 1): "9276b9500e737245",
+    ("realistic:131072:7", 16, 4): "d0df57e45d813e26",
+    ("realistic:131072:20", 64, 1): "efb9eb5c0909e9a1",
+    ("ones", 64, 1): "e3bc3853ce64de00",
+    ("one-and-ones", 16, 4): "e4e0f75e42e885c5",
+}
+
+
+@pytest.mark.parametrize("name, outer, inner", sorted(PINNED))
+def test_candidates_are_pinned(name, outer, inner):
+    assert candidates_digest(pinned_batch(name), outer, inner) == PINNED[name, outer, inner]
