@@ -1,0 +1,135 @@
+"""Run every outer rank's compiled program in turn, in one process.
+
+Same kernel calls and merges as the distributed op, with the transfers replaced by
+indexing into the sender's tensors. Used to check a plan on one device (the GPU check
+script times each rank's kernel work this way) and in tests without processes. The
+inner (Ulysses) level only splits heads, so one simulated outer rank stands for its
+whole inner group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import _accumulation_dtype, _backward_calls, _forward_calls
+from .planning import Plan
+
+
+@dataclass
+class SimulatedResult:
+    """Global (packed-order) outputs and gradients, and per-rank kernel seconds if timed."""
+
+    out: torch.Tensor
+    dq: torch.Tensor | None
+    dk: torch.Tensor | None
+    dv: torch.Tensor | None
+    forward_seconds: list[float]
+    backward_seconds: list[float]
+
+
+def _timer(device: torch.device):
+    """Returns (start, stop) callables measuring seconds without a host sync in between."""
+    if device.type == "cuda":
+        def start():
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+
+        def stop(ev):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            return lambda: ev.elapsed_time(end) / 1e3
+
+        return start, stop
+    import time
+
+    def start_cpu():
+        return time.perf_counter()
+
+    def stop_cpu(t0):
+        elapsed = time.perf_counter() - t0
+        return lambda: elapsed
+
+    return start_cpu, stop_cpu
+
+
+def simulate_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: Plan,
+    dout: torch.Tensor | None = None,
+    *,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> SimulatedResult:
+    """Causal attention of the whole packed batch (q [T, Hq, D], k/v [T, Hkv, D]) by `plan`'s programs.
+
+    With `dout`, also the gradients. Per-rank kernel time is recorded (CUDA events on GPU).
+    """
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    acc_dtype = _accumulation_dtype(q.dtype)
+    device = q.device
+    R = plan.outer_size
+    start, stop = _timer(device)
+    idx = [plan.group_indices(r).to(device) for r in range(R)]
+    programs = [plan.program(r, device) for r in range(R)]
+    qs = [q.index_select(0, i) for i in idx]
+    kvs = [torch.stack([k.index_select(0, i), v.index_select(0, i)], 1) for i in idx]
+
+    def received(r: int, offset: int) -> torch.Tensor:
+        src = (r - offset) % R
+        step = next(s for s in programs[src].transfers if s.offset == offset)
+        return kvs[src].index_select(0, step.send_rows)
+
+    outs, lses, fwd_timers = [], [], []
+    for r in range(R):
+        acc_out = torch.zeros(qs[r].shape, dtype=acc_dtype, device=device)
+        acc_lse = torch.full((q.shape[1], qs[r].shape[0]), float("-inf"), dtype=acc_dtype, device=device)
+        rows = torch.arange(qs[r].shape[0], device=device)
+        recvs = [received(r, s.offset) if s.recv_tokens else None for s in programs[r].transfers]
+        t0 = start()
+        _forward_calls(programs[r].local_calls, qs[r], kvs[r], acc_out, acc_lse, rows, scale, backend)
+        for step, recv in zip(programs[r].transfers, recvs):
+            if recv is not None:
+                _forward_calls(step.calls, qs[r], recv, acc_out, acc_lse, rows, scale, backend)
+        fwd_timers.append(stop(t0))
+        outs.append(acc_out.to(q.dtype))
+        lses.append(acc_lse)
+    out = torch.empty_like(q)
+    for r in range(R):
+        out.index_copy_(0, idx[r], outs[r])
+    result = SimulatedResult(out, None, None, None, [], [])
+    if dout is None:
+        result.forward_seconds = [f() for f in fwd_timers]
+        return result
+
+    dqs = [torch.zeros(x.shape, dtype=acc_dtype, device=device) for x in qs]
+    dkvs = [torch.zeros(x.shape, dtype=acc_dtype, device=device) for x in kvs]
+    bwd_timers = []
+    for r in range(R):
+        douts = dout.index_select(0, idx[r])
+        recvs = [received(r, s.offset) if s.recv_tokens else None for s in programs[r].transfers]
+        grads = []
+        t0 = start()
+        _backward_calls(programs[r].local_calls, douts, qs[r], outs[r], lses[r], kvs[r], dqs[r], dkvs[r], scale, backend)
+        for step, recv in zip(programs[r].transfers, recvs):
+            if recv is not None:
+                grad = torch.zeros(recv.shape, dtype=acc_dtype, device=device)
+                _backward_calls(step.calls, douts, qs[r], outs[r], lses[r], recv, dqs[r], grad, scale, backend)
+                grads.append((step.offset, grad))
+        bwd_timers.append(stop(t0))
+        for offset, grad in grads:  # deliver to the owner, as the backward exchange does
+            src = (r - offset) % R
+            send_rows = next(s for s in programs[src].transfers if s.offset == offset).send_rows
+            dkvs[src].index_add_(0, send_rows, grad.to(q.dtype).to(acc_dtype))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for r in range(R):
+        dq.index_copy_(0, idx[r], dqs[r].to(q.dtype))
+        dk.index_copy_(0, idx[r], dkvs[r][:, 0].to(k.dtype))
+        dv.index_copy_(0, idx[r], dkvs[r][:, 1].to(v.dtype))
+    result.dq, result.dk, result.dv = dq, dk, dv
+    result.forward_seconds = [f() for f in fwd_timers]
+    result.backward_seconds = [f() for f in bwd_timers]
+    return result
