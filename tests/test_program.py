@@ -1,0 +1,155 @@
+"""Compiled programs realise exactly the planned work: every outer rank's program is simulated
+in one process with index bookkeeping (no process groups, no kernels)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import megatron_sap as sap
+from megatron_sap.planning import CostModel, KernelCall, RankProgram, compile_all
+from megatron_sap.planning.evaluate import evaluate
+from megatron_sap.planning.placement import candidates
+from megatron_sap.planning.plan import DEFAULT_SLACKS
+from test_planner import cu_seqlens_for, expected_mask
+
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def outer_batches(draw: st.DrawFn, max_outer: int = 16, max_tokens: int = 640) -> tuple[list[int], int]:
+    """(cu_seqlens, R) with T divisible by R."""
+    outer = draw(st.one_of(st.integers(1, max_outer), st.just(max_outer)))
+    per_rank = draw(st.integers(1, max_tokens // outer))
+    return draw(cu_seqlens_for(outer * per_rank)), outer
+
+
+def segments(call: KernelCall, num_q: int, num_k: int):
+    """(q_rows, k_rows, causal) of every segment of a call, rows as numpy arrays."""
+    q_rows = np.arange(num_q) if call.q_rows is None else call.q_rows.numpy()
+    k_rows = np.arange(num_k) if call.k_rows is None else call.k_rows.numpy()
+    cu_q, cu_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
+    assert call.cu_seqlens_q.dtype == call.cu_seqlens_k.dtype == torch.int32
+    assert len(cu_q) == len(cu_k) and cu_q[0] == cu_k[0] == 0
+    assert cu_q[-1] == len(q_rows) and cu_k[-1] == len(k_rows)
+    assert call.max_seqlen_q == max(np.diff(cu_q), default=0)
+    assert call.max_seqlen_k == max(np.diff(cu_k), default=0)
+    for i in range(len(cu_q) - 1):
+        yield q_rows[cu_q[i] : cu_q[i + 1]], k_rows[cu_k[i] : cu_k[i + 1]]
+
+
+def add_call(count: np.ndarray, call: KernelCall, q_global: np.ndarray, k_global: np.ndarray) -> None:
+    """Add the (q, k) pairs of one call to `count`; rows map to global positions through
+    `q_global` (the rank's local rows) and `k_global` (the key source's rows)."""
+    q_rows = np.arange(len(q_global)) if call.q_rows is None else call.q_rows.numpy()
+    k_rows = np.arange(len(k_global)) if call.k_rows is None else call.k_rows.numpy()
+    assert len(np.unique(q_rows)) == len(q_rows), "a query row appears twice in one call"
+    assert len(np.unique(k_rows)) == len(k_rows), "a key row appears twice in one call"
+    for q, k in segments(call, len(q_global), len(k_global)):
+        mask = np.ones((len(q), len(k)), dtype=bool)
+        if call.causal:  # bottom-right aligned
+            mask = np.tril(mask, k=len(k) - len(q))
+        qi, ki = np.nonzero(mask)
+        np.add.at(count, (q_global[q[qi]], k_global[k[ki]]), 1)
+
+
+def transfer_at(program: RankProgram, offset: int):
+    found = [t for t in program.transfers if t.offset == offset]
+    assert len(found) <= 1, f"rank {program.rank} has two transfers at offset {offset}"
+    return found[0] if found else None
+
+
+def simulate(plan: sap.Plan) -> list[np.ndarray]:
+    """Per outer rank, the [T, T] count of (q, k) pairs its program computes."""
+    R, total = plan.outer_size, plan.total_tokens
+    programs = [plan.program(r) for r in range(R)]
+    rows = [plan.group_indices(r).numpy() for r in range(R)]
+    counts = []
+    for r, program in enumerate(programs):
+        assert program.rank == r and program.num_tokens == plan.capacity == len(rows[r])
+        count = np.zeros((total, total), dtype=np.int64)
+        for call in program.local_calls:
+            add_call(count, call, rows[r], rows[r])
+        offsets = [t.offset for t in program.transfers]
+        assert offsets == sorted(set(offsets)) and all(1 <= d < R for d in offsets)
+        for transfer in program.transfers:
+            d = transfer.offset
+            src, dst = (r - d) % R, (r + d) % R
+            # The send side matches the peer's receive at the same offset.
+            if transfer.send_rows is None:
+                assert transfer.send_peer is None
+            else:
+                assert transfer.send_peer == dst and len(transfer.send_rows) > 0
+                peer = transfer_at(programs[dst], d)
+                assert peer is not None and peer.recv_peer == r and peer.recv_tokens == len(transfer.send_rows)
+            # The receive side: the rows are what the sender sends at this offset, in order.
+            if transfer.recv_peer is None:
+                assert transfer.recv_tokens == 0 and not transfer.calls
+                continue
+            assert transfer.recv_peer == src and transfer.recv_tokens > 0
+            sender = transfer_at(programs[src], d)
+            assert sender is not None and sender.send_peer == r and sender.send_rows is not None
+            received = rows[src][sender.send_rows.numpy()]
+            assert len(received) == transfer.recv_tokens
+            for call in transfer.calls:
+                add_call(count, call, rows[r], received)
+        counts.append(count)
+    return counts
+
+
+def check_programs(plan: sap.Plan) -> None:
+    """Each rank's program covers the causal same-document pairs of its queries exactly once."""
+    expected = expected_mask(list(plan.cu_seqlens)).astype(np.int64)
+    for r, count in enumerate(simulate(plan)):
+        mine = np.zeros(plan.total_tokens, dtype=bool)
+        mine[plan.group_indices(r).numpy()] = True
+        np.testing.assert_array_equal(count[mine], expected[mine], err_msg=f"rank {r} misses or repeats pairs")
+        assert not count[~mine].any(), f"rank {r} computes queries it does not hold"
+    sent = [plan.program(r).sent_tokens for r in range(plan.outer_size)]
+    received = [plan.program(r).recv_tokens for r in range(plan.outer_size)]
+    stats = plan.stats()
+    assert sent == stats["sent_tokens_per_outer_rank"]
+    assert received == stats["recv_tokens_per_outer_rank"]
+
+
+@SETTINGS
+@given(outer_batches())
+def test_programs_realise_the_work(batch):
+    cu, outer = batch
+    check_programs(sap.plan_sequences(cu, outer_size=outer, cache=None))
+
+
+@settings(max_examples=30, deadline=None)
+@given(outer_batches(max_outer=4, max_tokens=256), st.sampled_from([2, 4]))
+def test_programs_with_inner_groups(batch, inner):
+    cu, outer = batch
+    total = cu[-1]
+    if total % (outer * inner):
+        cu = [*cu[:-1], total + (-total) % (outer * inner)]
+    check_programs(sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_candidate_compiles_correctly(seed):
+    """Not only the winner: every candidate placement compiles to a correct program."""
+    rng = np.random.default_rng(seed)
+    outer, total = 8, 512
+    cu = [0, *np.sort(rng.integers(0, total, size=12)).tolist(), total]
+    model = CostModel.preset("h100")
+    placements = candidates(cu[:-1], np.diff(cu).tolist(), outer, total // outer, model, DEFAULT_SLACKS)
+    assert {p.strategy for p in placements} >= {"zigzag", "contiguous"}
+    for placement in placements:
+        evaluation = evaluate(placement, cu[:-1], 1, model)
+        check_programs(sap.Plan(tuple(cu), outer, 1, model, placement, evaluation, {}))
+        assert [p.rank for p in compile_all(placement)] == list(range(outer))
+
+
+def test_program_is_cached_and_moves_to_device():
+    plan = sap.plan_sequences([0, 40, 100, 128], outer_size=4, cache=None)
+    program = plan.program(1)
+    assert plan.program(1) is program
+    assert plan.program(1, device="cpu") is program
+    moved = program.to(torch.device("cpu"))
+    assert moved.sent_tokens == program.sent_tokens and moved.recv_tokens == program.recv_tokens
