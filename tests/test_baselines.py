@@ -18,7 +18,7 @@ TOL = 1e-10
 DOCS = {
     "mixed": [1, 37, 1, 5, 70, 1, 13, 2],
     "one_long": [97],
-    "tiny": [1, 1, 2, 1, 3],
+    "tiny": [1, 1, 0, 2, 1, 3],  # with an empty document
 }
 
 
@@ -26,9 +26,9 @@ def _cu(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
 
 
-def _cost_model(heads: tuple[int, int]) -> CostModel:
-    """The float64 test shape, two CP ranks per node so both link classes appear at P = 4."""
-    return CostModel.preset("cpu", gpus_per_node=2).with_shape(heads[0], heads[1], HEAD_DIM, bytes_per_element=8)
+def _cost_model(heads: tuple[int, int], bytes_per_element: int) -> CostModel:
+    """The test shape, two CP ranks per node so both link classes appear at P = 4."""
+    return CostModel.preset("cpu", gpus_per_node=2).with_shape(heads[0], heads[1], HEAD_DIM, bytes_per_element)
 
 
 def _groups(name: str, inner_size: int):
@@ -75,14 +75,12 @@ def run_method(rank: int, world_size: int, name: str, inner_size: int, cu: torch
     }
 
 
-def _inputs(lengths: list[int], heads: tuple[int, int], seed: int):
+def _inputs(lengths: list[int], heads: tuple[int, int], seed: int, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(seed)
     total = sum(lengths)
-    q = torch.randn(total, heads[0], HEAD_DIM, generator=gen, dtype=torch.float64)
-    k = torch.randn(total, heads[1], HEAD_DIM, generator=gen, dtype=torch.float64)
-    v = torch.randn(total, heads[1], HEAD_DIM, generator=gen, dtype=torch.float64)
-    dout = torch.randn(total, heads[0], HEAD_DIM, generator=gen, dtype=torch.float64)
-    return q, k, v, dout
+    shapes = [(total, heads[0], HEAD_DIM), (total, heads[1], HEAD_DIM), (total, heads[1], HEAD_DIM),
+              (total, heads[0], HEAD_DIM)]
+    return [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for shape in shapes]
 
 
 CASES = [
@@ -93,29 +91,33 @@ CASES = [
 ]
 
 
-def _check(dist_pool, name: str, inner_size: int, heads: tuple[int, int], docs: str) -> None:
+def _check(dist_pool, name: str, inner_size: int, heads: tuple[int, int], docs: str,
+           dtype: torch.dtype = torch.float64) -> None:
+    """Outputs and gradients against the dense reference; measured bytes against model_stats."""
     world_size = dist_pool.world_size
     lengths = DOCS[docs]
     cu = _cu(lengths)
-    q, k, v, dout = _inputs(lengths, heads, seed=len(lengths) + heads[1])
+    q, k, v, dout = _inputs(lengths, heads, len(lengths) + heads[1], dtype)
     results = dist_pool.run(run_method, name, inner_size, cu, q, k, v, dout)
 
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ref_out, _ = dense_attention(*leaves, cu)
-    ref_out.backward(dout)
+    ref_out.backward(dout.double())
+    tol = TOL if dtype == torch.float64 else 1e-5
 
     layout = get(name).layout(cu, world_size, **_layout_kwargs(name, inner_size))
     out = unshard([r["out"] for r in results], layout)
-    torch.testing.assert_close(out, ref_out.detach(), atol=TOL, rtol=0)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref_out.detach(), atol=tol, rtol=0)
     for i, leaf in enumerate(leaves):
         grad = unshard([r["grads"][i] for r in results], layout)
-        torch.testing.assert_close(grad, leaf.grad, atol=TOL, rtol=0, msg=lambda m: f"grad {'qkv'[i]}: {m}")
+        torch.testing.assert_close(grad.double(), leaf.grad, atol=tol, rtol=0, msg=lambda m: f"grad {'qkv'[i]}: {m}")
     for rank, r in enumerate(results):
         pad = layout.positions[rank] < 0
         assert not r["out"][pad].any() and not any(g[pad].any() for g in r["grads"])
 
-    stats = get(name).model_stats(cu, world_size, _cost_model(heads), inner_size=inner_size)
-    cost_model = _cost_model(heads)
+    cost_model = _cost_model(heads, torch.finfo(dtype).bits // 8)
+    stats = get(name).model_stats(cu, world_size, cost_model, inner_size=inner_size)
     for rank, r in enumerate(results):
         intra = sum(b for (_, peer), b in r["sent"].items() if cost_model.link_between(rank, peer) == "intra")
         assert sum(r["sent"].values()) == stats["sent_bytes_per_rank"][rank]
@@ -136,6 +138,12 @@ def test_matches_reference_world2(dist_pool, name, inner_size, heads, docs):
 ])
 def test_matches_reference_world4(dist_pool, name, inner_size, heads, docs):
     _check(dist_pool, name, inner_size, heads, docs)
+
+
+@pytest.mark.parametrize("dist_pool", [4], indirect=True)
+@pytest.mark.parametrize("name,inner_size", [("p2p", 1), ("all_gather", 1), ("a2a", 1), ("a2a+p2p", 2)])
+def test_float32_world4(dist_pool, name, inner_size):
+    _check(dist_pool, name, inner_size, (4, 2), "mixed", torch.float32)
 
 
 def ulysses_error(rank: int, world_size: int, heads_q: int, heads_kv: int) -> str:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from megatron_sap.planning.cost_model import LINK_INTER, LINK_INTRA, CostModel
 
-# torch >= 2.12 renames the fused collectives; older releases only have the old names.
+# Recent torch renames the fused collectives (deprecating the old names); older releases lack the new ones.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -65,11 +65,13 @@ def as_cu_seqlens(cu_seqlens: Tensor | Sequence[int]) -> Tensor:
     """Validated int64 CPU copy of document boundaries."""
     cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).flatten().cpu()
     if cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()}")
+        raise ValueError(f"cu_seqlens must hold at least two entries, start at 0 and never decrease; "
+                         f"got {cu.numel()} entries starting {cu[:8].tolist()}")
     return cu
 
 
 def check_world_size(world_size: int) -> None:
+    """Reject a world size a layout cannot be built for."""
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
 

@@ -12,8 +12,10 @@ r holds the KV of rank s = r - i (mod P) and computes what causality allows:
   * s < r: all local queries against the first-half KV chunk (chunk s);
   * s > r: the second-half query chunk against all KV.
 Partial results merge by log-sum-exp. Backward sends the same KV around again and
-a dKV buffer chases it so each block's gradient ends at its owner. Every transfer
-is posted before the step's kernels run, so it overlaps them.
+a dKV buffer chases it, collecting every other rank's share of a block's gradient
+and arriving at the owner after P-1 hops (the owner's own share never travels).
+Each KV transfer is posted before the step's kernels run, so it overlaps them;
+a dKV hop overlaps the next step's kernels.
 
 Padding sits at the end of each document, so real queries never see a padding key.
 """
@@ -38,7 +40,7 @@ from megatron_sap.baselines.common import (
     zero_padding_rows,
 )
 from megatron_sap.comm.traffic import record_send
-from megatron_sap.kernels import merge_partials, varlen_backward, varlen_forward
+from megatron_sap.kernels import merge_into, merge_partials, varlen_backward, varlen_forward
 from megatron_sap.planning.cost_model import CostModel
 
 NAME = "p2p"
@@ -148,7 +150,7 @@ class _Shift:
 
 @dataclass(frozen=True)
 class _Block:
-    """What rank computes at one ring step: query rows x key rows (None = all rows)."""
+    """What this rank computes at one ring step: query rows x key rows (None: all rows)."""
 
     q_rows: Tensor | None
     kv_rows: Tensor | None
@@ -170,6 +172,7 @@ def _block(step: int, ring: Ring, shape: RingShape) -> _Block:
 
 
 def _rows(x: Tensor, rows: Tensor | None, dim: int = 0) -> Tensor:
+    """The selected rows of x (along dim), or x itself for all rows."""
     return x if rows is None else x.index_select(dim, rows)
 
 
@@ -193,9 +196,7 @@ class ZigzagRingAttention(torch.autograd.Function):
             elif b.q_rows is None:
                 out, lse = merge_partials(out, lse, o, l)
             else:
-                merged_out, merged_lse = merge_partials(out.index_select(0, b.q_rows), lse.index_select(1, b.q_rows), o, l)
-                out.index_copy_(0, b.q_rows, merged_out)
-                lse.index_copy_(1, b.q_rows, merged_lse.to(acc))
+                merge_into(out, lse, b.q_rows, o, l)
             if shift is not None:
                 kv = shift.wait()
         out = out.to(q.dtype)
