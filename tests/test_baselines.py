@@ -14,9 +14,20 @@ from megatron_sap.reference import dense_attention
 
 HEAD_DIM = 8
 TOL = 1e-10
-# Mixed lengths: 1-token documents, and one document longer than T / P for P = 2 and 4.
+
+
+def _random_lengths(seed: int, count: int) -> list[int]:
+    """A packed row of random documents: a third of them one token long, the rest 2..40, then one of 64."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 41, (count,), generator=gen)
+    ones = torch.rand(count, generator=gen) < 1 / 3
+    return [*torch.where(ones, 1, lengths).tolist(), 64]
+
+
+# 1-token documents, and documents longer than T / P for P = 2 and 4.
 DOCS = {
     "mixed": [1, 37, 1, 5, 70, 1, 13, 2],
+    "random": _random_lengths(seed=7, count=9),
     "one_long": [97],
     "tiny": [1, 1, 0, 2, 1, 3],  # with an empty document
 }
