@@ -2,8 +2,8 @@
 
 One step of the program sends one contiguous buffer to one peer and receives one
 from another, posted together with `batch_isend_irecv` so NCCL and gloo can run them
-while the caller computes. `wait` turns a failure (a dead peer, a timeout) into an
-error naming the step and the peers.
+while the caller computes. Posting and `wait` turn a failure (a dead peer, a timeout)
+into an error naming the step and the peers.
 """
 from __future__ import annotations
 
@@ -46,5 +46,9 @@ def post_exchange(
         ops.append(dist.P2POp(dist.isend, send, send_peer, group=group, tag=tag))
     if recv is not None and recv.numel():
         ops.append(dist.P2POp(dist.irecv, recv, recv_peer, group=group, tag=tag))
-    works = dist.batch_isend_irecv(ops) if ops else []
-    return PendingExchange(works, f"{what} (send to rank {send_peer}, receive from rank {recv_peer}, tag {tag})")
+    description = f"{what} (send to rank {send_peer}, receive from rank {recv_peer}, tag {tag})"
+    try:
+        works = dist.batch_isend_irecv(ops) if ops else []
+    except Exception as exc:  # gloo raises while posting when a peer's connection is already closed
+        raise RuntimeError(f"SAP {description} failed: {exc}") from exc
+    return PendingExchange(works, description)
