@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: `dist_pool`, a module-scoped pool of gloo workers (see dist_pool.py)."""
+"""Shared pytest fixtures: `dist_pool`, the module's pool of gloo workers of a given size (see dist_pool.py)."""
 from __future__ import annotations
 
 import sys
@@ -17,14 +17,27 @@ from dist_pool import WorkerPool  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def dist_pool(request: pytest.FixtureRequest) -> Iterator[WorkerPool]:
+def _module_dist_pools() -> Iterator[dict[int, WorkerPool]]:
+    """The module's pools by world size: each starts on first use and stops after the module."""
+    pools: dict[int, WorkerPool] = {}
+    try:
+        yield pools
+    finally:
+        for pool in pools.values():
+            pool.close()
+
+
+@pytest.fixture
+def dist_pool(request: pytest.FixtureRequest, _module_dist_pools: dict[int, WorkerPool]) -> WorkerPool:
     """A WorkerPool shared by a module's tests; parametrize it indirectly with the world size.
 
-    `@pytest.mark.parametrize("dist_pool", [4, 8], indirect=True)`: pytest groups the tests by
-    size, so each size starts once per module.
+    `@pytest.mark.parametrize("dist_pool", [4, 8], indirect=True)`. Each size starts once per
+    module, however many parametrize marks name it (pytest would restart a parametrized
+    module-scoped fixture whenever the parameter's position changes).
     """
     world_size = getattr(request, "param", None)
     if world_size is None:
         pytest.fail('dist_pool needs a world size: @pytest.mark.parametrize("dist_pool", [4], indirect=True)')
-    with WorkerPool(world_size) as pool:
-        yield pool
+    if world_size not in _module_dist_pools:
+        _module_dist_pools[world_size] = WorkerPool(world_size)
+    return _module_dist_pools[world_size]

@@ -262,7 +262,8 @@ def _job_error(what: str, failures: dict[int, _Failure], unfinished: list[int], 
         )
     lines = [f"{what} failed on ranks {sorted(failures)}; the pool was restarted"]
     lines += [f"  rank {rank}: {failures[rank].summary}" for rank in sorted(failures)]
-    lines += [f"  rank {rank}: killed, still running {FAILURE_GRACE_S:g} s after the first failure" for rank in unfinished]
+    killed = f"killed, still running {FAILURE_GRACE_S:g} s after the first failure"
+    lines += [f"  rank {rank}: {killed}" for rank in unfinished]
     for rank in sorted(failures):
         if failures[rank].traceback:
             lines += [f"--- rank {rank} traceback:", failures[rank].traceback.rstrip()]
