@@ -14,7 +14,7 @@ import megatron_sap as sap
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
 from megatron_sap.planning.evaluate import evaluate
 from megatron_sap.planning.placement import candidates
-from megatron_sap.planning.plan import DEFAULT_SLACKS
+from megatron_sap.planning.plan import DEFAULT_SLACKS, TIME_TOLERANCE
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MAX_TOKENS = 768  # keeps the dense T x T coverage matrices small
@@ -222,16 +222,17 @@ def test_default_cache_is_used_without_argument():
 @SETTINGS
 @given(batches())
 def test_chosen_candidate_is_the_fastest(batch):
+    """The plan is the fastest candidate or, within TIME_TOLERANCE of it, the one moving fewest bytes."""
     cu, outer, inner = batch
     plan = plan_of(cu, outer, inner)
     considered = plan.considered
-    expected = {f"greedy(slack={s:g})" for s in DEFAULT_SLACKS}
+    expected = {f"greedy(slack={s:g}, {split})" for s in DEFAULT_SLACKS for split in ("zigzag", "contiguous")}
     if outer > 1:
         expected.add("contiguous")
     assert expected <= set(considered) <= expected | {"zigzag"}
     assert considered[plan.strategy] == plan.evaluation.makespan_s
-    for name, seconds in considered.items():
-        assert plan.evaluation.makespan_s <= seconds * (1 + 1e-9), name
+    fastest = min(considered.values())
+    assert plan.evaluation.makespan_s <= fastest * (1 + TIME_TOLERANCE) + 1e-15
     assert plan.stats()["candidates_modelled_time_s"] == considered
 
 
@@ -305,16 +306,16 @@ def pinned_batch(name: str) -> list[int]:
 
 
 PINNED = {
-    ("realistic:16384:0", 8, 1): "be0ce463ba1adc93",
-    ("realistic:16384:1", 4, 2): "7d967c11633b7cfd",
-    ("realistic:65536:2", 16, 4): "94073d90cf1ffc52",
-    ("realistic:131072:3", 64, 1): "d2e0bf6e4c8a11eb",
-    ("realistic:131072:4", 32, 2): "556f5a11b9a28409",
-    ("realistic:131072:6", 64, 1): "9276b9500e737245",
-    ("realistic:131072:7", 16, 4): "d0df57e45d813e26",
-    ("realistic:131072:20", 64, 1): "efb9eb5c0909e9a1",
-    ("ones", 64, 1): "e3bc3853ce64de00",
-    ("one-and-ones", 16, 4): "e4e0f75e42e885c5",
+    ('one-and-ones', 16, 4): 'f344eac74db1d087',
+    ('ones', 64, 1): '83a5fb95f27dd391',
+    ('realistic:131072:20', 64, 1): 'e5ab56beb550a9ec',
+    ('realistic:131072:3', 64, 1): '36987b5297362465',
+    ('realistic:131072:4', 32, 2): 'c9cece4eaece3722',
+    ('realistic:131072:6', 64, 1): 'bafd44c8e824b841',
+    ('realistic:131072:7', 16, 4): '5757c00983b53c29',
+    ('realistic:16384:0', 8, 1): '25b5ab26c315823e',
+    ('realistic:16384:1', 4, 2): 'd97ce48100514c70',
+    ('realistic:65536:2', 16, 4): 'e328d2c22b40af49',
 }
 
 

@@ -65,6 +65,27 @@ def chunk_sizes(length: int, k: int) -> list[int]:
     return sizes
 
 
+def split_slots(length: int, k: int, split: str) -> list[list[tuple[int, int]]]:
+    """How a document of `length` tokens is cut over k ranks: per rank, its (offset, size) pieces.
+
+    ``zigzag``: 2k chunks paired head-to-tail, equal causal work per rank.
+    ``contiguous``: k consecutive equal pieces. Later pieces carry more causal work but
+    every rank needs only the keys before its piece, a third less traffic than zigzag;
+    the greedy gives heavier pieces to lighter ranks and fills the rest with short
+    documents.
+    """
+    if split == "zigzag":
+        sizes = chunk_sizes(length, k)
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        return [[(offsets[i], sizes[i]), (offsets[2 * k - 1 - i], sizes[2 * k - 1 - i])] for i in range(k)]
+    if split == "contiguous":
+        bounds = [length * i // k for i in range(k + 1)]
+        return [[(bounds[i], bounds[i + 1] - bounds[i])] for i in range(k)]
+    raise ValueError(f"unknown split {split!r}; expected 'zigzag' or 'contiguous'")
+
+
 def _zigzag_pieces(doc: int, start: int, sizes: list[int]) -> list[list[Piece]]:
     """Cut a document into chunks of `sizes` and pair them head-to-tail: result[i] = pieces of pair i."""
     k = len(sizes) // 2
@@ -143,10 +164,12 @@ def greedy(
     model: CostModel,
     slack: float,
     rank_node: list[int] | None = None,
+    split: str = "zigzag",
 ) -> Placement:
     """Sequence-aware placement: keep documents whole, split the ones that would
     overload a rank over as few ranks as possible, preferring ranks of one node
-    (see module docstring). `rank_node[r]` is the node of rank r."""
+    (see module docstring). `rank_node[r]` is the node of rank r; `split` is how a
+    document is cut over k ranks (see `split_slots`)."""
     R = num_ranks
     rank_node = rank_node or [0] * R
     cost = [piece_cost(model, 0, n) for n in lengths]
@@ -165,52 +188,40 @@ def greedy(
         n, start = lengths[d], doc_starts[d]
         by_load = sorted(range(R), key=load.__getitem__)
         whole = next((r for r in by_load if room[r] >= n), None)
-        options: list[tuple[int, int, list[int], list[int]]] = []
+        options: list[tuple[int, int, list[int], list[list[tuple[int, int]]]]] = []
         if whole is not None:
             if load[whole] + cost[d] <= limit:
                 put(whole, Piece(d, start, start + n), cost[d])
                 continue
-            options.append((load[whole] + cost[d], 1, [whole], [n, 0]))
+            options.append((load[whole] + cost[d], 1, [whole], [[(0, n)]]))
         for k in _split_degrees(cost[d], [load[r] for r in by_load], limit, min(R, n)):
-            sizes = chunk_sizes(n, k)
-            offsets = [0]
-            for size in sizes:
-                offsets.append(offsets[-1] + size)
-            pair_cost = [
-                piece_cost(model, offsets[i], sizes[i]) + piece_cost(model, offsets[2 * k - 1 - i], sizes[2 * k - 1 - i])
-                for i in range(k)
-            ]
-            need = max(sizes[i] + sizes[2 * k - 1 - i] for i in range(k))
+            slots = split_slots(n, k, split)
+            slot_cost = [sum(piece_cost(model, off, size) for off, size in slot) for slot in slots]
+            need = max(sum(size for _, size in slot) for slot in slots)
             eligible = [r for r in by_load if room[r] >= need]
             if len(eligible) < k:
                 continue
-            heavy_first = sorted(range(k), key=lambda i: -pair_cost[i])
+            heavy_first = sorted(range(k), key=lambda i: -slot_cost[i])
             best_here = None
             for chosen in (_node_local(eligible, k, rank_node), eligible[:k]):
                 chosen = sorted(chosen, key=load.__getitem__)
                 assignment = [0] * k
-                for slot, i in enumerate(heavy_first):
-                    assignment[i] = chosen[slot]
-                peak = max(load[assignment[i]] + pair_cost[i] for i in range(k))
+                for place, i in enumerate(heavy_first):
+                    assignment[i] = chosen[place]
+                peak = max(load[assignment[i]] + slot_cost[i] for i in range(k))
                 if best_here is None or (best_here[0] > limit and peak < best_here[0]):
-                    best_here = (peak, k, assignment, sizes)
+                    best_here = (peak, k, assignment, slots)
             options.append(best_here)
             if best_here[0] <= limit:
                 break
         if options:
             # The loop stops at the first k within the limit; else take the lowest peak.
             best = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
-            _, k, assignment, sizes = best
-            if k == 1:
-                put(assignment[0], Piece(d, start, start + n), cost[d])
-                continue
-            offsets = [0]
-            for size in sizes:
-                offsets.append(offsets[-1] + size)
-            for i, r in enumerate(assignment):
-                for c in (i, 2 * k - 1 - i):
-                    if sizes[c]:
-                        put(r, Piece(d, start + offsets[c], start + offsets[c + 1]), piece_cost(model, offsets[c], sizes[c]))
+            _, _, assignment, slots = best
+            for r, slot in zip(assignment, slots):
+                for off, size in slot:
+                    if size:
+                        put(r, Piece(d, start + off, start + off + size), piece_cost(model, off, size))
             continue
         # Fragmented room: cut the document over the ranks with the most room.
         pos, end = start, start + n
@@ -221,7 +232,7 @@ def greedy(
             if take > 0:
                 put(r, Piece(d, pos, pos + take), piece_cost(model, pos - start, take))
                 pos += take
-    return _finish(capacity, per_rank, f"greedy(slack={slack:g})")
+    return _finish(capacity, per_rank, f"greedy(slack={slack:g}, {split})")
 
 
 def _node_local(eligible: list[int], k: int, rank_node: list[int]) -> list[int]:
@@ -266,7 +277,11 @@ def candidates(
     rank_node: list[int] | None = None,
 ) -> list[Placement]:
     """Every placement the planner weighs, sequence-aware ones first."""
-    out = [greedy(doc_starts, lengths, num_ranks, capacity, model, s, rank_node) for s in slacks]
+    out = [
+        greedy(doc_starts, lengths, num_ranks, capacity, model, s, rank_node, split)
+        for split in ("zigzag", "contiguous")
+        for s in slacks
+    ]
     if num_ranks > 1:
         z = zigzag(doc_starts, lengths, num_ranks, capacity)
         if z is not None:
