@@ -193,8 +193,13 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
 
 def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{name} contains NaN or Inf (MEGATRON_SAP_CHECK_FINITE / check_finite is on)")
+        bad = ~torch.isfinite(t)
+        if bad.any():
+            token, head, _ = (int(i) for i in torch.nonzero(bad)[0])
+            raise ValueError(
+                f"{name} contains {int(bad.sum())} NaN or Inf values, the first at local token {token}, head {head} "
+                f"(MEGATRON_SAP_CHECK_FINITE / check_finite is on)"
+            )
 
 
 def _check_agreement(plan: Plan, groups) -> None:
@@ -209,7 +214,13 @@ def _check_agreement(plan: Plan, groups) -> None:
     mine = int(plan.signature(), 16) & ((1 << 62) - 1)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(groups.cp_group) == "nccl" else torch.device("cpu")
     values = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=groups.cp_group)
+    try:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=groups.cp_group)
+    except Exception as exc:  # a dead or stuck rank: the backend's error type varies (gloo, NCCL)
+        raise RuntimeError(
+            f"SAP agreement check (all-reduce of plan hashes over CP ranks {list(groups.cp_ranks)}, "
+            f"from cp_rank {groups.cp_rank}) failed: {exc}"
+        ) from exc
     high, low = int(values[0]), -int(values[1])
     if high != low:
         raise RuntimeError(
@@ -218,6 +229,17 @@ def _check_agreement(plan: Plan, groups) -> None:
             f"{plan.inner_size}x{plan.outer_size}), the group has hashes from {low:x} to {high:x}"
         )
     seen.add(id(groups.cp_group))
+
+
+def _inner_all_to_all(fn, name: str, x: torch.Tensor, groups, *args) -> torch.Tensor:
+    """One forward Ulysses all-to-all; a failure (a dead or stuck peer) names the step and the inner group."""
+    try:
+        return fn(x, groups.inner_group, groups.inner_size, *args)
+    except Exception as exc:  # the backend's own error type varies (gloo, NCCL)
+        raise RuntimeError(
+            f"SAP inner all-to-all of {name} ({fn.__name__}) over inner group ranks {list(groups.inner_ranks)}, "
+            f"from inner rank {groups.inner_rank}, failed: {exc}"
+        ) from exc
 
 
 def sap_attention(
@@ -252,8 +274,8 @@ def sap_attention(
     if U == 1:
         return _SAPOuterAttention.apply(q, k, v, plan, outer, scale, backend, recompute_kv)
     replicate = check_heads(q.shape[1], k.shape[1], U)
-    q_h = seq_to_head(q, groups.inner_group, U)
-    k_h = seq_to_head(k, groups.inner_group, U, replicate)
-    v_h = seq_to_head(v, groups.inner_group, U, replicate)
+    q_h = _inner_all_to_all(seq_to_head, "q", q, groups)
+    k_h = _inner_all_to_all(seq_to_head, "k", k, groups, replicate)
+    v_h = _inner_all_to_all(seq_to_head, "v", v, groups, replicate)
     out_h = _SAPOuterAttention.apply(q_h, k_h, v_h, plan, outer, scale, backend, recompute_kv)
-    return head_to_seq(out_h, groups.inner_group, U)
+    return _inner_all_to_all(head_to_seq, "out", out_h, groups)
