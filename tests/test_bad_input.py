@@ -1,0 +1,276 @@
+"""Bad input fails at the public entry points with a ValueError naming the problem and the values.
+
+Entry points: `plan_sequences`, `sap_attention` and the kernels (`varlen_forward`,
+`varlen_backward`). Every case matches a phrase that names the problem together with the
+offending number, so a check that fires for the wrong reason does not pass.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatron_sap as sap
+from megatron_sap.comm.groups import SAPGroups
+from megatron_sap.kernels import varlen_backward, varlen_forward
+from megatron_sap.planning import PlanCache
+from megatron_sap.reference import dense_attention
+
+
+def _plan(cu: list[int] | torch.Tensor, outer: int = 1, inner: int = 1) -> sap.Plan:
+    return sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=PlanCache())
+
+
+def _qkv(tokens: int, heads: int = 4, kv_heads: int = 2, dim: int = 8, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype)
+    return q, k, v
+
+
+def _fake_groups(inner: int, outer: int) -> SAPGroups:
+    """SAPGroups of cp_rank 0 without process groups: input checks run before any communication."""
+    world = inner * outer
+    return SAPGroups(
+        inner_size=inner,
+        outer_size=outer,
+        cp_rank=0,
+        inner_rank=0,
+        outer_rank=0,
+        cp_group=None,
+        inner_group=None,
+        outer_group=None,
+        cp_ranks=tuple(range(world)),
+        inner_ranks=tuple(range(inner)),
+        outer_ranks=tuple(range(0, world, inner)),
+    )
+
+
+# ---- plan_sequences: cu_seqlens and sizes ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cu", "outer", "inner", "pattern"),
+    [
+        ([1, 4, 8], 1, 1, r"must start at 0, got 1"),
+        ([0, 5, 3, 8], 1, 1, r"non-decreasing, but cu_seqlens\[2\]=3 < cu_seqlens\[1\]=5"),
+        ([0, 2**31], 1, 1, r"total 2147483648 is too large for int32"),
+        (torch.tensor([[0, 4, 8]]), 1, 1, r"must be 1-D, got shape \(1, 3\)"),
+        (torch.tensor([0.0, 4.0, 8.0]), 1, 1, r"integer dtype, got torch.float32"),
+        ([0, 4.0, 8], 1, 1, r"must hold integers, got 4.0 \(float\)"),
+        ([0, True, 8], 1, 1, r"must hold integers, got True \(bool\)"),
+        ([], 1, 1, r"cu_seqlens is empty"),
+        ([0, 0, 0], 1, 1, r"empty batch \(0 tokens\)"),
+        ([0, 5, 10], 3, 1, r"T = cu_seqlens\[-1\] \(10\) must be divisible by CP size P = outer_size\*inner_size = 3\*1 \(3\)"),
+        ([0, 5, 10], 2, 2, r"\(10\) must be divisible by CP size P = outer_size\*inner_size = 2\*2 \(4\)"),
+        ([0, 5, 12], 1, 0, r"inner_size must be a positive integer, got 0"),
+        ([0, 5, 12], 2.0, 1, r"outer_size must be a positive integer, got 2.0"),
+    ],
+)
+def test_plan_sequences_rejects(cu: list | torch.Tensor, outer: int, inner: int, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        _plan(cu, outer, inner)
+
+
+def test_plan_sequences_rejects_bad_input_through_the_cache() -> None:
+    """A rejected batch is never cached, so repeating it raises again instead of returning a plan."""
+    cache = PlanCache()
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"must start at 0, got 2"):
+            sap.plan_sequences([2, 4, 8], cache=cache)
+    assert len(cache) == 0
+
+
+def test_zero_length_documents_are_valid() -> None:
+    """Empty documents anywhere (first, middle, last, repeated) plan and attend like the reference."""
+    cu = [0, 0, 3, 3, 3, 7, 8, 8]
+    plan = _plan(cu)
+    q, k, v = _qkv(8, dtype=torch.float64)
+    out = sap.sap_attention(q, k, v, plan)
+    ref, _ = dense_attention(q, k, v, torch.tensor(cu))
+    assert torch.allclose(out, ref, atol=1e-12)
+    assert _plan(cu, outer=2, inner=2).local_tokens == 2
+
+
+# ---- sap_attention ------------------------------------------------------------------------------
+
+
+def test_sap_attention_rejects_mismatched_dtypes() -> None:
+    q, k, v = _qkv(8)
+    with pytest.raises(ValueError, match=r"share a dtype, got torch.float32, torch.float64, torch.float32"):
+        sap.sap_attention(q, k.double(), v, _plan([0, 8]))
+
+
+def test_sap_attention_rejects_mismatched_devices() -> None:
+    q, k, v = _qkv(8)
+    with pytest.raises(ValueError, match=r"one device, got cpu, meta, cpu"):
+        sap.sap_attention(q, k.to("meta"), v, _plan([0, 8]))
+
+
+def test_sap_attention_rejects_mismatched_head_dims() -> None:
+    q, _, _ = _qkv(8, dim=8)
+    _, k, v = _qkv(8, dim=16)
+    with pytest.raises(ValueError, match=r"same head_dim, got 8 and 16"):
+        sap.sap_attention(q, k, v, _plan([0, 8]))
+
+
+def test_sap_attention_rejects_k_v_shape_mismatch() -> None:
+    q, k, v = _qkv(8)
+    with pytest.raises(ValueError, match=r"k and v must have the same shape, got \(8, 2, 8\) and \(8, 1, 8\)"):
+        sap.sap_attention(q, k, v[:, :1], _plan([0, 8]))
+
+
+def test_sap_attention_rejects_non_3d() -> None:
+    q, k, v = _qkv(8)
+    with pytest.raises(ValueError, match=r"q must be \[tokens, heads, head_dim\], got shape \(8, 32\)"):
+        sap.sap_attention(q.flatten(1), k, v, _plan([0, 8]))
+
+
+def test_sap_attention_rejects_gqa_mismatch() -> None:
+    q, k, v = _qkv(8, heads=6, kv_heads=4)
+    with pytest.raises(ValueError, match=r"query heads \(6\) must be a multiple of key/value heads \(4\)"):
+        sap.sap_attention(q, k, v, _plan([0, 8]))
+
+
+def test_sap_attention_rejects_wrong_token_count() -> None:
+    """Each rank must hold T/P tokens: here 16/4 = 4, not the whole batch."""
+    plan = _plan([0, 7, 16], outer=2, inner=2)
+    q, k, v = _qkv(16)
+    with pytest.raises(ValueError, match=r"q has 16 tokens but the plan gives each rank T/P = 16/4 = 4"):
+        sap.sap_attention(q, k, v, plan, _fake_groups(2, 2))
+    q, k, v = _qkv(4)
+    with pytest.raises(ValueError, match=r"k has 3 tokens but the plan gives each rank T/P = 16/4 = 4"):
+        sap.sap_attention(q, k[:3], v[:3], plan, _fake_groups(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("plan_outer", "plan_inner", "groups_inner", "groups_outer", "pattern"),
+    [
+        (2, 1, None, None, r"built for inner x outer = 1 x 2 ranks, but the groups are 1 x 1"),
+        (4, 1, 2, 2, r"built for inner x outer = 1 x 4 ranks, but the groups are 2 x 2"),
+        (2, 2, 4, 1, r"built for inner x outer = 2 x 2 ranks, but the groups are 4 x 1"),
+        (1, 2, 2, 2, r"built for inner x outer = 2 x 1 ranks, but the groups are 2 x 2"),
+    ],
+)
+def test_sap_attention_rejects_plan_for_another_layout(
+    plan_outer: int, plan_inner: int, groups_inner: int | None, groups_outer: int | None, pattern: str
+) -> None:
+    plan = _plan([0, 5, 16], outer=plan_outer, inner=plan_inner)
+    groups = None if groups_inner is None else _fake_groups(groups_inner, groups_outer)
+    q, k, v = _qkv(plan.local_tokens)
+    with pytest.raises(ValueError, match=pattern):
+        sap.sap_attention(q, k, v, plan, groups)
+
+
+def test_sap_attention_rejects_something_else_as_plan() -> None:
+    q, k, v = _qkv(8)
+    with pytest.raises(ValueError, match=r"plan must be a megatron_sap Plan from plan_sequences, got list"):
+        sap.sap_attention(q, k, v, [0, 8])
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "inner", "pattern"),
+    [
+        (6, 2, 4, r"query heads \(6\) must be divisible by the inner \(Ulysses\) size \(4\)"),
+        (12, 6, 4, r"key/value heads \(6\) must be divisible by the inner size \(4\)"),
+        (12, 3, 4, r"key/value heads \(3\) fewer than the inner size \(4\) must divide it"),
+    ],
+)
+def test_sap_attention_rejects_heads_that_do_not_split(heads: int, kv_heads: int, inner: int, pattern: str) -> None:
+    plan = _plan([0, 9, 16], outer=1, inner=inner)
+    q, k, v = _qkv(plan.local_tokens, heads=heads, kv_heads=kv_heads)
+    with pytest.raises(ValueError, match=pattern):
+        sap.sap_attention(q, k, v, plan, _fake_groups(inner, 1))
+
+
+def test_sap_attention_rejects_non_causal() -> None:
+    q, k, v = _qkv(8)
+    with pytest.raises(ValueError, match=r"causal attention only \(causal=False is not supported\)"):
+        sap.sap_attention(q, k, v, _plan([0, 8]), causal=False)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_check_finite_flag(bad: float) -> None:
+    q, k, v = _qkv(8)
+    k[5, 1, 3] = bad
+    k[6, 0, 0] = bad
+    with pytest.raises(ValueError, match=r"k contains 2 NaN or Inf values, the first at local token 5, head 1"):
+        sap.sap_attention(q, k, v, _plan([0, 8]), check_finite=True)
+
+
+def test_check_finite_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MEGATRON_SAP_CHECK_FINITE=1 turns the check on; check_finite=False overrides it; off by default."""
+    q, k, v = _qkv(8)
+    q[2, 3, 0] = float("nan")
+    plan = _plan([0, 3, 8])
+    monkeypatch.delenv("MEGATRON_SAP_CHECK_FINITE", raising=False)
+    assert torch.isnan(sap.sap_attention(q, k, v, plan)[2, 3]).all()  # off: NaN stays in its own row
+    monkeypatch.setenv("MEGATRON_SAP_CHECK_FINITE", "1")
+    with pytest.raises(ValueError, match=r"q contains 1 NaN or Inf values, the first at local token 2, head 3"):
+        sap.sap_attention(q, k, v, plan)
+    sap.sap_attention(q, k, v, plan, check_finite=False)
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+
+
+def _cu(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("cu_q", "cu_k", "pattern"),
+    [
+        (_cu([1, 4, 8]), _cu([0, 4, 8]), r"cu_seqlens_q must start at 0, got 1"),
+        (_cu([0, 4, 8]), _cu([0, 6, 2, 8]), r"same number of segments, got 2 and 3"),
+        (_cu([0, 6, 2, 8]), _cu([0, 6, 2, 8]), r"cu_seqlens_q must be non-decreasing, but cu_seqlens_q\[1\]=6 > cu_seqlens_q\[2\]=2"),
+        (_cu([0, 4, 7]), _cu([0, 4, 8]), r"cu_seqlens_q must end at the number of tokens 8, got 7"),
+        (_cu([0, 4, 8]), _cu([0, 4, 9]), r"cu_seqlens_k must end at the number of tokens 8, got 9"),
+        (_cu([0, 4, 8]).float(), _cu([0, 4, 8]), r"cu_seqlens_q must be a 1-D int32/int64 tensor, got shape \(3,\) dtype torch.float32"),
+        (_cu([0, 4, 8]), _cu([[0, 4, 8]]), r"cu_seqlens_k must be a 1-D int32/int64 tensor, got shape \(1, 3\)"),
+        (_cu([0, 4, 8]), _cu([0, 4, 8]).to("meta"), r"must be on one device, got \['cpu', 'meta'\]"),
+    ],
+)
+def test_kernels_reject_bad_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, pattern: str) -> None:
+    q, k, v = _qkv(8)
+    with pytest.raises(ValueError, match=pattern):
+        varlen_forward(q, k, v, cu_q, cu_k, 8, 8, causal=True)
+    out, lse = torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+    with pytest.raises(ValueError, match=pattern):
+        varlen_backward(q, q, k, v, out, lse, cu_q, cu_k, 8, 8, causal=True)
+
+
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        (lambda q, k, v: (q.half(), k, v), r"share a dtype, got torch.float16, torch.float32, torch.float32"),
+        (lambda q, k, v: (q.int(), k.int(), v.int()), r"unsupported dtype torch.int32"),
+        (lambda q, k, v: (q[..., :4], k, v), r"same head_dim, got 4 and 8"),
+        (lambda q, k, v: (q[:, :3], k, v), r"query heads \(3\) must be a positive multiple of key/value heads \(2\)"),
+        (lambda q, k, v: (q, k, v[:, :1]), r"k and v must have the same shape, got \(8, 2, 8\) and \(8, 1, 8\)"),
+        (lambda q, k, v: (q, k.to("meta"), v.to("meta")), r"must be on one device, got \['cpu', 'meta'\]"),
+    ],
+)
+def test_kernels_reject_bad_tensors(change, pattern: str) -> None:
+    q, k, v = change(*_qkv(8))
+    cu = _cu([0, 3, 8])
+    with pytest.raises(ValueError, match=pattern):
+        varlen_forward(q, k, v, cu, cu, 5, 5, causal=True)
+
+
+def test_kernel_backward_rejects_mismatched_out_and_lse() -> None:
+    q, k, v = _qkv(8)
+    cu = _cu([0, 3, 8])
+    out, lse = varlen_forward(q, k, v, cu, cu, 5, 5, causal=True)
+    with pytest.raises(ValueError, match=r"dout \(7, 4, 8\) and out \(8, 4, 8\) must have q's shape \(8, 4, 8\)"):
+        varlen_backward(q[:7], q, k, v, out, lse, cu, cu, 5, 5, causal=True)
+    with pytest.raises(ValueError, match=r"lse must be \[Hq, Tq\] = \(4, 8\), got \(8, 4\)"):
+        varlen_backward(q, q, k, v, out, lse.T, cu, cu, 5, 5, causal=True)
+
+
+def test_kernels_accept_zero_length_segments() -> None:
+    q, k, v = _qkv(8, dtype=torch.float64)
+    cu = [0, 0, 3, 3, 8, 8]
+    out, lse = varlen_forward(q, k, v, _cu(cu), _cu(cu), 5, 5, causal=True)
+    ref, ref_lse = dense_attention(q, k, v, torch.tensor(cu))
+    assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
