@@ -1,0 +1,198 @@
+"""Train a tiny Megatron-Core GPT on CPU with SAP context parallelism and compare it with CP=1.
+
+`run_demo_training(steps)` packs real documents (CPython standard-library sources, byte-level
+tokens), trains the same model once on one process (CP=1, plain varlen attention) and once on
+four gloo processes with SAP (CP=4 as 2x2), and prints both loss curves side by side. The
+helpers (`stdlib_documents`, `packed_batch`, `build_tiny_gpt`, `train_step`) are what the
+Megatron acceptance test uses too.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sysconfig
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor
+
+VOCAB_SIZE = 256  # byte-level tokens
+DEMO_DOC_LENGTHS = (301, 17, 64, 95, 1, 34)  # a long document, a one-token one, ... : 512 tokens
+
+
+def stdlib_documents(lengths: tuple[int, ...] = DEMO_DOC_LENGTHS, *, skip: int = 0) -> tuple[Tensor, list[int]]:
+    """Pack byte-tokenised CPython stdlib sources into one [1, T] row with the given document lengths.
+
+    Deterministic: files are taken in sorted order (after `skip` files) and each document is the
+    first `length` bytes of a file long enough. Returns (tokens [1, T] int64, cu_seqlens).
+    """
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"document lengths must be positive, got {lengths}")
+    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[skip:]
+    docs, files = [], iter(sources)
+    for length in lengths:
+        for path in files:
+            data = path.read_bytes()
+            if len(data) >= length:
+                docs.append(torch.frombuffer(bytearray(data[:length]), dtype=torch.uint8).long())
+                break
+        else:
+            raise ValueError(f"no standard-library file has {length} bytes left to use")
+    cu = [0]
+    for doc in docs:
+        cu.append(cu[-1] + doc.numel())
+    return torch.cat(docs).unsqueeze(0), cu
+
+
+def packed_batch(tokens: Tensor, cu_seqlens: list[int]) -> dict[str, Tensor]:
+    """Next-token labels within each document; the last token of a document carries no loss."""
+    labels = torch.roll(tokens, -1, dims=1)
+    loss_mask = torch.ones_like(tokens, dtype=torch.float32)
+    loss_mask[0, torch.tensor(cu_seqlens[1:]) - 1] = 0.0
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(tokens.size(1)).unsqueeze(0),
+    }
+
+
+def build_tiny_gpt(seed: int = 1234, num_layers: int = 2):
+    """A 2-layer fp32 GPT (RoPE, GQA 4:2, SwiGLU, RMSNorm) with SAP core attention, built on CPU.
+
+    Needs Megatron's parallel state initialized (e.g. by `initialize_sap_parallel`).
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_sap.megatron import get_gpt_layer_sap_spec, make_rotary_cpu_safe
+
+    config = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        kv_channels=16,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cpu_initialization=True,
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    torch.manual_seed(seed)
+    model = GPTModel(
+        config,
+        get_gpt_layer_sap_spec(normalization="RMSNorm"),
+        vocab_size=VOCAB_SIZE,
+        max_sequence_length=4096,
+        position_embedding_type="rope",
+    )
+    make_rotary_cpu_safe(model.rotary_pos_emb)
+    return model
+
+
+def train_step(model, optimizer: torch.optim.Optimizer, batch: dict[str, Tensor], cu_seqlens: list[int]) -> tuple[Tensor, float]:
+    """One step: SAP split, forward, token-mean loss, backward, gradient all-reduce as DDP does, update.
+
+    Gradients are summed over data-parallel-with-CP and divided by the data-parallel size: the
+    sum over CP ranks completes the packed row's gradient, the division averages replicas.
+
+    Returns (this rank's per-token losses in local order, the global mean loss).
+    """
+    from megatron.core import parallel_state
+
+    from megatron_sap.megatron import sap_loss, sap_split_batch
+
+    local, params = sap_split_batch(batch, cu_seqlens)
+    optimizer.zero_grad()
+    per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"], packed_seq_params=params)
+    loss, mean = sap_loss(per_token, local["loss_mask"])
+    loss.backward()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if group.size() > 1:
+        replicas = parallel_state.get_data_parallel_world_size()
+        for param in model.parameters():
+            dist.all_reduce(param.grad, group=group)
+            param.grad /= replicas
+    optimizer.step()
+    return per_token.detach(), float(mean)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _train_worker(rank: int, world_size: int, port: int, inner: int, outer: int, steps: int, results) -> None:
+    """One process of a demo run: init gloo + Megatron parallel state, train, report rank 0's curve."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        from megatron.core import parallel_state
+
+        from megatron_sap.megatron import initialize_sap_parallel
+
+        initialize_sap_parallel(inner_size=inner, outer_size=outer)
+        model = build_tiny_gpt()
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        tokens, cu = stdlib_documents()
+        batch = packed_batch(tokens, cu)
+        curve = [train_step(model, optimizer, batch, cu)[1] for _ in range(steps)]
+        if rank == 0:
+            results.put(curve)
+        parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(inner: int, outer: int, steps: int, timeout: float) -> list[float]:
+    """Spawn inner*outer gloo processes and return the loss curve."""
+    world_size = inner * outer
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    procs = [
+        context.Process(target=_train_worker, args=(rank, world_size, port, inner, outer, steps, results))
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        curve = results.get(timeout=timeout)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    failed = [proc.exitcode for proc in procs if proc.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"demo worker(s) exited with {failed}")
+    return curve
+
+
+def run_demo_training(steps: int = 5, timeout: Optional[float] = 600.0) -> tuple[list[float], list[float]]:
+    """Train with CP=1 and with SAP on 4 gloo ranks (2x2); print and return both loss curves."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    reference = _run(1, 1, steps, timeout)
+    sap_curve = _run(2, 2, steps, timeout)
+    print(f"{'step':>4}  {'CP=1 loss':>10}  {'SAP CP=4 (2x2) loss':>20}")
+    for step, (a, b) in enumerate(zip(reference, sap_curve), start=1):
+        print(f"{step:>4}  {a:>10.5f}  {b:>20.5f}")
+    print(f"largest difference: {max(abs(a - b) for a, b in zip(reference, sap_curve)):.2e}")
+    return reference, sap_curve
+
+
+if __name__ == "__main__":
+    run_demo_training()

@@ -1,0 +1,103 @@
+"""Megatron-LM command-line flags for SAP.
+
+`add_sap_args` is an `extra_args_provider` (Megatron calls it with its parser and uses the parser
+it returns); `chain_args_providers` lets it run beside the provider a script already passes
+(`pretrain_gpt.py` passes the model-optimizer one). `sap_settings_from_args` resolves the parsed
+flags (SAP levels default from `--hierarchical-context-parallel-sizes`) and applies the options.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from megatron_sap.planning import PRESETS
+
+from .options import BACKENDS, SAPOptions, set_sap_options
+
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `sap` argument group (used with `--cp-comm-type sap`)."""
+    group = parser.add_argument_group(title="sap", description="Sequence-Aware Parallelism for packed sequences")
+    group.add_argument(
+        "--sap-inner-size", type=int, default=None,
+        help="SAP inner (intra-node) level U; default: first entry of --hierarchical-context-parallel-sizes, "
+        "else the context-parallel size",
+    )
+    group.add_argument(
+        "--sap-outer-size", type=int, default=None,
+        help="SAP outer (inter-node) level R; default: second entry of --hierarchical-context-parallel-sizes, else 1",
+    )
+    group.add_argument("--sap-backend", choices=BACKENDS, default="auto", help="attention kernel backend")
+    group.add_argument(
+        "--sap-cost-preset", choices=sorted(PRESETS), default=None,
+        help="hardware cost model the planner balances against",
+    )
+    group.add_argument(
+        "--sap-calibration-file", default=None,
+        help="JSON of measured cost-model rates (written by scripts/gpu_check); replaces --sap-cost-preset",
+    )
+    group.add_argument("--sap-plan-cache-size", type=int, default=None, help="plans kept per process")
+    group.add_argument(
+        "--sap-check-agreement", action=argparse.BooleanOptionalAction, default=True,
+        help="check once per micro-batch that all CP ranks hold the same cu_seqlens",
+    )
+    return parser
+
+
+def chain_args_providers(*providers: Optional[ArgsProvider]) -> ArgsProvider:
+    """One provider that applies each given provider in turn (None entries are skipped)."""
+    active = [provider for provider in providers if provider is not None]
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for each in active:
+            parser = each(parser)
+        return parser
+
+    return provider
+
+
+@dataclass(frozen=True)
+class SAPSettings:
+    """Resolved SAP levels plus the layer options."""
+
+    inner_size: int
+    outer_size: int
+    options: SAPOptions
+
+
+def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
+    """Resolve the SAP levels against the CP size, apply the options, and return both.
+
+    Raises ValueError when the levels do not multiply to `--context-parallel-size` or contradict
+    `--hierarchical-context-parallel-sizes`.
+    """
+    cp_size = getattr(args, "context_parallel_size", 1) or 1
+    hierarchical = getattr(args, "hierarchical_context_parallel_sizes", None)
+    if hierarchical and len(hierarchical) != 2:
+        raise ValueError(f"SAP needs two hierarchical CP levels [inner, outer], got {hierarchical}")
+    default_inner, default_outer = hierarchical if hierarchical else (None, None)
+    inner, outer = args.sap_inner_size, args.sap_outer_size
+    if inner is None:
+        inner = default_inner if default_inner is not None else cp_size // (outer or 1)
+    if outer is None:
+        outer = default_outer if default_outer is not None else cp_size // inner
+    if inner < 1 or outer < 1 or inner * outer != cp_size:
+        raise ValueError(
+            f"--sap-inner-size {inner} x --sap-outer-size {outer} must equal --context-parallel-size {cp_size}"
+        )
+    if hierarchical and [inner, outer] != list(hierarchical):
+        raise ValueError(
+            f"--sap-inner-size/--sap-outer-size ({inner}, {outer}) contradict "
+            f"--hierarchical-context-parallel-sizes {list(hierarchical)}"
+        )
+    options = set_sap_options(
+        backend=args.sap_backend,
+        cost_preset=args.sap_cost_preset,
+        calibration_file=args.sap_calibration_file,
+        plan_cache_size=args.sap_plan_cache_size,
+        check_agreement=args.sap_check_agreement,
+    )
+    return SAPSettings(inner_size=inner, outer_size=outer, options=options)

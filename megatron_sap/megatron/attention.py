@@ -1,0 +1,150 @@
+"""`SAPDotProductAttention`: a drop-in Megatron core attention that runs SAP context parallelism.
+
+Megatron builds it through a layer spec with the same keywords as its own core attention and calls
+it with q/k/v after the projections and RoPE. Under SAP the local tokens are the ones
+`plan.local_indices(cp_rank)` names (see `sap_split_batch`), so the layer only needs the global
+`cu_seqlens` from `packed_seq_params` to look the plan up (a cache hit after the first layer).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+import megatron_sap as sap
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .groups import sap_groups_from_pg_collection
+from .options import get_sap_options
+from .plans import plan_for
+
+_CAUSAL_MASKS = (AttnMaskType.causal, AttnMaskType.padding_causal)
+_SUPPORTED_MASKS = _CAUSAL_MASKS + (AttnMaskType.no_mask,)
+
+
+class SAPDotProductAttention(MegatronModule):
+    """Core attention for packed (THD) and SBHD inputs with SAP context parallelism.
+
+    Builder keywords match Megatron's `DotProductAttention`/`TEDotProductAttention`; extra keywords
+    Megatron adds in other versions are accepted and ignored. The CP groups come from
+    `pg_collection` (`cp`, plus `hcp` = [inner, outer] when hierarchical CP is configured) or,
+    without one, from `parallel_state`.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Any = None,
+        **_unused: Any,
+    ) -> None:
+        super().__init__(config=config)
+        if cp_comm_type not in (None, "sap"):
+            raise ValueError(f"SAPDotProductAttention runs cp_comm_type 'sap', got {cp_comm_type!r}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(
+                f"SAP attention has no attention dropout; set attention_dropout=0 (--attention-dropout 0), got {dropout}"
+            )
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"SAP attention supports softmax_type 'vanilla' only, got {config.softmax_type!r}")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError(f"SAP attention does not support sliding windows (window_size={config.window_size})")
+        if attn_mask_type not in _SUPPORTED_MASKS:
+            raise ValueError(f"SAP attention supports causal or no_mask attention, got {attn_mask_type}")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        # apply_query_key_layer_scaling divides the scale by layer_number and multiplies the logits
+        # back in the softmax, a numerical trick for fp16 that leaves the result unchanged: ignore it.
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        )
+        self.groups = sap_groups_from_pg_collection(pg_collection)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+        **_unused: Any,
+    ) -> Tensor:
+        """q [t, Hq, D] (THD) or [s, b, Hq, D] (SBHD); k/v with Hkv heads. Returns [t, Hq*D] / [s, b, Hq*D]."""
+        if attention_bias is not None:
+            raise ValueError("SAP attention does not take an attention_bias")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type not in _SUPPORTED_MASKS:
+            raise ValueError(f"SAP attention supports causal or no_mask attention, got {mask_type}")
+        causal = mask_type in _CAUSAL_MASKS
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._packed(query, key, value, packed_seq_params, causal).flatten(1)
+        if query.dim() != 4:
+            raise ValueError(f"SBHD attention expects q [s, b, heads, dim], got shape {tuple(query.shape)}")
+        if packed_seq_params is not None:  # SBHD with b == 1 carrying packed documents
+            if query.size(1) != 1:
+                raise ValueError(f"packed SBHD input needs batch size 1, got {query.size(1)}")
+            out = self._packed(query[:, 0], key[:, 0], value[:, 0], packed_seq_params, causal)
+            return out.flatten(1).unsqueeze(1)
+        return self._rows(query, key, value, causal)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal: bool) -> Tensor:
+        """One packed row of local tokens in plan order through `sap_attention`."""
+        plan = plan_for(cu_seqlens, self.groups)
+        if plan.total_tokens != q.size(0) * plan.world_size:
+            raise ValueError(
+                f"{q.size(0)} local tokens on {plan.world_size} CP ranks do not match cu_seqlens "
+                f"covering {plan.total_tokens} tokens; split the batch with sap_split_batch"
+            )
+        return sap.sap_attention(
+            q,
+            k,
+            v,
+            plan,
+            self.groups,
+            causal=causal,
+            softmax_scale=self.softmax_scale,
+            backend=get_sap_options().backend,
+        )
+
+    def _packed(self, q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams, causal: bool) -> Tensor:
+        """THD: the global cu_seqlens of the packed row."""
+        if params.cu_seqlens_q is None:
+            raise ValueError("packed_seq_params.cu_seqlens_q is required for packed SAP attention")
+        if params.cu_seqlens_kv is not None and not torch.equal(
+            params.cu_seqlens_kv.to(params.cu_seqlens_q.device), params.cu_seqlens_q
+        ):
+            raise ValueError("SAP attention is self-attention: cu_seqlens_q and cu_seqlens_kv must match")
+        if params.cu_seqlens_q_padded is not None and not torch.equal(
+            params.cu_seqlens_q_padded.to(params.cu_seqlens_q.device), params.cu_seqlens_q
+        ):
+            raise ValueError(
+                "SAP needs no per-document padding; pass cu_seqlens_q_padded=None or equal to cu_seqlens_q"
+            )
+        return self._attend(q, k, v, params.cu_seqlens_q, causal)
+
+    def _rows(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+        """SBHD without packed params: every batch row is one sequence (CP size 1 only)."""
+        if self.groups is not None:
+            raise ValueError(
+                "SAP with context parallelism needs packed batches: split them with sap_split_batch "
+                "(it returns the packed_seq_params the layers need)"
+            )
+        s, b = q.shape[:2]
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+        rows = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
+        out = self._attend(*rows, cu, causal)
+        return out.reshape(b, s, -1).transpose(0, 1)

@@ -1,0 +1,170 @@
+"""Split a packed micro-batch across the CP ranks the way SAP lays tokens out, and reduce its loss.
+
+Megatron's own split (`get_thd_batch_on_this_cp_rank`) pads every document to a multiple of 2*CP
+and deals zigzag chunks; SAP instead gives each rank the positions `plan.local_indices(cp_rank)`
+of one plan computed from the global `cu_seqlens`. The same plan is what every attention layer
+looks up, so the batch split and the layers always agree.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import megatron_sap as sap
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from .groups import _sap_groups, sap_groups_from_parallel_state
+from .options import get_sap_options
+from .plans import plan_for
+from .rope import install_sap_rope, register_token_positions
+
+GroupsLike = Union[None, dist.ProcessGroup, "sap.SAPGroups"]
+
+
+def resolve_groups(cp_group: GroupsLike) -> Optional["sap.SAPGroups"]:
+    """SAPGroups from an explicit SAPGroups, a CP process group, or Megatron's parallel state.
+
+    A process group that is Megatron's CP group picks up its hierarchical [inner, outer] groups;
+    any other process group is used flat. None means parallel_state's groups when Megatron is
+    initialized, else a single rank.
+    """
+    if isinstance(cp_group, sap.SAPGroups):
+        return cp_group if cp_group.world_size > 1 else None
+    megatron_ready = parallel_state.model_parallel_is_initialized()
+    if cp_group is None:
+        return sap_groups_from_parallel_state() if megatron_ready else None
+    if megatron_ready and cp_group is parallel_state.get_context_parallel_group():
+        return sap_groups_from_parallel_state()
+    return _sap_groups(cp_group, None)
+
+
+def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
+    """Document boundaries of a packed [1, T] row whose position ids restart at 0 per document.
+
+    Megatron's GPT datasets with `--reset-position-ids` produce such rows; this recovers the
+    `cu_seqlens` the THD path needs from them.
+    """
+    if position_ids.dim() != 2 or position_ids.size(0) != 1:
+        raise ValueError(f"position_ids must be [1, T] (micro-batch size 1), got shape {tuple(position_ids.shape)}")
+    row = position_ids[0]
+    starts = torch.nonzero(row == 0, as_tuple=False).flatten()
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        raise ValueError("position_ids must start a document (position 0) at token 0")
+    total = torch.tensor([row.numel()], device=row.device, dtype=starts.dtype)
+    return torch.cat([starts, total]).to(torch.int32)
+
+
+def _as_cu_seqlens(cu_seqlens: Union[Tensor, list[int]], total_tokens: int, device: torch.device) -> Tensor:
+    """A 1-D int32 tensor on `device`, checked against the batch length."""
+    cu = torch.as_tensor(cu_seqlens).flatten().to(device=device, dtype=torch.int32)
+    if cu.numel() < 2:
+        raise ValueError(f"cu_seqlens needs at least two entries, got {cu.tolist()}")
+    if int(cu[0]) != 0 or int(cu[-1]) != total_tokens:
+        raise ValueError(f"cu_seqlens must run from 0 to the batch length {total_tokens}, got {int(cu[0])}..{int(cu[-1])}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    return cu
+
+
+def _check_agreement(cu: Tensor, groups: "sap.SAPGroups") -> None:
+    """All CP ranks must plan the same packed row; compare a fingerprint of cu_seqlens."""
+    digest = hashlib.blake2b(cu.cpu().numpy().tobytes(), digest_size=8).digest()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(groups.cp_group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True), cu.numel()], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(groups.world_size)]
+    dist.all_gather(everyone, mine, group=groups.cp_group)
+    differing = [rank for rank, other in enumerate(everyone) if not torch.equal(other, mine)]
+    if differing:
+        raise ValueError(
+            f"CP ranks {differing} hold different cu_seqlens than CP rank {groups.cp_rank}: every rank of a "
+            "CP group must be given the same packed micro-batch"
+        )
+
+
+def sap_split_batch(
+    batch: Mapping[str, Optional[Tensor]],
+    cu_seqlens: Union[Tensor, list[int]],
+    cp_group: GroupsLike = None,
+) -> tuple[dict[str, Optional[Tensor]], PackedSeqParams]:
+    """This CP rank's share of a packed [1, T] batch, plus the PackedSeqParams the layers need.
+
+    Every [1, T] tensor (tokens, labels, loss_mask, ...) is sliced to the plan's local positions
+    ([1, T/P], in plan order); `position_ids` becomes each token's position inside its own document;
+    `attention_mask` becomes None (documents come from cu_seqlens). The PackedSeqParams holds the
+    global cu_seqlens (qkv_format "thd") and the longest document length. The SAP-aware RoPE is
+    installed and told the per-token positions, keyed by the returned cu_seqlens tensor.
+    """
+    lengths = {key: value.shape for key, value in batch.items() if isinstance(value, Tensor) and key != "attention_mask"}
+    if not lengths:
+        raise ValueError("batch holds no tensors to split")
+    for key, shape in lengths.items():
+        if len(shape) != 2 or shape[0] != 1:
+            raise ValueError(f"batch[{key!r}] must be [1, T] (packed, micro-batch size 1), got {tuple(shape)}")
+    total = {shape[1] for shape in lengths.values()}
+    if len(total) != 1:
+        raise ValueError(f"batch tensors disagree on the packed length: { {k: s[1] for k, s in lengths.items()} }")
+    total_tokens = total.pop()
+    device = next(value.device for key, value in batch.items() if key in lengths)
+
+    groups = resolve_groups(cp_group)
+    cu = _as_cu_seqlens(cu_seqlens, total_tokens, device)
+    world = 1 if groups is None else groups.world_size
+    if total_tokens % world:
+        raise ValueError(f"packed length {total_tokens} is not divisible by the CP size {world}; pad the batch")
+    if groups is not None and get_sap_options().check_agreement:
+        _check_agreement(cu, groups)
+
+    plan = plan_for(cu, groups)
+    cp_rank = 0 if groups is None else groups.cp_rank
+    indices = plan.local_indices(cp_rank).to(device)
+    positions = plan.position_ids(cp_rank).to(device)
+
+    local: dict[str, Optional[Tensor]] = {}
+    for key, value in batch.items():
+        if key == "attention_mask" or value is None:
+            local[key] = None
+        elif key == "position_ids":
+            local[key] = positions.to(value.dtype).unsqueeze(0)
+        else:
+            local[key] = value[:, indices]
+
+    install_sap_rope()
+    register_token_positions(cu, positions)
+    max_seqlen = int((cu[1:] - cu[:-1]).max())
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+    )
+    return local, params
+
+
+def sap_loss(
+    per_token_loss: Tensor,
+    loss_mask: Tensor,
+    cp_group: GroupsLike = None,
+) -> tuple[Tensor, Tensor]:
+    """Token-mean loss of the whole packed row from this rank's share.
+
+    Returns `(loss, mean)`. `loss` = local masked sum / global masked count: its gradients summed
+    over the CP ranks (as a SUM all-reduce over data-parallel-with-CP does) equal the CP=1
+    gradient of the mean; with an averaging all-reduce multiply it by the CP size. `mean` is the
+    detached global mean (the same on every CP rank), the number to log.
+    """
+    if per_token_loss.shape != loss_mask.shape:
+        raise ValueError(f"per-token loss {tuple(per_token_loss.shape)} and loss mask {tuple(loss_mask.shape)} differ")
+    mask = loss_mask.to(per_token_loss.dtype)
+    local_sum = (per_token_loss * mask).sum()
+    totals = torch.stack([local_sum.detach(), mask.sum()])
+    groups = resolve_groups(cp_group)
+    if groups is not None:
+        dist.all_reduce(totals, group=groups.cp_group)
+    count = totals[1].clamp(min=1)
+    return local_sum / count, totals[0] / count

@@ -1,0 +1,88 @@
+"""SAP process groups from Megatron's parallel state.
+
+SAP reuses Megatron's own context-parallel groups: the CP group, and with
+`--hierarchical-context-parallel-sizes U R` Megatron's [inner, outer] groups (inner = U
+consecutive CP ranks, outer strided by U, cp_rank = outer_rank * U + inner_rank, exactly SAP's
+convention). Every Megatron consumer of those groups (gradient reduction over data-parallel-with-CP,
+loss reduction, pipeline shapes) therefore stays consistent without rewriting any globals.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch.distributed as dist
+
+import megatron_sap as sap
+from megatron.core import parallel_state
+
+
+def _sap_groups(cp_group: Optional[dist.ProcessGroup], hcp: Optional[Sequence[Any]]) -> Optional["sap.SAPGroups"]:
+    """SAPGroups over `cp_group` ([inner, outer] from `hcp` when given); None when CP size is 1."""
+    if cp_group is None or cp_group.size() == 1:
+        return None
+    if not hcp:
+        return sap.SAPGroups.from_process_groups(cp_group)
+    if len(hcp) != 2:
+        raise ValueError(
+            f"SAP uses two context-parallel levels [inner, outer]; got {len(hcp)} hierarchical groups "
+            "(--hierarchical-context-parallel-sizes must have two entries)"
+        )
+    inner, outer = hcp
+    if inner.size() * outer.size() != cp_group.size():
+        raise ValueError(
+            f"hierarchical CP groups {inner.size()}x{outer.size()} do not tile the CP group of size {cp_group.size()}"
+        )
+    return sap.SAPGroups.from_process_groups(cp_group, inner_group=inner, outer_group=outer)
+
+
+def sap_groups_from_pg_collection(pg_collection: Any = None) -> Optional["sap.SAPGroups"]:
+    """SAPGroups for a layer built with Megatron's `pg_collection` (or parallel_state without one)."""
+    if pg_collection is None:
+        return sap_groups_from_parallel_state()
+    # ProcessGroupCollection fields are declared init=False: unset ones are absent, not None.
+    cp_group = getattr(pg_collection, "cp", None)
+    if cp_group is None:
+        return sap_groups_from_parallel_state()
+    return _sap_groups(cp_group, getattr(pg_collection, "hcp", None))
+
+
+def sap_groups_from_parallel_state() -> Optional["sap.SAPGroups"]:
+    """SAPGroups over the CP (and hierarchical CP) groups `parallel_state` holds; None when CP size is 1."""
+    if not parallel_state.model_parallel_is_initialized():
+        raise ValueError("Megatron's parallel state is not initialized; call initialize_sap_parallel first")
+    return _sap_groups(
+        parallel_state.get_context_parallel_group(),
+        parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False),
+    )
+
+
+def initialize_sap_parallel(
+    *,
+    inner_size: int,
+    outer_size: int = 1,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    **kwargs: Any,
+) -> Optional["sap.SAPGroups"]:
+    """Initialize Megatron's model parallelism with CP = inner_size * outer_size laid out for SAP.
+
+    For scripts that call Megatron-Core directly. Wraps `parallel_state.initialize_model_parallel`
+    (extra keywords pass through) with `context_parallel_size=U*R` and, at CP > 1,
+    `hierarchical_context_parallel_sizes=[U, R]` so the SAP levels are Megatron's own groups (a level
+    of size 1 included). Returns the groups (None at CP 1).
+    """
+    if inner_size < 1 or outer_size < 1:
+        raise ValueError(f"inner_size and outer_size must be >= 1, got {inner_size} and {outer_size}")
+    for name in ("context_parallel_size", "hierarchical_context_parallel_sizes"):
+        if name in kwargs:
+            raise ValueError(f"{name} is derived from inner_size and outer_size; do not pass it")
+    cp_size = inner_size * outer_size
+    hierarchical = [inner_size, outer_size] if cp_size > 1 else None
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=cp_size,
+        hierarchical_context_parallel_sizes=hierarchical,
+        **kwargs,
+    )
+    return sap_groups_from_parallel_state()

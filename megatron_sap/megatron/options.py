@@ -1,0 +1,60 @@
+"""Process-wide SAP settings chosen by command-line flags or by the caller.
+
+Megatron builds core attention through a spec, so per-run settings (backend, cost model) cannot
+travel through constructor arguments; they live here, set once by the launcher hooks
+(`set_options_from_args`) or by a script (`set_sap_options`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+BACKENDS = ("auto", "flash", "torch", "reference")
+
+
+@dataclass(frozen=True)
+class SAPOptions:
+    """What SAP layers and the batch split use.
+
+    backend: kernel choice handed to `sap_attention`.
+    cost_preset / calibration_file: cost model the planner balances against (None: planner default).
+    plan_cache_size: plans kept per process (None: planner default).
+    check_agreement: verify once per batch that every CP rank planned the same `cu_seqlens`
+        (one small all-gather); a mismatch would otherwise deadlock or corrupt attention.
+    """
+
+    backend: str = "auto"
+    cost_preset: Optional[str] = None
+    calibration_file: Optional[str] = None
+    plan_cache_size: Optional[int] = None
+    check_agreement: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown SAP backend {self.backend!r}; choose from {BACKENDS}")
+        if self.plan_cache_size is not None and self.plan_cache_size < 1:
+            raise ValueError(f"plan_cache_size must be >= 1, got {self.plan_cache_size}")
+        if self.cost_preset is not None and self.calibration_file is not None:
+            raise ValueError("give either a SAP cost preset or a calibration file, not both")
+
+
+_OPTIONS = SAPOptions()
+
+
+def get_sap_options() -> SAPOptions:
+    """The settings in force."""
+    return _OPTIONS
+
+
+def set_sap_options(**changes: Any) -> SAPOptions:
+    """Replace some settings (unknown names raise TypeError) and return the new settings."""
+    global _OPTIONS
+    _OPTIONS = dataclasses.replace(_OPTIONS, **changes)
+    return _OPTIONS
+
+
+def reset_sap_options() -> None:
+    """Back to the defaults (tests)."""
+    global _OPTIONS
+    _OPTIONS = SAPOptions()
