@@ -21,6 +21,7 @@ class PendingExchange:
 
     works: list
     description: str
+    buffers: tuple  # the send and receive tensors, alive until the step completes
 
     def wait(self) -> None:
         for work in self.works:
@@ -51,4 +52,4 @@ def post_exchange(
         works = dist.batch_isend_irecv(ops) if ops else []
     except Exception as exc:  # gloo raises while posting when a peer's connection is already closed
         raise RuntimeError(f"SAP {description} failed: {exc}") from exc
-    return PendingExchange(works, description)
+    return PendingExchange(works, description, (send, recv))
