@@ -291,7 +291,7 @@ def _exit_with_parent(lifeline: Connection) -> None:
 def _worker_main(
     rank: int, world_size: int, store_path: str, timeout_s: float, conn: Connection, lifeline: Connection
 ) -> None:
-    """Join the gloo group, report readiness, then run jobs until told to stop."""
+    """Join the gloo group, report readiness, then run jobs until the parent kills us or dies."""
     os.environ["OMP_NUM_THREADS"] = "1"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
     threading.Thread(target=_exit_with_parent, args=(lifeline,), daemon=True).start()
