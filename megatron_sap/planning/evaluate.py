@@ -43,27 +43,73 @@ def _ceil_div(a: np.ndarray, b: int) -> np.ndarray:
     return -(-a // b)
 
 
+def _piece_arrays(placement: Placement, doc_starts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """start, length, doc and rank of every piece, in packed-position order.
+
+    Pieces are non-empty and disjoint, so position order is (document, start) order; a
+    piece's document is the last one starting at or before it (earlier documents that
+    start at the same position are empty).
+    """
+    ranks = placement.ranks
+    start = np.array([p.start for pieces in ranks for p in pieces], dtype=np.int64)
+    end = np.array([p.end for pieces in ranks for p in pieces], dtype=np.int64)
+    rank = np.repeat(np.arange(len(ranks)), [len(pieces) for pieces in ranks])
+    order = np.argsort(start, kind="stable")
+    start, end, rank = start[order], end[order], rank[order]
+    doc = np.searchsorted(doc_starts, start, side="right") - 1
+    return start, end - start, doc, rank
+
+
+def _tokens_before(placement: Placement, doc_starts: list[int]) -> tuple[np.ndarray, ...]:
+    """Per piece (position order): length, offset in its document, rank, the tokens its rank
+    holds of the document before it; and the [R, R] forward KV traffic in tokens.
+
+    `held[r, i]`: tokens of rank r in pieces 0..i; a rank needs every earlier piece of the
+    document up to its last piece there (pieces of one rank in one document need not be
+    adjacent).
+    """
+    R = placement.num_ranks
+    starts = np.asarray(doc_starts, dtype=np.int64)
+    start, length, doc, rank = _piece_arrays(placement, starts)
+    n = len(start)
+    traffic = np.zeros((R, R), dtype=np.int64)
+    if n == 0:
+        return length, start, rank, start, traffic
+    index = np.arange(n)
+    offset = start - starts[doc]
+    first_of_doc = np.ones(n, dtype=bool)
+    first_of_doc[1:] = doc[1:] != doc[:-1]
+    doc_first = np.maximum.accumulate(np.where(first_of_doc, index, 0))
+
+    held = np.zeros((R, n), dtype=np.int64)
+    held[rank, index] = length
+    np.cumsum(held, axis=1, out=held)
+
+    def before(r: np.ndarray, i: np.ndarray) -> np.ndarray:
+        """Tokens of rank r[j] in pieces 0..i[j]-1."""
+        return held[r, i] - np.where(rank[i] == r, length[i], 0)
+
+    own_before = before(rank, index) - before(rank, doc_first)
+
+    key = doc * R + rank
+    _, last_reversed = np.unique(key[::-1], return_index=True)
+    last = n - 1 - last_reversed  # the last piece of each (document, rank)
+    first = doc_first[last]
+    need = held[:, last] - held[:, first]  # [R, M]: tokens of each rank between first and last
+    need[rank[last], np.arange(len(last))] -= length[last]
+    need[rank[first], np.arange(len(last))] += length[first]
+    by_dst = np.argsort(rank[last], kind="stable")
+    dst = rank[last][by_dst]
+    bounds = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
+    traffic[:, dst[bounds]] = np.add.reduceat(need[:, by_dst], bounds, axis=1)
+    np.fill_diagonal(traffic, 0)
+    return length, offset, rank, own_before, traffic
+
+
 def evaluate(placement: Placement, doc_starts: list[int], inner_size: int, model: CostModel) -> Evaluation:
     """Model one attention layer (forward + backward) for `placement`."""
     R, U, t = placement.num_ranks, inner_size, model.tile
-    flat = [(p.doc, p.start, p.end, r) for r, pieces in enumerate(placement.ranks) for p in pieces]
-    flat.sort(key=lambda x: (x[0], x[1]))
-    if flat:
-        doc, start, end, rank = (np.array(col, dtype=np.int64) for col in zip(*flat))
-    else:
-        doc = start = end = rank = np.zeros(0, dtype=np.int64)
-    length = end - start
-    offset = start - np.asarray(doc_starts, dtype=np.int64)[doc] if len(doc) else doc
-
-    # Tokens each rank holds of the same document before each piece (exclusive prefix).
-    onehot = np.zeros((len(doc), R), dtype=np.int64)
-    onehot[np.arange(len(doc)), rank] = length
-    exclusive = np.cumsum(onehot, axis=0) - onehot
-    first_of_doc = np.ones(len(doc), dtype=bool)
-    first_of_doc[1:] = doc[1:] != doc[:-1]
-    doc_base = np.maximum.accumulate(np.where(first_of_doc, np.arange(len(doc)), 0)) if len(doc) else doc
-    prefix = exclusive - exclusive[doc_base]
-    own_before = prefix[np.arange(len(doc)), rank] if len(doc) else doc
+    length, offset, rank, own_before, traffic = _tokens_before(placement, doc_starts)
 
     nq = _ceil_div(length, t)
     diag = t * t * nq * (nq + 1) // 2
@@ -71,21 +117,9 @@ def evaluate(placement: Placement, doc_starts: list[int], inner_size: int, model
     tile_local = diag + t * t * nq * _ceil_div(own_before, t)
     exact = length * (length + 1) // 2 + length * offset
 
-    # A rank needs every earlier piece of the document up to its last piece there.
-    traffic = np.zeros((R, R), dtype=np.int64)
-    if len(doc):
-        # The last piece of each (document, rank): pieces of one rank in one document
-        # need not be adjacent, so sort by key and keep the highest index.
-        key = doc * R + rank
-        order = np.lexsort((np.arange(len(key)), key))
-        is_last = np.append(key[order][1:] != key[order][:-1], True)
-        last = order[is_last]
-        np.add.at(traffic.T, rank[last], prefix[last])
-        np.fill_diagonal(traffic, 0)
-
-    exact_pairs = np.bincount(rank, weights=exact, minlength=R) if len(doc) else np.zeros(R)
-    tile_pairs = np.bincount(rank, weights=tile_all, minlength=R) if len(doc) else np.zeros(R)
-    local_pairs = np.bincount(rank, weights=tile_local, minlength=R) if len(doc) else np.zeros(R)
+    exact_pairs = np.bincount(rank, weights=exact, minlength=R)
+    tile_pairs = np.bincount(rank, weights=tile_all, minlength=R)
+    local_pairs = np.bincount(rank, weights=tile_local, minlength=R)
 
     outer_nodes = np.array([model.node_of(r * U) for r in range(R)])
     intra = outer_nodes[:, None] == outer_nodes[None, :]
@@ -98,8 +132,8 @@ def evaluate(placement: Placement, doc_starts: list[int], inner_size: int, model
     messages = (traffic > 0).sum(axis=0)
 
     frac = 1.0 / U
-    comp = np.array([model.compute_seconds(p, head_fraction=frac) for p in tile_pairs])
-    local = np.array([model.compute_seconds(p, head_fraction=frac) for p in local_pairs])
+    comp = model.compute_seconds(tile_pairs, head_fraction=frac)
+    local = model.compute_seconds(local_pairs, head_fraction=frac)
 
     def pass_time(scale: float) -> np.ndarray:
         c, cl = comp * scale, local * scale
