@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import megatron_sap as sap
+from megatron_sap.plan import main as plan_cli
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
 from megatron_sap.planning.evaluate import evaluate
 from megatron_sap.planning.placement import candidates
@@ -322,3 +323,41 @@ PINNED = {
 @pytest.mark.parametrize("name, outer, inner", sorted(PINNED))
 def test_candidates_are_pinned(name, outer, inner):
     assert candidates_digest(pinned_batch(name), outer, inner) == PINNED[name, outer, inner]
+
+
+# ---- command line -----------------------------------------------------------------------------
+def test_cli_prints_layout_and_writes_png(tmp_path, capsys):
+    png = tmp_path / "layout.png"
+    assert plan_cli(["--cu-seqlens", "0,3000,3100,3101,5000,8192", "--outer-size", "4", "--inner-size", "2", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "T=8192 tokens, 5 documents" in out and "R=4 x inner U=2" in out
+    plan = sap.plan_sequences([0, 3000, 3100, 3101, 5000, 8192], outer_size=4, inner_size=2, cache=None)
+    assert f"chosen: {plan.strategy}" in out and f"{plan.strategy}  <- chosen" in out
+    assert all(name in out for name in plan.considered)
+    assert "d2(1)" in out  # a whole one-token document
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_packs_real_lengths(capsys):
+    assert plan_cli(["--lengths-from", "stdlib", "--tokens", "16384", "--seed", "1", "--outer-size", "8", "--preset", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "T=16384 tokens" in out and "cost model 'h200'" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--cu-seqlens", "0,5,9", "--outer-size", "2"], "must be divisible"),
+        (["--cu-seqlens", "0,x", "--outer-size", "2"], "comma-separated integers"),
+        (["--cu-seqlens", "4,8", "--outer-size", "2"], "start at 0"),
+    ],
+)
+def test_cli_reports_bad_input(argv, message, capsys):
+    assert plan_cli(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_needs_tokens_with_lengths_from(capsys):
+    with pytest.raises(SystemExit):
+        plan_cli(["--lengths-from", "stdlib", "--outer-size", "2"])
+    assert "--lengths-from needs --tokens" in capsys.readouterr().err
