@@ -23,12 +23,13 @@ def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="sap", description="Sequence-Aware Parallelism for packed sequences")
     group.add_argument(
         "--sap-inner-size", type=int, default=None,
-        help="SAP inner (intra-node) level U; default: first entry of --hierarchical-context-parallel-sizes, "
-        "else the context-parallel size",
+        help="SAP inner (intra-node, Ulysses) level U; default: first entry of "
+        "--hierarchical-context-parallel-sizes, else 1",
     )
     group.add_argument(
         "--sap-outer-size", type=int, default=None,
-        help="SAP outer (inter-node) level R; default: second entry of --hierarchical-context-parallel-sizes, else 1",
+        help="SAP outer (point-to-point) level R; default: second entry of "
+        "--hierarchical-context-parallel-sizes, else context-parallel size / U",
     )
     group.add_argument("--sap-backend", choices=BACKENDS, default="auto", help="attention kernel backend")
     group.add_argument(
@@ -81,7 +82,7 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
     default_inner, default_outer = hierarchical if hierarchical else (None, None)
     inner, outer = args.sap_inner_size, args.sap_outer_size
     if inner is None:
-        inner = default_inner if default_inner is not None else cp_size // (outer or 1)
+        inner = default_inner if default_inner is not None else cp_size // (outer or cp_size)
     if outer is None:
         outer = default_outer if default_outer is not None else cp_size // inner
     if inner < 1 or outer < 1 or inner * outer != cp_size:

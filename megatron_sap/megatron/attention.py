@@ -23,8 +23,8 @@ from .groups import sap_groups_from_pg_collection
 from .options import get_sap_options
 from .plans import plan_for
 
+# Documents come from cu_seqlens, so "padding" adds nothing to causal for packed rows.
 _CAUSAL_MASKS = (AttnMaskType.causal, AttnMaskType.padding_causal)
-_SUPPORTED_MASKS = _CAUSAL_MASKS + (AttnMaskType.no_mask,)
 
 
 class SAPDotProductAttention(MegatronModule):
@@ -60,8 +60,8 @@ class SAPDotProductAttention(MegatronModule):
             raise ValueError(f"SAP attention supports softmax_type 'vanilla' only, got {config.softmax_type!r}")
         if getattr(config, "window_size", None) is not None:
             raise ValueError(f"SAP attention does not support sliding windows (window_size={config.window_size})")
-        if attn_mask_type not in _SUPPORTED_MASKS:
-            raise ValueError(f"SAP attention supports causal or no_mask attention, got {attn_mask_type}")
+        if attn_mask_type not in _CAUSAL_MASKS:
+            raise ValueError(f"SAP attention is causal self-attention, got attn_mask_type {attn_mask_type}")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -87,40 +87,36 @@ class SAPDotProductAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("SAP attention does not take an attention_bias")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        if mask_type not in _SUPPORTED_MASKS:
-            raise ValueError(f"SAP attention supports causal or no_mask attention, got {mask_type}")
-        causal = mask_type in _CAUSAL_MASKS
+        if mask_type not in _CAUSAL_MASKS:
+            raise ValueError(f"SAP attention is causal self-attention, got attn_mask_type {mask_type}")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            return self._packed(query, key, value, packed_seq_params, causal).flatten(1)
+            return self._packed(query, key, value, packed_seq_params).flatten(1)
         if query.dim() != 4:
             raise ValueError(f"SBHD attention expects q [s, b, heads, dim], got shape {tuple(query.shape)}")
         if packed_seq_params is not None:  # SBHD with b == 1 carrying packed documents
             if query.size(1) != 1:
                 raise ValueError(f"packed SBHD input needs batch size 1, got {query.size(1)}")
-            out = self._packed(query[:, 0], key[:, 0], value[:, 0], packed_seq_params, causal)
+            out = self._packed(query[:, 0], key[:, 0], value[:, 0], packed_seq_params)
             return out.flatten(1).unsqueeze(1)
-        return self._rows(query, key, value, causal)
+        return self._rows(query, key, value)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal: bool) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> Tensor:
         """One packed row of local tokens in plan order through `sap_attention`."""
         plan = plan_for(cu_seqlens, self.groups)
-        if plan.total_tokens != q.size(0) * plan.world_size:
-            raise ValueError(
-                f"{q.size(0)} local tokens on {plan.world_size} CP ranks do not match cu_seqlens "
-                f"covering {plan.total_tokens} tokens; split the batch with sap_split_batch"
-            )
+        options = get_sap_options()
         return sap.sap_attention(
             q,
             k,
             v,
             plan,
             self.groups,
-            causal=causal,
+            causal=True,
             softmax_scale=self.softmax_scale,
-            backend=get_sap_options().backend,
+            backend=options.backend,
+            check_agreement=options.check_agreement,
         )
 
-    def _packed(self, q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams, causal: bool) -> Tensor:
+    def _packed(self, q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams) -> Tensor:
         """THD: the global cu_seqlens of the packed row."""
         if params.cu_seqlens_q is None:
             raise ValueError("packed_seq_params.cu_seqlens_q is required for packed SAP attention")
@@ -134,9 +130,9 @@ class SAPDotProductAttention(MegatronModule):
             raise ValueError(
                 "SAP needs no per-document padding; pass cu_seqlens_q_padded=None or equal to cu_seqlens_q"
             )
-        return self._attend(q, k, v, params.cu_seqlens_q, causal)
+        return self._attend(q, k, v, params.cu_seqlens_q)
 
-    def _rows(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    def _rows(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """SBHD without packed params: every batch row is one sequence (CP size 1 only)."""
         if self.groups is not None:
             raise ValueError(
@@ -146,5 +142,5 @@ class SAPDotProductAttention(MegatronModule):
         s, b = q.shape[:2]
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
         rows = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
-        out = self._attend(*rows, cu, causal)
+        out = self._attend(*rows, cu)
         return out.reshape(b, s, -1).transpose(0, 1)

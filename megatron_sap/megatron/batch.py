@@ -7,7 +7,6 @@ looks up, so the batch split and the layers always agree.
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -19,7 +18,6 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from .groups import _sap_groups, sap_groups_from_parallel_state
-from .options import get_sap_options
 from .plans import plan_for
 from .rope import install_sap_rope, register_token_positions
 
@@ -71,21 +69,6 @@ def _as_cu_seqlens(cu_seqlens: Union[Tensor, list[int]], total_tokens: int, devi
     return cu
 
 
-def _check_agreement(cu: Tensor, groups: "sap.SAPGroups") -> None:
-    """All CP ranks must plan the same packed row; compare a fingerprint of cu_seqlens."""
-    digest = hashlib.blake2b(cu.cpu().numpy().tobytes(), digest_size=8).digest()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(groups.cp_group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True), cu.numel()], dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(groups.world_size)]
-    dist.all_gather(everyone, mine, group=groups.cp_group)
-    differing = [rank for rank, other in enumerate(everyone) if not torch.equal(other, mine)]
-    if differing:
-        raise ValueError(
-            f"CP ranks {differing} hold different cu_seqlens than CP rank {groups.cp_rank}: every rank of a "
-            "CP group must be given the same packed micro-batch"
-        )
-
-
 def sap_split_batch(
     batch: Mapping[str, Optional[Tensor]],
     cu_seqlens: Union[Tensor, list[int]],
@@ -116,8 +99,6 @@ def sap_split_batch(
     world = 1 if groups is None else groups.world_size
     if total_tokens % world:
         raise ValueError(f"packed length {total_tokens} is not divisible by the CP size {world}; pad the batch")
-    if groups is not None and get_sap_options().check_agreement:
-        _check_agreement(cu, groups)
 
     plan = plan_for(cu, groups)
     cp_rank = 0 if groups is None else groups.cp_rank

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-BACKENDS = ("auto", "flash", "torch", "reference")
+BACKENDS = ("auto", "flash-attn", "aten-flash", "torch")  # megatron_sap.kernels backends
 
 
 @dataclass(frozen=True)
@@ -20,8 +20,8 @@ class SAPOptions:
     backend: kernel choice handed to `sap_attention`.
     cost_preset / calibration_file: cost model the planner balances against (None: planner default).
     plan_cache_size: plans kept per process (None: planner default).
-    check_agreement: verify once per batch that every CP rank planned the same `cu_seqlens`
-        (one small all-gather); a mismatch would otherwise deadlock or corrupt attention.
+    check_agreement: verify once per new plan that every CP rank planned the same batch (one small
+        all-reduce in `sap_attention`); a mismatch would otherwise deadlock or corrupt attention.
     """
 
     backend: str = "auto"
