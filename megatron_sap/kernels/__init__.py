@@ -1,0 +1,198 @@
+"""Varlen attention kernels for packed sequences: one thin interface over several backends.
+
+Tensors are packed: q [Tq, Hq, D], k and v [Tk, Hkv, D], with segment
+boundaries in cu_seqlens_q / cu_seqlens_k (int, 1-D, same number of segments).
+Segment i of q attends only to segment i of k, which keeps documents apart.
+causal=True applies a bottom-right aligned causal mask inside each segment
+(key j visible to query i iff j <= i + len_k - len_q, as flash-attn); the
+callers use it for diagonal blocks. causal=False is full attention inside the
+segment. GQA is native: Hq must be a multiple of Hkv and query head h reads
+key/value head h // (Hq // Hkv).
+
+Conventions shared by every backend:
+  * lse is [Hq, Tq], float32 (float64 for float64 inputs), natural log, of the
+    scaled scores;
+  * a query row that sees no key gets out = 0 and lse = -inf;
+  * the backward takes out and lse as given, so called once per key block with
+    the final, merged out/lse it returns that block's exact share of the
+    gradients (D_i = rowsum(dout * out), P = exp(S * scale - lse)).
+
+Backends: "torch" (pure PyTorch, any device and float dtype), "aten-flash"
+(PyTorch's built-in flash kernels, CUDA fp16/bf16), "flash-attn" (the
+flash_attn package, CUDA fp16/bf16). "auto" picks the fastest available.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import Tensor
+
+from . import torch_backend
+from .merge import merge_into, merge_partials
+from .torch_backend import check_cu_seqlens
+
+__all__ = [
+    "available_backends",
+    "merge_into",
+    "merge_partials",
+    "resolve_backend",
+    "varlen_backward",
+    "varlen_forward",
+]
+
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _flash_attn_importable() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Backends usable on `device` (default: CUDA if present, else CPU), fastest first."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    names = []
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        if _flash_attn_importable():
+            names.append("flash-attn")
+        names.append("aten-flash")
+    names.append("torch")
+    return names
+
+
+def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """Map "auto" to the fastest backend for (device, dtype); check an explicit name is usable there."""
+    available = available_backends(device)
+    if name == "auto":
+        if dtype in _FLASH_DTYPES and available[0] != "torch":
+            return available[0]
+        return "torch"
+    if name not in ("flash-attn", "aten-flash", "torch"):
+        raise ValueError(f"unknown attention backend {name!r}; available on {device}: {available}")
+    if name not in available:
+        raise ValueError(f"attention backend {name!r} is not available on {device}; available: {available}")
+    if name != "torch" and dtype not in _FLASH_DTYPES:
+        raise ValueError(f"attention backend {name!r} needs float16 or bfloat16 inputs, got {dtype}; use 'torch'")
+    return name
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> None:
+    """Validate shapes, dtypes and devices; cu_seqlens values too when they live on the CPU (no device sync)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"unsupported dtype {q.dtype}; expected one of {list(_FLOAT_DTYPES)}")
+    devices = {t.device for t in (q, k, v, cu_seqlens_q, cu_seqlens_k)}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v, cu_seqlens_q, cu_seqlens_k must be on one device, got {sorted(map(str, devices))}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k/v must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(f"query heads ({heads_q}) must be a positive multiple of key/value heads ({heads_kv})")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got shape {tuple(cu.shape)} dtype {cu.dtype}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of segments, "
+            f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
+        )
+    if cu_seqlens_q.device.type == "cpu":
+        check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+        check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _flash_module(backend: str):
+    if backend == "aten-flash":
+        from . import aten_flash
+
+        return aten_flash
+    from . import flash_attn_backend
+
+    return flash_attn_backend
+
+
+def varlen_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """Attention of each q segment over its k segment.
+
+    Returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32, float64 for float64
+    inputs). max_seqlen_* bound the segment lengths (the flash kernels size their
+    grids with them). softmax_scale defaults to D ** -0.5.
+    """
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    name = resolve_backend(backend, q.device, q.dtype)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_lse_dtype(q.dtype), device=q.device)
+        return torch.zeros_like(q), lse
+    if name == "torch":
+        return torch_backend.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=scale)
+    return _flash_module(name).forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=scale
+    )
+
+
+def varlen_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv), in the input dtypes, of this call's attention given dout.
+
+    out and lse may be the final results merged over several key blocks: the
+    gradients are then this block's exact contribution (sum them over blocks).
+    """
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(
+            f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have q's shape {tuple(q.shape)}"
+        )
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise ValueError(f"lse must be [Hq, Tq] = {(q.shape[1], q.shape[0])}, got {tuple(lse.shape)}")
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    name = resolve_backend(backend, q.device, q.dtype)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if name == "torch":
+        return torch_backend.backward(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=scale
+        )
+    return _flash_module(name).backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        causal=causal, softmax_scale=scale,
+    )

@@ -1,0 +1,71 @@
+"""Exact combination of attention results computed over disjoint key sets.
+
+If (out_a, lse_a) is softmax attention over key set A and (out_b, lse_b) over a
+disjoint set B, attention over A u B is
+
+    lse = log(exp(lse_a) + exp(lse_b))
+    out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
+
+A row that saw no keys on one side has lse = -inf there and contributes
+nothing; a row with no keys on either side stays out = 0, lse = -inf.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _accumulation_dtype(*tensors: Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Merge in `dtype`; out [T, H, D], lse [H, T]. Returns (out, lse) in `dtype`."""
+    lse_a, lse_b = lse_a.to(dtype), lse_b.to(dtype)
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    weight_a = torch.exp(lse_a - finite_lse).transpose(0, 1).unsqueeze(-1)  # [T, H, 1]
+    weight_b = torch.exp(lse_b - finite_lse).transpose(0, 1).unsqueeze(-1)
+    out = weight_a * out_a.to(dtype) + weight_b * out_b.to(dtype)
+    return out, lse
+
+
+def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two partial attention results over disjoint key sets.
+
+    out_*: [T, H, D], lse_*: [H, T]. Computed in float32 (float64 when any input
+    is float64). Returns out in out_a's dtype and lse in the computation dtype.
+    Never produces NaN, also when lse is -inf on one or both sides.
+    """
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
+        raise ValueError(
+            f"merge_partials: shapes differ: out {tuple(out_a.shape)} vs {tuple(out_b.shape)}, "
+            f"lse {tuple(lse_a.shape)} vs {tuple(lse_b.shape)}"
+        )
+    if lse_a.shape != (out_a.shape[1], out_a.shape[0]):
+        raise ValueError(
+            f"merge_partials: lse must be [H, T] = {(out_a.shape[1], out_a.shape[0])} for out "
+            f"{tuple(out_a.shape)}, got {tuple(lse_a.shape)}"
+        )
+    out, lse = _merge(out_a, lse_a, out_b, lse_b, _accumulation_dtype(out_a, lse_a, out_b, lse_b))
+    return out.to(out_a.dtype), lse
+
+
+def merge_into(acc_out: Tensor, acc_lse: Tensor, rows: Tensor, out_part: Tensor, lse_part: Tensor) -> None:
+    """Merge a partial result for a subset of rows into running accumulators, in place.
+
+    acc_out [T, H, D] and acc_lse [H, T] are floating accumulators (start them at
+    0 and -inf); rows is a LongTensor of n distinct row indices; out_part is
+    [n, H, D] and lse_part [H, n]. The merge runs in acc_out's dtype, so keeping
+    the accumulators in float32 avoids rounding partial sums to bf16.
+    """
+    if rows.dim() != 1 or out_part.shape[0] != rows.numel() or lse_part.shape != (acc_lse.shape[0], rows.numel()):
+        raise ValueError(
+            f"merge_into: rows {tuple(rows.shape)}, out_part {tuple(out_part.shape)} and lse_part "
+            f"{tuple(lse_part.shape)} must describe the same n rows of acc_lse {tuple(acc_lse.shape)}"
+        )
+    cur_out = acc_out.index_select(0, rows)
+    cur_lse = acc_lse.index_select(1, rows)
+    new_out, new_lse = _merge(cur_out, cur_lse, out_part, lse_part, acc_out.dtype)
+    acc_out.index_copy_(0, rows, new_out)
+    acc_lse.index_copy_(1, rows, new_lse.to(acc_lse.dtype))

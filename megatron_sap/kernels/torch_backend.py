@@ -1,0 +1,294 @@
+"""Varlen attention in plain PyTorch: tiled, vectorised, bounded memory, CPU or GPU.
+
+The query rows of a call are cut into fixed tiles of BLOCK_Q rows and the key
+rows into tiles of BLOCK_K rows, regardless of segment boundaries, so a batch
+of thousands of one-token documents costs a handful of tiles rather than a
+Python loop over documents. Query row i of segment s may see the key interval
+[lo_i, hi_i): the keys of segment s, cut by the bottom-right causal bound when
+causal. Both ends are non-decreasing in i, which makes a tile's keys one
+contiguous span and lets the non-empty (q tile, k tile) pairs be found with
+searchsorted. Pairs are processed in chunks of bounded size (never a score
+matrix bigger than CHUNK_SCORES elements), with masking by the per-row key
+interval and online-softmax accumulation per q tile.
+
+Heads stay grouped for GQA: a q tile is laid out [Hkv, G * BLOCK_Q, D] so one
+matmul against a k tile [Hkv, BLOCK_K, D] serves all G query heads of a
+key/value head without repeating K or V.
+
+Arithmetic is float32 (float64 for float64 inputs, exact to ~1e-12).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+BLOCK_Q = 128
+BLOCK_K = 128
+CHUNK_SCORES = 1 << 22  # score elements (pairs * Hq * BLOCK_Q * BLOCK_K) per chunk
+PLAN_CACHE_SIZE = 32
+
+
+def check_cu_seqlens(cu: Tensor, total: int, name: str) -> None:
+    """Raise ValueError unless `cu` (on the CPU) starts at 0, never decreases and ends at `total`."""
+    if cu.numel() == 0:
+        raise ValueError(f"{name} must hold at least one entry (0), got an empty tensor")
+    if int(cu[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
+    steps = torch.diff(cu.long())
+    if bool((steps < 0).any()):
+        at = int(torch.nonzero(steps < 0)[0, 0])
+        raise ValueError(f"{name} must be non-decreasing, but {name}[{at}]={int(cu[at])} > {name}[{at + 1}]={int(cu[at + 1])}")
+    if int(cu[-1]) != total:
+        raise ValueError(f"{name} must end at the number of tokens {total}, got {int(cu[-1])}")
+
+
+@dataclass(frozen=True)
+class _TilePlan:
+    """Which (q tile, k tile) pairs to compute, in what order, and each query row's visible keys.
+
+    q tiles are handled in "compute order": by decreasing number of k tiles.
+    table[i, s] is the s-th k tile of the q tile at compute position i, so the
+    q tiles that have an s-th k tile form a prefix of the compute order and a
+    chunk of work is a rectangle of the table: accumulators are updated through
+    slices, not scatters. Entries past a tile's count hold the dummy tile
+    n_k_tiles, whose keys lie beyond every row's visible interval.
+    """
+
+    n_q_tiles: int
+    n_k_tiles: int
+    order: Tensor  # [n_q_tiles] int64: q tile at each compute position
+    inverse: Tensor  # [n_q_tiles] int64: compute position of each q tile
+    row_lo: Tensor  # [n_q_tiles, BLOCK_Q] int64, compute order: first key row each query row sees
+    row_hi: Tensor  # [n_q_tiles, BLOCK_Q] int64, compute order: end (exclusive) of that key interval
+    table: Tensor  # [n_q_tiles, n_steps] int64, compute order: k tiles of each q tile
+    active: list[int]  # active[s]: how many q tiles have an s-th k tile
+
+
+def _build_plan(cu_q: Tensor, cu_k: Tensor, causal: bool, total_q: int, total_k: int, device: torch.device) -> _TilePlan:
+    check_cu_seqlens(cu_q, total_q, "cu_seqlens_q")
+    check_cu_seqlens(cu_k, total_k, "cu_seqlens_k")
+    len_q, len_k = torch.diff(cu_q), torch.diff(cu_k)
+    seg = torch.repeat_interleave(torch.arange(len_q.numel()), len_q)
+    lo = cu_k[seg]
+    hi = cu_k[seg + 1]
+    if causal:
+        pos = torch.arange(total_q) - cu_q[seg]
+        hi = torch.maximum(torch.minimum(hi, lo + pos + (len_k - len_q)[seg] + 1), lo)
+
+    n_q_tiles = -(-total_q // BLOCK_Q)
+    n_k_tiles = -(-total_k // BLOCK_K)
+    padding = torch.full((n_q_tiles * BLOCK_Q - total_q,), total_k, dtype=torch.int64)
+    lo, hi = torch.cat([lo, padding]), torch.cat([hi, padding])
+
+    # Candidate pairs: every k tile overlapping the key span of the q tile.
+    span_lo, span_hi = lo.view(n_q_tiles, BLOCK_Q)[:, 0], hi.view(n_q_tiles, BLOCK_Q)[:, -1]
+    first_k = span_lo // BLOCK_K
+    count = torch.where(span_hi > span_lo, (span_hi - 1) // BLOCK_K - first_k + 1, 0)
+    pair_q = torch.repeat_interleave(torch.arange(n_q_tiles), count)
+    pair_k = first_k[pair_q] + torch.arange(pair_q.numel()) - (torch.cumsum(count, 0) - count)[pair_q]
+
+    # Keep a pair only if some row of the q tile sees some key of the k tile:
+    # rows in [first_row, end_row) have hi > tile start and lo < tile end.
+    first_row = torch.searchsorted(hi, pair_k * BLOCK_K, right=True)
+    end_row = torch.searchsorted(lo, (pair_k + 1) * BLOCK_K)
+    keep = torch.maximum(first_row, pair_q * BLOCK_Q) < torch.minimum(end_row, (pair_q + 1) * BLOCK_Q)
+    pair_q, pair_k = pair_q[keep], pair_k[keep]
+
+    count = torch.bincount(pair_q, minlength=n_q_tiles)
+    order = torch.argsort(count, descending=True, stable=True)
+    inverse = torch.argsort(order)
+    n_steps = int(count.max())
+    table = torch.full((n_q_tiles, n_steps), n_k_tiles, dtype=torch.int64)
+    table[inverse[pair_q], torch.arange(pair_q.numel()) - (torch.cumsum(count, 0) - count)[pair_q]] = pair_k
+    active = n_q_tiles - torch.cumsum(torch.bincount(count, minlength=n_steps + 1), 0)[:n_steps]
+
+    return _TilePlan(
+        n_q_tiles=n_q_tiles,
+        n_k_tiles=n_k_tiles,
+        order=order.to(device),
+        inverse=inverse.to(device),
+        row_lo=lo.view(n_q_tiles, BLOCK_Q)[order].to(device),
+        row_hi=hi.view(n_q_tiles, BLOCK_Q)[order].to(device),
+        table=table.to(device),
+        active=active.tolist(),
+    )
+
+
+_plans: OrderedDict[tuple, _TilePlan] = OrderedDict()
+
+
+def _plan(cu_q: Tensor, cu_k: Tensor, causal: bool, total_q: int, total_k: int, device: torch.device) -> _TilePlan:
+    """The tile plan for these boundaries, from a small LRU cache (layers repeat the same shapes)."""
+    cu_q, cu_k = cu_q.detach().to("cpu", torch.int64), cu_k.detach().to("cpu", torch.int64)
+    key = (cu_q.numpy().tobytes(), cu_k.numpy().tobytes(), causal, total_q, total_k, str(device))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _build_plan(cu_q, cu_k, causal, total_q, total_k, device)
+        _plans[key] = plan
+        if len(_plans) > PLAN_CACHE_SIZE:
+            _plans.popitem(last=False)
+    else:
+        _plans.move_to_end(key)
+    return plan
+
+
+def _chunks(plan: _TilePlan, heads_q: int) -> Iterator[tuple[int, int, Tensor]]:
+    """Yield (start, end, k tiles [end - start, W]): rectangles of the table of at most a chunk's pairs.
+
+    Where few q tiles are active, a chunk takes W > 1 steps at once, as long as
+    at least 3/4 of its rows are still active at its last step (bounded padding).
+    """
+    per_chunk = max(1, CHUNK_SCORES // (heads_q * BLOCK_Q * BLOCK_K))
+    active, n_steps = plan.active, len(plan.active)
+    step = 0
+    while step < n_steps:
+        n_active = active[step]
+        width = 1
+        while (
+            step + width < n_steps
+            and n_active * (width + 1) <= per_chunk
+            and 4 * active[step + width] >= 3 * n_active
+        ):
+            width += 1
+        for start in range(0, n_active, per_chunk):
+            end = min(n_active, start + per_chunk)
+            yield start, end, plan.table[start:end, step : step + width]
+        step += width
+
+
+def _q_tiles(x: Tensor, plan: _TilePlan, heads_kv: int, dtype: torch.dtype, fill: float = 0.0) -> Tensor:
+    """[Tq, Hq, *rest] -> [n_q_tiles, Hkv, G * BLOCK_Q, *rest] in compute order.
+
+    Row g * BLOCK_Q + r of a tile is query row r for head g of the key/value head's group.
+    """
+    total, heads_q, *rest = x.shape
+    groups = heads_q // heads_kv
+    padded = x.new_full((plan.n_q_tiles * BLOCK_Q, heads_q, *rest), fill, dtype=dtype)
+    padded[:total] = x
+    tiles = padded.view(plan.n_q_tiles, BLOCK_Q, heads_kv, groups, *rest).movedim(1, 3)
+    return tiles.reshape(plan.n_q_tiles, heads_kv, groups * BLOCK_Q, *rest).index_select(0, plan.order)
+
+
+def _q_rows(tiles: Tensor, plan: _TilePlan, total: int, heads_q: int) -> Tensor:
+    """Inverse of _q_tiles: [n_q_tiles, Hkv, G * BLOCK_Q, *rest] in compute order -> [total, Hq, *rest]."""
+    n_tiles, heads_kv, _, *rest = tiles.shape
+    tiles = tiles.index_select(0, plan.inverse).view(n_tiles, heads_kv, heads_q // heads_kv, BLOCK_Q, *rest)
+    return tiles.movedim(3, 1).reshape(n_tiles * BLOCK_Q, heads_q, *rest)[:total]
+
+
+def _k_tiles(x: Tensor, plan: _TilePlan, dtype: torch.dtype) -> Tensor:
+    """[Tk, Hkv, D] -> [n_k_tiles + 1, BLOCK_K, Hkv, D], zero padded; the last tile is the dummy."""
+    total, heads_kv, dim = x.shape
+    padded = x.new_zeros(((plan.n_k_tiles + 1) * BLOCK_K, heads_kv, dim), dtype=dtype)
+    padded[:total] = x
+    return padded.view(plan.n_k_tiles + 1, BLOCK_K, heads_kv, dim)
+
+
+def _gather_keys(tiles: Tensor, k_idx: Tensor) -> Tensor:
+    """k tiles [n, W] -> keys [n, Hkv, W * BLOCK_K, D] for a batched matmul."""
+    n, width = k_idx.shape
+    gathered = tiles.index_select(0, k_idx.reshape(-1))
+    return gathered.view(n, width * BLOCK_K, *tiles.shape[2:]).transpose(1, 2)
+
+
+def _scatter_keys(tiles: Tensor, k_idx: Tensor, grads: Tensor) -> None:
+    """Add grads [n, Hkv, W * BLOCK_K, D] into tiles [n_k_tiles + 1, BLOCK_K, Hkv, D] at k_idx [n, W]."""
+    grads = grads.transpose(1, 2).reshape(k_idx.numel(), BLOCK_K, *tiles.shape[2:])
+    tiles.index_add_(0, k_idx.reshape(-1), grads)
+
+
+def _masked_scores(plan: _TilePlan, start: int, end: int, q_c: Tensor, k_c: Tensor, k_idx: Tensor) -> Tensor:
+    """Scores [n, Hkv, G * BLOCK_Q, W * BLOCK_K] of compute positions [start, end), -inf where a key is hidden."""
+    n, heads_kv, rows, _ = q_c.shape
+    scores = torch.matmul(q_c, k_c.transpose(-1, -2))
+    key = (k_idx[:, :, None] * BLOCK_K + torch.arange(BLOCK_K, device=k_idx.device)).view(n, 1, -1)
+    lo, hi = plan.row_lo[start:end, :, None], plan.row_hi[start:end, :, None]  # [n, BLOCK_Q, 1]
+    bias = torch.where((key < lo) | (key >= hi), float("-inf"), 0.0).to(scores.dtype)
+    # Adding a 0/-inf bias is several times faster than masked_fill_ on the CPU.
+    scores.view(n, heads_kv, rows // BLOCK_Q, BLOCK_Q, -1).add_(bias[:, None, None])
+    return scores
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def forward(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, causal: bool, softmax_scale: float
+) -> tuple[Tensor, Tensor]:
+    """Varlen attention forward; returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] in the compute dtype)."""
+    total_q, heads_q, _ = q.shape
+    heads_kv = k.shape[1]
+    dtype = _compute_dtype(q.dtype)
+    plan = _plan(cu_seqlens_q, cu_seqlens_k, causal, total_q, k.shape[0], q.device)
+
+    q_t = _q_tiles(q, plan, heads_kv, dtype).mul_(softmax_scale)
+    k_t, v_t = _k_tiles(k, plan, dtype), _k_tiles(v, plan, dtype)
+    row_max = torch.full(q_t.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
+    row_sum = torch.zeros_like(row_max)
+    acc = torch.zeros_like(q_t)
+
+    for start, end, k_idx in _chunks(plan, heads_q):
+        scores = _masked_scores(plan, start, end, q_t[start:end], _gather_keys(k_t, k_idx), k_idx)
+        old_max = row_max[start:end]
+        new_max = torch.maximum(old_max, scores.amax(-1))
+        ref_max = torch.where(new_max == float("-inf"), 0.0, new_max)  # rows that have seen nothing yet
+        probs = torch.exp_(scores.sub_(ref_max.unsqueeze(-1)))
+        rescale = torch.exp(old_max - ref_max)
+        row_sum[start:end].mul_(rescale).add_(probs.sum(-1))
+        acc[start:end].mul_(rescale.unsqueeze(-1)).add_(torch.matmul(probs, _gather_keys(v_t, k_idx)))
+        old_max.copy_(new_max)
+
+    seen = row_sum > 0
+    lse = torch.where(seen, row_max + torch.log(row_sum), float("-inf"))
+    out = acc.div_(torch.where(seen, row_sum, 1.0).unsqueeze(-1))
+    return _q_rows(out, plan, total_q, heads_q).to(q.dtype), _q_rows(lse, plan, total_q, heads_q).T.contiguous()
+
+
+def backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Varlen attention backward against the given (possibly merged) out and lse; returns dq, dk, dv."""
+    total_q, heads_q, _ = q.shape
+    total_k, heads_kv, _ = k.shape
+    dtype = _compute_dtype(q.dtype)
+    plan = _plan(cu_seqlens_q, cu_seqlens_k, causal, total_q, total_k, q.device)
+
+    q_t = _q_tiles(q, plan, heads_kv, dtype).mul_(softmax_scale)  # scaled q also gives dk its scale
+    dout_t = _q_tiles(dout, plan, heads_kv, dtype)
+    delta_t = _q_tiles((dout.to(dtype) * out.to(dtype)).sum(-1), plan, heads_kv, dtype)
+    # A row that saw no keys has lse = -inf; +inf makes its probabilities exp(s - inf) = 0.
+    lse = torch.where(lse == float("-inf"), float("inf"), lse.to(dtype))
+    lse_t = _q_tiles(lse.T, plan, heads_kv, dtype, fill=float("inf"))
+    k_t, v_t = _k_tiles(k, plan, dtype), _k_tiles(v, plan, dtype)
+    dq_t, dk_t, dv_t = torch.zeros_like(q_t), torch.zeros_like(k_t), torch.zeros_like(v_t)
+
+    for start, end, k_idx in _chunks(plan, heads_q):
+        q_c, dout_c = q_t[start:end], dout_t[start:end]
+        k_c, v_c = _gather_keys(k_t, k_idx), _gather_keys(v_t, k_idx)
+        scores = _masked_scores(plan, start, end, q_c, k_c, k_idx)
+        probs = torch.exp_(scores.sub_(lse_t[start:end].unsqueeze(-1)))
+        _scatter_keys(dv_t, k_idx, torch.matmul(probs.transpose(-1, -2), dout_c))
+        dscores = torch.matmul(dout_c, v_c.transpose(-1, -2))
+        dscores.sub_(delta_t[start:end].unsqueeze(-1)).mul_(probs)
+        dq_t[start:end].add_(torch.matmul(dscores, k_c))
+        _scatter_keys(dk_t, k_idx, torch.matmul(dscores.transpose(-1, -2), q_c))
+
+    dq = _q_rows(dq_t.mul_(softmax_scale), plan, total_q, heads_q).to(q.dtype)
+    dk = dk_t.view(-1, heads_kv, k.shape[2])[:total_k].to(k.dtype)
+    dv = dv_t.view(-1, heads_kv, v.shape[2])[:total_k].to(v.dtype)
+    return dq, dk, dv

@@ -1,0 +1,318 @@
+"""Varlen attention kernels against the dense float64 reference, on random packed batches."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_sap.kernels import (
+    available_backends,
+    merge_into,
+    merge_partials,
+    resolve_backend,
+    torch_backend,
+    varlen_backward,
+    varlen_forward,
+)
+from megatron_sap.reference import dense_attention
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+# Document lengths of the packed test batches (zeros are empty documents).
+LENGTHS = {
+    "tiny_docs": [1, 0, 2, 1, 1, 3, 0, 1] * 150,
+    "mixed": [5, 0, 130, 1, 300, 0, 0, 64, 2, 257, 1, 40],
+    "long": [3, 1500, 0, 7],
+}
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _random(total: int, heads: int, dim: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(total, heads, dim, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _reference(q, k, v, cu, dout, *, causal, scale):
+    """Dense float64 (out, lse, dq, dk, dv) for q, k, v sharing the boundaries cu."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, lse = dense_attention(*leaves, cu, causal=causal, softmax_scale=scale)
+    grads = torch.autograd.grad(out, leaves, dout.double())
+    return (out.detach(), lse.detach(), *grads)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert not torch.isnan(actual).any(), f"{what}: NaN"
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize(
+    "case, dtype, causal, heads, scale",
+    [
+        ("tiny_docs", torch.float64, True, (4, 2), None),
+        ("mixed", torch.float64, True, (4, 1), 0.3),
+        ("mixed", torch.float64, False, (3, 3), None),
+        ("long", torch.float64, True, (2, 2), None),
+        ("long", torch.float64, False, (4, 2), 1.1),
+        ("tiny_docs", torch.float32, False, (2, 2), None),
+        ("mixed", torch.float32, True, (4, 2), None),
+        ("long", torch.float32, True, (4, 2), 0.05),
+        ("mixed", torch.bfloat16, True, (4, 2), None),
+    ],
+)
+def test_matches_dense_reference(case, dtype, causal, heads, scale):
+    lengths = LENGTHS[case]
+    heads_q, heads_kv = heads
+    cu, total, dim = _cu(lengths), sum(lengths), 16
+    gen = torch.Generator().manual_seed(len(lengths) * 31 + heads_q)
+    q, k, v = (_random(total, h, dim, dtype, gen) for h in (heads_q, heads_kv, heads_kv))
+    dout = _random(total, heads_q, dim, dtype, gen)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _reference(q, k, v, cu, dout, causal=causal, scale=scale)
+
+    out, lse = varlen_forward(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal, softmax_scale=scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert lse.shape == (heads_q, total) and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    _close(out, ref_out, dtype, "out")
+    _close(lse, ref_lse, dtype, "lse")
+
+    # The backward is given the reference's out and lse, as the executor gives it merged ones.
+    grads = varlen_backward(
+        dout, q, k, v, ref_out.to(dtype), ref_lse, cu, cu, max(lengths), max(lengths), causal=causal, softmax_scale=scale
+    )
+    for name, got, want, like in zip(("dq", "dk", "dv"), grads, (ref_dq, ref_dk, ref_dv), (q, k, v)):
+        assert got.dtype == dtype and got.shape == like.shape
+        _close(got, want, dtype, name)
+
+
+def _split_documents(lengths, gen):
+    """Cut each document into key parts [0, a), [a, s) and a query tail [s, L) (any part may be empty)."""
+    parts = []
+    for length in lengths:
+        s = int(torch.randint(0, length + 1, (), generator=gen))
+        a = int(torch.randint(0, s + 1, (), generator=gen))
+        parts.append((a, s, length))
+    return parts
+
+
+def _rows(cu: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Packed row indices of span [lo, hi) of every document."""
+    return torch.cat([torch.arange(int(cu[i]) + lo, int(cu[i]) + hi) for i, (lo, hi) in enumerate(spans)])
+
+
+@pytest.mark.parametrize("dtype, heads", [(torch.float64, (4, 2)), (torch.float32, (2, 2))])
+def test_key_blocks_merge_to_the_whole(dtype, heads):
+    """Tail queries of each document against its keys split in three blocks (two full, one diagonal).
+
+    Merging the partial (out, lse) must give the dense result, and each block's
+    backward run with the merged out/lse must give exactly its share of the gradients.
+    """
+    heads_q, heads_kv = heads
+    gen = torch.Generator().manual_seed(7)
+    lengths = [1, 0, 90, 3, 600, 17, 0, 250, 1, 2]
+    parts = _split_documents(lengths, gen)
+    cu, total, dim, scale = _cu(lengths), sum(lengths), 8, 0.4
+    q, k, v = (_random(total, h, dim, dtype, gen) for h in (heads_q, heads_kv, heads_kv))
+    tail = _rows(cu, [(s, n) for _, s, n in parts])
+    dout = torch.zeros(total, heads_q, dim, dtype=dtype)
+    dout[tail] = _random(len(tail), heads_q, dim, dtype, gen)  # only tail queries feed the loss
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _reference(q, k, v, cu, dout, causal=True, scale=scale)
+
+    cu_tail = _cu([n - s for _, s, n in parts])
+    blocks = [  # (key spans per document, causal)
+        ([(0, a) for a, _, _ in parts], False),
+        ([(a, s) for a, s, _ in parts], False),
+        ([(s, n) for _, s, n in parts], True),
+    ]
+    qt, dout_t = q[tail], dout[tail]
+    results = []
+    for spans, causal in blocks:
+        keys = _rows(cu, spans)
+        cu_k = _cu([hi - lo for lo, hi in spans])
+        out, lse = varlen_forward(qt, k[keys], v[keys], cu_tail, cu_k, total, total, causal=causal, softmax_scale=scale)
+        results.append((keys, cu_k, causal, out, lse))
+
+    out, lse = results[0][3], results[0][4]
+    for *_, out_b, lse_b in results[1:]:
+        out, lse = merge_partials(out, lse, out_b, lse_b)
+    _close(out, ref_out[tail], dtype, "merged out")
+    _close(lse, ref_lse[:, tail], dtype, "merged lse")
+
+    dq = torch.zeros_like(qt, dtype=torch.float64)
+    dk, dv = torch.zeros(total, heads_kv, dim, dtype=torch.float64), torch.zeros(total, heads_kv, dim, dtype=torch.float64)
+    for keys, cu_k, causal, _, _ in results:
+        dq_b, dk_b, dv_b = varlen_backward(
+            dout_t, qt, k[keys], v[keys], out, lse, cu_tail, cu_k, total, total, causal=causal, softmax_scale=scale
+        )
+        dq += dq_b.double()
+        dk[keys] += dk_b.double()
+        dv[keys] += dv_b.double()
+    _close(dq, ref_dq[tail], dtype, "summed dq")
+    _close(dk, ref_dk, dtype, "dk")
+    _close(dv, ref_dv, dtype, "dv")
+
+
+def test_bottom_right_causal_alignment():
+    """causal with len_q < len_k: the queries are the document's tail; len_q > len_k: leading rows see nothing."""
+    gen = torch.Generator().manual_seed(3)
+    lengths, tails = [40, 7, 300, 1, 0], [10, 7, 129, 0, 0]
+    cu, total = _cu(lengths), sum(lengths)
+    q, k, v = (_random(total, 2, 8, torch.float64, gen) for _ in range(3))
+    ref_out, ref_lse = dense_attention(q, k, v, cu, causal=True)
+    rows = _rows(cu, [(n - t, n) for n, t in zip(lengths, tails)])
+    out, lse = varlen_forward(q[rows], k, v, _cu(tails), cu, 300, 300, causal=True)
+    _close(out, ref_out[rows], torch.float64, "tail out")
+    _close(lse, ref_lse[:, rows], torch.float64, "tail lse")
+
+    # Swap roles: queries of whole documents against keys of their tails only.
+    # Query i sees key j iff j <= i - (len_q - len_k): the first len_q - len_k rows see nothing.
+    out, lse = varlen_forward(q, k[rows], v[rows], cu, _cu(tails), 300, 300, causal=True)
+    blind = _rows(cu, [(0, n - t) for n, t in zip(lengths, tails)])
+    assert torch.all(out[blind] == 0) and torch.all(lse[:, blind] == float("-inf"))
+    sighted = _rows(cu, [(n - t, n) for n, t in zip(lengths, tails)])
+    ref_out, ref_lse = dense_attention(q[sighted], k[rows], v[rows], _cu(tails), causal=True)
+    _close(out[sighted], ref_out, torch.float64, "sighted out")
+    _close(lse[:, sighted], ref_lse, torch.float64, "sighted lse")
+    grads = varlen_backward(torch.ones_like(out), q, k[rows], v[rows], out, lse, cu, _cu(tails), 300, 300, causal=True)
+    assert not any(torch.isnan(g).any() for g in grads)
+    assert torch.all(grads[0][blind] == 0)
+
+
+def test_rows_without_keys_are_zero_and_never_nan():
+    gen = torch.Generator().manual_seed(5)
+    cu_q, cu_k = _cu([3, 2, 4]), _cu([0, 5, 0])  # documents 0 and 2 have queries but no keys
+    q = _random(9, 4, 8, torch.float32, gen)
+    k, v = _random(5, 2, 8, torch.float32, gen), _random(5, 2, 8, torch.float32, gen)
+    out, lse = varlen_forward(q, k, v, cu_q, cu_k, 4, 5, causal=False)
+    blind = torch.tensor([0, 1, 2, 5, 6, 7, 8])
+    assert torch.all(out[blind] == 0) and torch.all(lse[:, blind] == float("-inf"))
+
+    empty_out, empty_lse = torch.zeros_like(out), torch.full_like(lse, float("-inf"))
+    merged_out, merged_lse = merge_partials(out, lse, empty_out, empty_lse)
+    assert torch.equal(merged_out, out) and torch.equal(merged_lse, lse)
+    both_out, both_lse = merge_partials(empty_out, empty_lse, empty_out, empty_lse)
+    assert torch.all(both_out == 0) and torch.all(both_lse == float("-inf"))
+
+    dq, dk, dv = varlen_backward(torch.ones_like(out), q, k, v, out, lse, cu_q, cu_k, 4, 5, causal=False)
+    assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
+    assert torch.all(dq[blind] == 0)
+
+    # No keys at all, and no queries at all.
+    out, lse = varlen_forward(q, k[:0], v[:0], cu_q, _cu([0, 0, 0]), 4, 0, causal=True)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+    out, lse = varlen_forward(q[:0], k, v, _cu([0, 0, 0]), cu_k, 0, 5, causal=True)
+    assert out.shape == (0, 4, 8) and lse.shape == (4, 0)
+
+
+def test_merge_into_accumulates_like_merge_partials():
+    gen = torch.Generator().manual_seed(11)
+    total, heads, dim = 50, 3, 4
+    parts = [(_random(total, heads, dim, torch.float32, gen), torch.randn(heads, total, generator=gen)) for _ in range(3)]
+    parts[1][1][:, :10] = float("-inf")
+    expected_out, expected_lse = parts[0]
+    for out_b, lse_b in parts[1:]:
+        expected_out, expected_lse = merge_partials(expected_out, expected_lse, out_b, lse_b)
+
+    acc_out = torch.zeros(total, heads, dim)
+    acc_lse = torch.full((heads, total), float("-inf"))
+    for out_b, lse_b in parts:
+        rows = torch.randperm(total, generator=gen)
+        merge_into(acc_out, acc_lse, rows, out_b[rows], lse_b[:, rows])
+    torch.testing.assert_close(acc_out, expected_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(acc_lse, expected_lse, atol=1e-6, rtol=1e-6)
+
+
+def test_long_segment_memory_is_bounded():
+    """The tail of a 64K-token document against all its keys, without a [Tq, Tk] score matrix.
+
+    A dense implementation would allocate 1024 x 65536 floats per head (256 MiB); the
+    tiled one must stay within its chunk budget. The profiler reports the memory each
+    op allocates.
+    """
+    length, n_queries, dim = 65536, 1024, 16
+    gen = torch.Generator().manual_seed(13)
+    q = _random(n_queries, 2, dim, torch.float32, gen)
+    k, v = _random(length, 1, dim, torch.float32, gen), _random(length, 1, dim, torch.float32, gen)
+    cu_q, cu_k = _cu([n_queries]), _cu([length])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        out, lse = varlen_forward(q, k, v, cu_q, cu_k, n_queries, length, causal=True)
+        dq, dk, dv = varlen_backward(torch.ones_like(out), q, k, v, out, lse, cu_q, cu_k, n_queries, length, causal=True)
+    largest = max(event.cpu_memory_usage for event in prof.events())
+    assert largest < 64 * 2**20, f"an op allocated {largest / 2**20:.0f} MiB"
+
+    # Spot-check the last query (sees every key) and the first (sees all but the last 1023).
+    for row, visible in ((n_queries - 1, length), (0, length - n_queries + 1)):
+        scores = torch.einsum("hd,td->ht", q[row].double(), k[:visible, 0].double()) / math.sqrt(dim)
+        expected = torch.softmax(scores, -1) @ v[:visible, 0].double()
+        torch.testing.assert_close(out[row].double(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[:, row].double(), torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
+    assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
+
+
+def test_backward_is_deterministic_on_cpu():
+    gen = torch.Generator().manual_seed(17)
+    lengths = [200, 3, 1, 90]
+    cu, total = _cu(lengths), sum(lengths)
+    q, k, v, dout = (_random(total, 2, 8, torch.float32, gen) for _ in range(4))
+    out, lse = varlen_forward(q, k, v, cu, cu, 200, 200, causal=True)
+    first = varlen_backward(dout, q, k, v, out, lse, cu, cu, 200, 200, causal=True)
+    second = varlen_backward(dout, q, k, v, out, lse, cu, cu, 200, 200, causal=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_plan_cache_is_bounded():
+    q = torch.randn(8, 1, 4)
+    for n in range(torch_backend.PLAN_CACHE_SIZE + 5):
+        cu = torch.tensor([0, n % 8 + 1, 8], dtype=torch.int32)
+        varlen_forward(q, q, q, cu, cu, 8, 8, causal=True)
+    assert len(torch_backend._plans) <= torch_backend.PLAN_CACHE_SIZE
+
+
+def test_backend_resolution():
+    assert available_backends("cpu") == ["torch"]
+    assert resolve_backend("auto", "cpu", torch.bfloat16) == "torch"
+    assert resolve_backend("torch", "cpu", torch.float64) == "torch"
+    with pytest.raises(ValueError, match="'flash-attn' is not available on cpu; available: \\['torch'\\]"):
+        resolve_backend("flash-attn", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown attention backend 'xformers'.*'torch'"):
+        resolve_backend("xformers", "cpu", torch.float32)
+    if torch.cuda.is_available():
+        assert "aten-flash" in available_backends("cuda")
+        assert resolve_backend("auto", "cuda", torch.bfloat16) in ("flash-attn", "aten-flash")
+        assert resolve_backend("auto", "cuda", torch.float32) == "torch"
+
+
+def _bad_inputs():
+    q, kv = torch.randn(6, 4, 8), torch.randn(6, 2, 8)
+    cu = _cu([2, 4])
+    yield "multiple of key/value heads", dict(k=torch.randn(6, 3, 8), v=torch.randn(6, 3, 8))
+    yield "must share a dtype", dict(q=q.double())
+    yield "same head_dim", dict(k=torch.randn(6, 2, 4), v=torch.randn(6, 2, 4))
+    yield "k and v must have the same shape", dict(v=torch.randn(5, 2, 8))
+    yield "tokens, heads, head_dim", dict(q=q[0])
+    yield "1-D int32/int64", dict(cu_q=cu.float())
+    yield "1-D int32/int64", dict(cu_q=cu[None])
+    yield "must start at 0", dict(cu_q=torch.tensor([1, 2, 6], dtype=torch.int32))
+    yield "non-decreasing", dict(cu_k=torch.tensor([0, 4, 3, 6], dtype=torch.int32), cu_q=_cu([2, 2, 2]))
+    yield "end at the number of tokens 6, got 5", dict(cu_k=torch.tensor([0, 2, 5], dtype=torch.int32))
+    yield "same number of segments, got 2 and 3", dict(cu_k=_cu([2, 2, 2]))
+    if torch.cuda.is_available():
+        yield "one device", dict(k=kv.cuda())
+
+
+@pytest.mark.parametrize("message, change", list(_bad_inputs()), ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_inputs_raise_clear_errors(message, change):
+    args = dict(q=torch.randn(6, 4, 8), k=torch.randn(6, 2, 8), v=torch.randn(6, 2, 8), cu_q=_cu([2, 4]), cu_k=_cu([2, 4]))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        varlen_forward(args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"], 4, 4, causal=True)
+
+
+def test_backward_checks_out_and_lse_shapes():
+    q, kv, cu = torch.randn(6, 4, 8), torch.randn(6, 2, 8), _cu([2, 4])
+    with pytest.raises(ValueError, match="lse must be \\[Hq, Tq\\] = \\(4, 6\\), got \\(6, 4\\)"):
+        varlen_backward(q, q, kv, kv, q, torch.zeros(6, 4), cu, cu, 4, 4, causal=True)
+    with pytest.raises(ValueError, match="must have q's shape"):
+        varlen_backward(q[:5], q, kv, kv, q, torch.zeros(4, 6), cu, cu, 4, 4, causal=True)
