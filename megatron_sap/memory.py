@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,9 +20,15 @@ from torch.utils._pytree import tree_flatten
 
 @dataclass
 class PeakMemory:
-    """Bytes: the peak of memory allocated inside the block above its starting level."""
+    """Bytes above the block's starting level: the peak, and what is allocated now."""
 
     peak_bytes: int = 0
+    _now: Callable[[], int] = lambda: 0
+
+    @property
+    def live_bytes(self) -> int:
+        """Memory allocated inside the block and still alive at this moment."""
+        return self._now()
 
 
 class _StorageTracker(TorchDispatchMode):
@@ -30,6 +36,7 @@ class _StorageTracker(TorchDispatchMode):
         super().__init__()
         self.result = result
         self.live = 0
+        result._now = lambda: self.live
         self.seen: set[int] = set()
 
     def _track(self, t: torch.Tensor) -> None:
@@ -65,6 +72,7 @@ def track_peak_memory(device: torch.device | str = "cpu") -> Iterator[PeakMemory
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
+        result._now = lambda: torch.cuda.memory_allocated(device) - base
         yield result
         torch.cuda.synchronize(device)
         result.peak_bytes = torch.cuda.max_memory_allocated(device) - base

@@ -152,10 +152,7 @@ class Plan:
         expand = lambda a: [float(x) for x in np.repeat(np.asarray(a, dtype=np.float64), U)]  # noqa: E731
         pairs = expand(ev.exact_pairs / U)
         mean = float(np.mean(pairs)) if pairs else 0.0
-        group_tokens = self.capacity
-        acc_bytes = group_tokens * (m.num_heads / U) * (m.head_dim * 4 + 4)  # fp32 output + lse accumulators
-        a2a_buffers = group_tokens * (m.num_heads + 2 * m.num_kv_heads) / U * m.head_dim * m.bytes_per_element if U > 1 else 0
-        recv_kv = traffic.sum(0) * kv
+        memory = [self.memory_bytes(r, m) for r in range(self.outer_size)]
         return {
             "method": "sap",
             "candidate": self.placement.strategy,
@@ -170,14 +167,47 @@ class Plan:
             "sent_tokens_per_outer_rank": [int(x) for x in traffic.sum(1)],
             "recv_tokens_per_outer_rank": [int(x) for x in traffic.sum(0)],
             "sent_bytes_per_rank": [x + ev.a2a_bytes for x in expand(sent)],
+            # every rank receives what it sends: its forward K/V in-traffic is its backward dK/dV out-traffic
             "recv_bytes_per_rank": [x + ev.a2a_bytes for x in expand(sent)],
             "sent_bytes_intra_per_rank": [x + ev.a2a_bytes for x in expand(sent_intra * kv)],
             "sent_bytes_inter_per_rank": expand(sent_inter * kv),
-            "peak_extra_bytes_per_rank": expand(recv_kv + acc_bytes + a2a_buffers),
+            "peak_extra_bytes_per_rank": expand([max(x["forward"], x["backward"]) for x in memory]),
             "modelled_time_s": ev.makespan_s,
             "ideal_time_s": ev.ideal_s,
             "candidates_modelled_time_s": dict(self.considered),
         }
+
+
+    def memory_bytes(self, outer_rank: int, cost_model: CostModel | None = None) -> dict[str, float]:
+        """Modelled extra memory of the op on one rank of an outer group (docs/architecture.md).
+
+        Buffers alive at the peak of the forward and of the backward pass, beyond q, k,
+        v and the output, for the cost model's shape; accumulators are fp32. Kernel
+        workspaces and one call's gathered rows come on top (bounded by one call).
+        """
+        m = cost_model or self.cost_model
+        U = self.inner_size
+        rows = self.capacity
+        heads = m.num_heads / U
+        kv_heads = max(m.num_kv_heads, U) / U  # replicated when fewer KV heads than U
+        b, a = m.bytes_per_element, 4
+        kv_row = 2 * kv_heads * m.head_dim
+        received = float(self.evaluation.traffic_tokens[:, outer_rank].sum())
+        stacked_kv = rows * kv_row * b
+        # head-sharded q, k, v and output of the inner all-to-all; their gradients in backward
+        ulysses = rows * (2 * heads + 2 * kv_heads) * m.head_dim * b if U > 1 else 0.0
+        kept = 0.0 if not received else received * kv_row * b
+        forward = stacked_kv + rows * heads * (m.head_dim + 1) * a + kept + ulysses
+        backward = (
+            stacked_kv
+            + kept
+            + rows * heads * m.head_dim * a  # dq accumulator
+            + rows * kv_row * a  # dK/dV accumulator
+            + received * kv_row * (a + b)  # gradients of received rows until returned
+            + rows * heads * a  # saved lse
+            + 2 * ulysses
+        )
+        return {"forward": forward, "backward": backward, "received_kv": kept}
 
 
 class PlanCache:

@@ -1,0 +1,102 @@
+"""Peak extra memory of sap_attention on gloo ranks against the documented formula."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dist_pool import make_pool_fixture
+from sap_cases import random_cu_seqlens
+
+pool4 = make_pool_fixture(4, timeout=180)
+
+HEADS, KV_HEADS, DIM = 8, 2, 32
+
+
+def measure(rank: int, world: int, cu: list[int], inner: int, recompute_kv: bool) -> dict:
+    import torch
+
+    import megatron_sap as sap
+    from megatron_sap.memory import track_peak_memory
+    from sap_cases import groups_for, make_inputs
+
+    groups = groups_for(inner, world // inner)
+    plan = sap.plan_sequences(cu, outer_size=world // inner, inner_size=inner)
+    q, k, v, dout = (t.float() for t in make_inputs(cu, HEADS, KV_HEADS, DIM, seed=0))
+    idx = plan.local_indices(groups.cp_rank)
+    ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
+    grad = dout[idx].clone()
+    sap.sap_attention(ql, kl, vl, plan, groups).backward(grad)  # warm-up: programs compiled, cached
+    ql.grad = kl.grad = vl.grad = None
+    with track_peak_memory() as peak:
+        out = sap.sap_attention(ql, kl, vl, plan, groups, recompute_kv=recompute_kv)
+        out.backward(grad)
+        del out
+    model = plan.memory_bytes(groups.outer_rank, plan.cost_model.with_shape(HEADS, KV_HEADS, DIM, 4))
+    gradients = 3 * ql.numel() * 4  # dq, dk, dv returned to autograd (q-sized upper bound each)
+    output = ql.numel() * 4
+    return {"peak": peak.peak_bytes, "model": model, "io": gradients + output, "kernel": kernel_workspace(plan, groups.outer_rank)}
+
+
+def kernel_workspace(plan, outer_rank: int) -> int:
+    """Largest peak memory of one kernel call of the rank's program (forward + backward), measured alone."""
+    import torch
+
+    from megatron_sap.kernels import varlen_backward, varlen_forward
+    from megatron_sap.memory import track_peak_memory
+
+    program = plan.program(outer_rank)
+    heads = HEADS // plan.inner_size
+    kv_heads = max(KV_HEADS, plan.inner_size) // plan.inner_size
+    worst = 0
+    for call in list(program.local_calls) + [c for t in program.transfers for c in t.calls]:
+        nq, nk = int(call.cu_seqlens_q[-1]), int(call.cu_seqlens_k[-1])
+        q = torch.randn(nq, heads, DIM)
+        k, v = torch.randn(nk, kv_heads, DIM), torch.randn(nk, kv_heads, DIM)
+        args = (call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k)
+        with track_peak_memory() as peak:
+            out, lse = varlen_forward(q, k, v, *args, causal=call.causal)
+            varlen_backward(torch.ones_like(out), q, k, v, out, lse, *args, causal=call.causal)
+        worst = max(worst, peak.peak_bytes)
+    return worst
+
+
+@pytest.mark.parametrize("inner", [1, 2])
+def test_peak_memory_matches_formula(pool4, inner):
+    cu = random_cu_seqlens(random.Random(3), 4 * 512, "long")
+    for r in pool4.run(measure, cu, inner, False):
+        model = max(r["model"]["forward"], r["model"]["backward"])
+        # The formula's buffers are all allocated, and nothing else of comparable size:
+        # on top come only the returned gradients/output and one kernel call's workspace.
+        assert r["peak"] >= r["model"]["received_kv"]
+        assert r["peak"] <= model + r["io"] + r["kernel"], (r["peak"], model, r["io"], r["kernel"])
+
+
+def test_recompute_kv_drops_the_kept_rows(pool4):
+    """recompute_kv=True keeps no received K/V between forward and backward."""
+    cu = random_cu_seqlens(random.Random(4), 4 * 512, "long")
+    kept = pool4.run(measure_between_passes, cu, False)
+    again = pool4.run(measure_between_passes, cu, True)
+    for k, a in zip(kept, again):
+        assert k["held"] - a["held"] == k["received_kv"]
+    assert any(k["received_kv"] for k in kept)
+
+
+def measure_between_passes(rank: int, world: int, cu: list[int], recompute_kv: bool) -> dict:
+    """Memory the op holds from forward to backward (saved tensors), by rank."""
+    import megatron_sap as sap
+    from megatron_sap.memory import track_peak_memory
+    from sap_cases import groups_for, make_inputs
+
+    groups = groups_for(1, world)
+    plan = sap.plan_sequences(cu, outer_size=world)
+    q, k, v, dout = (t.float() for t in make_inputs(cu, HEADS, KV_HEADS, DIM, seed=0))
+    idx = plan.local_indices(groups.cp_rank)
+    ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
+    sap.sap_attention(ql, kl, vl, plan, groups).sum().backward()  # warm-up: program and kernel metadata cached
+    with track_peak_memory() as tracker:
+        out = sap.sap_attention(ql, kl, vl, plan, groups, recompute_kv=recompute_kv)
+        held = tracker.live_bytes
+    out.backward(dout[idx])
+    model = plan.memory_bytes(groups.outer_rank, plan.cost_model.with_shape(HEADS, KV_HEADS, DIM, 4))
+    return {"held": held, "received_kv": model["received_kv"]}
