@@ -1,0 +1,248 @@
+"""Single-process tests of the Megatron layer pieces: core attention, RoPE, specs, batch split."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.common.embeddings import rope_utils  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.multi_token_prediction import get_mtp_layer_spec  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from megatron_sap.megatron import (  # noqa: E402
+    SAPDotProductAttention,
+    cu_seqlens_from_position_ids,
+    rotate_by_positions,
+    sap_loss,
+    sap_split_batch,
+    swap_core_attention,
+    use_sap_core_attention,
+)
+from megatron_sap.megatron.rope import install_sap_rope, token_positions  # noqa: E402
+from megatron_sap.reference import dense_attention  # noqa: E402
+
+CU = [0, 5, 6, 19, 32]
+ONE_RANK = SimpleNamespace(cp=SimpleNamespace(size=lambda: 1, rank=lambda: 0))
+
+
+def _config(**overrides) -> TransformerConfig:
+    values = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+        ffn_hidden_size=128, attention_dropout=0.0, use_cpu_initialization=True,
+    )
+    values.update(overrides)
+    return TransformerConfig(**values)
+
+
+def _attention(**kwargs) -> SAPDotProductAttention:
+    args = dict(config=_config(), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                pg_collection=ONE_RANK)
+    args.update(kwargs)
+    return SAPDotProductAttention(**args)
+
+
+def _qkv(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(tokens, 4, 16, generator=gen), torch.randn(tokens, 2, 16, generator=gen),
+            torch.randn(tokens, 2, 16, generator=gen))
+
+
+def _params(cu: list[int], **overrides) -> PackedSeqParams:
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    values = dict(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, max_seqlen_q=13, max_seqlen_kv=13)
+    values.update(overrides)
+    return PackedSeqParams(**values)
+
+
+def test_thd_matches_dense_reference_with_gqa() -> None:
+    q, k, v = _qkv(CU[-1])
+    out = _attention()(q, k, v, None, packed_seq_params=_params(CU))
+    expected, _ = dense_attention(q.double(), k.double(), v.double(), torch.tensor(CU))
+    assert out.shape == (CU[-1], 64)
+    torch.testing.assert_close(out, expected.float().flatten(1), rtol=1e-5, atol=1e-5)
+
+
+def test_sbhd_rows_are_separate_sequences() -> None:
+    s, b = 8, 3
+    q, k, v = (t.reshape(b, s, *t.shape[1:]).transpose(0, 1) for t in _qkv(s * b, seed=1))
+    out = _attention()(q, k, v, None)
+    assert out.shape == (s, b, 64)
+    for row in range(b):
+        expected, _ = dense_attention(q[:, row].double(), k[:, row].double(), v[:, row].double(), torch.tensor([0, s]))
+        torch.testing.assert_close(out[:, row], expected.float().flatten(1), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_sbhd_with_batch_one() -> None:
+    q, k, v = (t.unsqueeze(1) for t in _qkv(CU[-1], seed=2))
+    out = _attention()(q, k, v, None, packed_seq_params=_params(CU, qkv_format="sbhd"))
+    expected, _ = dense_attention(q[:, 0].double(), k[:, 0].double(), v[:, 0].double(), torch.tensor(CU))
+    assert out.shape == (CU[-1], 1, 64)
+    torch.testing.assert_close(out[:, 0], expected.float().flatten(1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(config=_config(attention_dropout=0.1)), "attention_dropout"),
+        (dict(attn_mask_type=AttnMaskType.no_mask), "causal"),
+        (dict(cp_comm_type="p2p"), "cp_comm_type"),
+    ],
+)
+def test_unsupported_construction_is_rejected(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        _attention(**kwargs)
+
+
+def test_bad_forward_inputs_are_rejected() -> None:
+    attn = _attention()
+    q, k, v = _qkv(CU[-1])
+    with pytest.raises(ValueError, match="attention_bias"):
+        attn(q, k, v, None, attention_bias=torch.zeros(1), packed_seq_params=_params(CU))
+    other = torch.tensor([0, 16, 32], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_kv"):
+        attn(q, k, v, None, packed_seq_params=_params(CU, cu_seqlens_kv=other))
+    with pytest.raises(ValueError, match="padding"):
+        attn(q, k, v, None, packed_seq_params=_params(CU, cu_seqlens_q_padded=other))
+    with pytest.raises(ValueError, match="tokens"):
+        attn(q[:-4], k[:-4], v[:-4], None, packed_seq_params=_params(CU))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_positions_match_megatron_thd_rope_at_cp1(interleaved: bool) -> None:
+    """Rotating a permuted row by registered positions equals Megatron's own THD RoPE, permuted."""
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randn(CU[-1], 4, 16, generator=gen)
+    freqs = torch.rand(13, 1, 1, 16, generator=gen) * 10
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=interleaved, multi_latent_attention=False)
+    one_rank = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    cu = torch.tensor(CU, dtype=torch.int32)
+    expected = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=one_rank)
+
+    order = torch.randperm(CU[-1], generator=gen)
+    starts = torch.tensor(CU[:-1]).repeat_interleave(torch.diff(torch.tensor(CU)))
+    positions = (torch.arange(CU[-1]) - starts)[order]
+    got = rotate_by_positions(t[order], freqs, positions, interleaved=interleaved)
+    torch.testing.assert_close(got, expected[order])
+
+
+def test_installed_rope_only_changes_registered_batches() -> None:
+    from megatron.core.transformer import attention
+
+    install_sap_rope()
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    one_rank = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    t = torch.randn(CU[-1], 2, 8)
+    freqs = torch.rand(13, 1, 1, 8)
+    unregistered = torch.tensor(CU, dtype=torch.int32)
+    torch.testing.assert_close(
+        attention.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=unregistered, cp_group=one_rank),
+        rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=unregistered, cp_group=one_rank),
+    )
+    tokens = torch.arange(CU[-1]).unsqueeze(0)
+    _, params = sap_split_batch({"tokens": tokens}, CU)
+    positions = token_positions(params.cu_seqlens_q)
+    torch.testing.assert_close(
+        attention.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=params.cu_seqlens_q, cp_group=one_rank),
+        rotate_by_positions(t, freqs, positions),
+    )
+
+
+def test_split_batch_slices_by_plan_and_builds_packed_params() -> None:
+    tokens = torch.arange(100, 100 + CU[-1]).unsqueeze(0)
+    batch = {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(1, CU[-1]),
+             "position_ids": torch.arange(CU[-1]).unsqueeze(0), "attention_mask": torch.ones(1, 1, 32, 32)}
+    local, params = sap_split_batch(batch, CU)
+    order = local["tokens"][0] - 100
+    assert sorted(order.tolist()) == list(range(CU[-1]))
+    assert torch.equal(local["labels"], local["tokens"] + 1)
+    starts = torch.tensor(CU[:-1]).repeat_interleave(torch.diff(torch.tensor(CU)))
+    assert torch.equal(local["position_ids"][0], (torch.arange(CU[-1]) - starts)[order])
+    assert local["attention_mask"] is None
+    assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == CU
+    assert params.max_seqlen_q == params.max_seqlen_kv == 13
+    assert params.cu_seqlens_q_padded is None and params.cp_group is None
+
+
+@pytest.mark.parametrize(
+    "batch, cu, match",
+    [
+        ({"tokens": torch.zeros(2, 32, dtype=torch.long)}, CU, r"\[1, T\]"),
+        ({"tokens": torch.zeros(1, 32), "labels": torch.zeros(1, 31)}, CU, "disagree"),
+        ({"tokens": torch.zeros(1, 30)}, CU, "batch length"),
+        ({"tokens": torch.zeros(1, 32)}, [0, 20, 10, 32], "non-decreasing"),
+        ({"attention_mask": None}, CU, "no tensors"),
+    ],
+)
+def test_split_batch_rejects_bad_input(batch, cu, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        sap_split_batch(batch, cu)
+
+
+def test_cu_seqlens_from_reset_position_ids() -> None:
+    position_ids = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3]])
+    assert cu_seqlens_from_position_ids(position_ids).tolist() == [0, 3, 4, 8]
+    with pytest.raises(ValueError, match="position 0"):
+        cu_seqlens_from_position_ids(torch.tensor([[1, 2, 0]]))
+
+
+def test_loss_is_the_token_mean_on_one_rank() -> None:
+    losses = torch.tensor([[1.0, 2.0, 3.0, 4.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    loss, mean = sap_loss(losses, mask)
+    assert float(loss.detach()) == pytest.approx(8 / 3) and float(mean) == pytest.approx(8 / 3)
+    loss.backward()
+    torch.testing.assert_close(losses.grad, mask / 3)
+
+
+def _core_attentions(node, found: list) -> list:
+    """Every core_attention entry below a spec (test-side walk, independent of the swap code)."""
+    if isinstance(node, (list, tuple)):
+        for item in node:
+            _core_attentions(item, found)
+    elif isinstance(node, ModuleSpec):
+        _core_attentions(node.submodules, found)
+    elif hasattr(node, "__dataclass_fields__") and not isinstance(node, type):
+        for name in node.__dataclass_fields__:
+            value = getattr(node, name)
+            if name == "core_attention":
+                found.append(value)
+            else:
+                _core_attentions(value, found)
+    return found
+
+
+@pytest.mark.parametrize(
+    "spec_kwargs", [{}, {"num_experts": 4}, {"multi_latent_attention": True}], ids=["dense", "moe", "mla"]
+)
+def test_swap_core_attention_in_layer_specs(spec_kwargs) -> None:
+    spec = get_gpt_layer_local_spec(**spec_kwargs)
+    swapped = swap_core_attention(spec)
+    assert _core_attentions(swapped, []) == [SAPDotProductAttention]
+    assert SAPDotProductAttention not in _core_attentions(spec, [])  # the input spec is left alone
+
+
+def test_swap_core_attention_in_mtp_layer_spec() -> None:
+    mtp = get_mtp_layer_spec(get_gpt_layer_local_spec(), use_transformer_engine=False)
+    found = _core_attentions(swap_core_attention(mtp), [])
+    assert found and all(c is SAPDotProductAttention for c in found)
+
+
+def test_swap_core_attention_rejects_specs_without_attention() -> None:
+    with pytest.raises(ValueError, match="no core_attention"):
+        swap_core_attention(ModuleSpec(module=torch.nn.Identity))
+
+
+def test_provider_patch_covers_spec_builders_and_undoes() -> None:
+    undo = use_sap_core_attention()
+    try:
+        assert _core_attentions(get_gpt_layer_local_spec(num_experts=2), []) == [SAPDotProductAttention]
+    finally:
+        undo()
+    assert SAPDotProductAttention not in _core_attentions(get_gpt_layer_local_spec(), [])
