@@ -1,0 +1,264 @@
+"""Distributed failure modes on gloo: ranks that disagree, dead and stuck ranks, and a fuzz test.
+
+A failure must raise on every rank it concerns, quickly and with a message naming the SAP step,
+never hang or compute garbage.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import re
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dist_pool import WorkerError, WorkerPool, make_pool_fixture
+from megatron_sap.reference import dense_attention
+from sap_cases import groups_for, make_inputs, random_cu_seqlens
+
+pool2 = make_pool_fixture(2, timeout=60)
+pool4 = make_pool_fixture(4, timeout=60)
+
+# Timeout of the SAP groups in the dead/stuck rank tests: survivors must raise within it.
+SHORT_TIMEOUT_S = 5.0
+# Bound on a whole failed job: the timeout plus time to report, kill and start the next workers.
+FAILED_JOB_BOUND_S = 25.0
+
+
+def _local_inputs(plan, cp_rank: int, cu: list[int], heads: int, kv_heads: int, seed: int) -> tuple[torch.Tensor, ...]:
+    q, k, v, dout = make_inputs(cu, heads, kv_heads, 8, seed)
+    idx = plan.local_indices(cp_rank)
+    return tuple(t[idx].requires_grad_() for t in (q, k, v)) + (dout[idx],)
+
+
+# ---- ranks that disagree ------------------------------------------------------------------------
+
+
+def disagree_job(rank: int, world: int, inner: int, cu: list[int], other_cu: list[int], odd_rank: int) -> str:
+    """Every rank attends with a fresh plan; `odd_rank` plans `other_cu`. Returns 'ok' or the error."""
+    import megatron_sap as sap
+    from megatron_sap.planning import PlanCache
+
+    groups = groups_for(inner, world // inner)
+    mine = other_cu if rank == odd_rank else cu
+    plan = sap.plan_sequences(mine, outer_size=world // inner, inner_size=inner, cache=PlanCache())
+    q, k, v, dout = _local_inputs(plan, groups.cp_rank, mine, 4, 2, seed=0)
+    try:
+        sap.sap_attention(q, k, v, plan, groups).backward(dout)
+    except RuntimeError as exc:
+        return str(exc)
+    return "ok"
+
+
+@pytest.mark.parametrize(("world", "inner"), [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)])
+def test_disagreeing_rank_raises_on_every_rank(request: pytest.FixtureRequest, world: int, inner: int) -> None:
+    pool: WorkerPool = request.getfixturevalue(f"pool{world}")
+    cu = [0, 10, 24, 40, 64]
+    other = [0, 10, 25, 40, 64]  # same T, one boundary moved
+    odd_rank = world - 1
+    messages = pool.run(disagree_job, inner, cu, other, odd_rank)
+    hashes = []
+    for rank, message in enumerate(messages):
+        found = re.search(r"CP ranks disagree on the batch: this rank \(cp_rank (\d+)\) planned hash ([0-9a-f]+) "
+                          r"\(64 tokens, 4 documents, layout .*\), the group has hashes from ([0-9a-f]+) to ([0-9a-f]+)", message)
+        assert found, (rank, message)
+        cp_rank, mine, low, high = found.groups()
+        assert int(cp_rank) == rank and low != high and mine in (low, high), message
+        hashes.append((mine, low, high))
+    assert len({(low, high) for _, low, high in hashes}) == 1, "every rank must report the same pair"
+    assert hashes[odd_rank][0] != hashes[0][0]
+
+
+def test_agreeing_ranks_pass(pool4: WorkerPool) -> None:
+    """The check does not fire on a batch every rank planned alike (same inputs as above)."""
+    cu = [0, 10, 24, 40, 64]
+    assert pool4.run(disagree_job, 2, cu, cu, 0) == ["ok"] * 4
+
+
+def count_agreement_job(rank: int, world: int, check: bool) -> list[int]:
+    """all_reduce calls per forward: fresh plan, same plan again, then another fresh plan."""
+    import torch.distributed as dist
+
+    import megatron_sap as sap
+    from megatron_sap.planning import PlanCache
+
+    groups = groups_for(1, world)  # U = 1: the forward's only collective is the agreement check
+    calls = 0
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)
+
+    counts = []
+    cu = [0, 3, 20, 32]
+    first = sap.plan_sequences(cu, outer_size=world, cache=PlanCache())
+    second = sap.plan_sequences(cu, outer_size=world, cache=PlanCache())
+    dist.all_reduce = counting
+    try:
+        for plan in (first, first, second):
+            before = calls
+            q, k, v, _ = _local_inputs(plan, groups.cp_rank, cu, 2, 1, seed=1)
+            sap.sap_attention(q, k, v, plan, groups, check_agreement=check)
+            counts.append(calls - before)
+    finally:
+        dist.all_reduce = real
+    return counts
+
+
+def test_agreement_check_runs_once_per_plan_and_can_be_switched_off(pool2: WorkerPool) -> None:
+    assert pool2.run(count_agreement_job, True) == [[1, 0, 1]] * 2
+    assert pool2.run(count_agreement_job, False) == [[0, 0, 0]] * 2
+
+
+def unchecked_disagreement_job(rank: int, world: int) -> float:
+    """Pure Ulysses (no P2P) with different cu_seqlens on rank 1 and the check off: max error vs the truth."""
+    import megatron_sap as sap
+    from megatron_sap.planning import PlanCache
+
+    groups = groups_for(world, 1)
+    cu = [0, 10, 24, 40, 64]
+    mine = [0, 10, 25, 40, 64] if rank == 1 else cu
+    plan = sap.plan_sequences(mine, inner_size=world, cache=PlanCache())
+    q, k, v, _ = make_inputs(cu, 4, 2, 8, 3)
+    idx = plan.local_indices(groups.cp_rank)
+    out = sap.sap_attention(q[idx], k[idx], v[idx], plan, groups, check_agreement=False)
+    ref, _ = dense_attention(q, k, v, torch.tensor(cu))
+    return (out - ref[idx]).abs().max().item()
+
+
+def test_unchecked_disagreement_is_silently_wrong(pool2: WorkerPool) -> None:
+    """Why the check is on by default: without it this layout completes with a wrong answer."""
+    errors = pool2.run(unchecked_disagreement_job)
+    assert max(errors) > 1e-3, errors
+
+
+# ---- dead and stuck ranks -----------------------------------------------------------------------
+
+
+def failing_rank_job(rank: int, world: int, inner: int, fate: str, check: bool) -> None:
+    """Rank 1 dies (os._exit) or hangs after planning; the others run forward and backward."""
+    import megatron_sap as sap
+    from megatron_sap.planning import PlanCache
+
+    groups = sap.init_sap_groups(inner_size=inner, outer_size=world // inner, timeout=timedelta(seconds=SHORT_TIMEOUT_S))
+    cu = random_cu_seqlens(random.Random(3), world * 48, "long")
+    plan = sap.plan_sequences(cu, outer_size=world // inner, inner_size=inner, cache=PlanCache())
+    q, k, v, dout = _local_inputs(plan, groups.cp_rank, cu, 4, 2, seed=2)
+    if rank == 1:
+        if fate == "dies":
+            os._exit(17)
+        time.sleep(10 * SHORT_TIMEOUT_S)  # stuck: the pool kills it once the others have failed
+    sap.sap_attention(q, k, v, plan, groups, check_agreement=check).backward(dout)
+
+
+def healthy_job(rank: int, world: int) -> float:
+    """A normal forward on the (restarted) pool: max error against the reference."""
+    import megatron_sap as sap
+
+    groups = groups_for(2, world // 2)
+    cu = [0, 7, 30, 64]
+    plan = sap.plan_sequences(cu, outer_size=world // 2, inner_size=2)
+    q, k, v, _ = make_inputs(cu, 4, 2, 8, 4)
+    idx = plan.local_indices(groups.cp_rank)
+    out = sap.sap_attention(q[idx], k[idx], v[idx], plan, groups)
+    ref, _ = dense_attention(q, k, v, torch.tensor(cu))
+    return (out - ref[idx]).abs().max().item()
+
+
+SAP_STEP_PHRASES = ("SAP step", "SAP backward step", "SAP inner all-to-all", "SAP agreement check")
+
+
+def _run_failing(pool: WorkerPool, inner: int, fate: str, check: bool) -> tuple[WorkerError, float]:
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        pool.run(failing_rank_job, inner, fate, check, timeout=60)
+    return info.value, time.monotonic() - start
+
+
+@pytest.mark.parametrize(("inner", "check"), [(1, True), (1, False), (2, False)])
+def test_stuck_rank_makes_the_others_raise_within_the_timeout(pool4: WorkerPool, inner: int, check: bool) -> None:
+    """A hung rank 1: every rank that needs it raises a timeout naming the SAP step, not hang.
+
+    With the check on, everyone waits in the agreement all-reduce; off, in P2P steps (U = 1) or the
+    inner all-to-all and the P2P steps that depend on it (U = 2).
+    """
+    error, elapsed = _run_failing(pool4, inner, "hangs", check)
+    assert elapsed < FAILED_JOB_BOUND_S, elapsed
+    survivors = {rank: line for rank, line in error.failures.items() if rank != 1}
+    assert survivors, str(error)
+    for rank, line in survivors.items():  # a timeout, or the connection of a survivor the pool killed
+        assert any(p in line for p in SAP_STEP_PHRASES), (rank, line)
+    assert any("Timed out" in line for line in survivors.values()), str(error)
+    if check:
+        assert set(survivors) == {0, 2, 3} and all("agreement check" in line for line in survivors.values())
+    assert pool4.run(healthy_job) == pytest.approx([0.0] * 4, abs=1e-10)
+
+
+@pytest.mark.parametrize("inner", [1, 2])
+def test_dead_rank_fails_the_job_promptly(pool4: WorkerPool, inner: int) -> None:
+    """Rank 1 exits mid-job: the job fails fast; survivors that report name the SAP step; the pool recovers."""
+    error, elapsed = _run_failing(pool4, inner, "dies", False)
+    assert elapsed < FAILED_JOB_BOUND_S, elapsed
+    assert error.failures[1] == "exited with code 17"
+    for rank, line in error.failures.items():
+        if rank != 1:
+            assert any(p in line for p in SAP_STEP_PHRASES), (rank, line)
+    assert pool4.run(healthy_job) == pytest.approx([0.0] * 4, abs=1e-10)
+
+
+# ---- fuzz ---------------------------------------------------------------------------------------
+
+
+def fuzz_job(
+    rank: int, world: int, cu: list[int], inner: int, heads: int, kv_heads: int, recompute_kv: bool
+) -> dict[str, torch.Tensor]:
+    """One rank's forward and backward in float64 with a fresh plan; its rows, output and grads."""
+    import megatron_sap as sap
+    from megatron_sap.planning import PlanCache
+
+    groups = groups_for(inner, world // inner)
+    plan = sap.plan_sequences(cu, outer_size=world // inner, inner_size=inner, cache=PlanCache())
+    q, k, v, dout = _local_inputs(plan, groups.cp_rank, cu, heads, kv_heads, seed=len(cu))
+    out = sap.sap_attention(q, k, v, plan, groups, recompute_kv=recompute_kv)
+    out.backward(dout)
+    return {"idx": plan.local_indices(groups.cp_rank), "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> tuple[list[int], int, int, int, bool]:
+    """(cu_seqlens with T a multiple of 4, inner size, query heads, KV heads, recompute_kv)."""
+    lengths = draw(st.lists(st.integers(0, 60), min_size=1, max_size=16))
+    lengths.append(-sum(lengths) % 4 + draw(st.sampled_from([0, 4])))
+    if sum(lengths) == 0:
+        lengths.append(4)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    inner = draw(st.sampled_from([1, 2, 4]))
+    kv_heads = draw(st.sampled_from([1, 2, 4]))
+    heads = math.lcm(kv_heads, inner) * draw(st.sampled_from([1, 2]))
+    return cu, inner, heads, kv_heads, draw(st.booleans())
+
+
+@settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=layouts())
+def test_fuzz_matches_dense_reference(pool4: WorkerPool, layout: tuple[list[int], int, int, int, bool]) -> None:
+    cu, inner, heads, kv_heads, recompute_kv = layout
+    results = pool4.run(fuzz_job, cu, inner, heads, kv_heads, recompute_kv, timeout=30)
+    q, k, v, dout = make_inputs(cu, heads, kv_heads, 8, seed=len(cu))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    ref, _ = dense_attention(q, k, v, torch.tensor(cu))
+    ref.backward(dout)
+    expected = {"out": ref.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    covered = torch.cat([r["idx"] for r in results]).sort().values
+    assert torch.equal(covered, torch.arange(cu[-1])), "ranks must hold every token exactly once"
+    for r in results:
+        for name, want in expected.items():
+            assert torch.allclose(r[name], want[r["idx"]], atol=1e-10, rtol=0), (name, r["idx"][:8])
