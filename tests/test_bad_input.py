@@ -1,7 +1,7 @@
 """Bad input fails at the public entry points with a ValueError naming the problem and the values.
 
-Entry points: `plan_sequences`, `sap_attention` and the kernels (`varlen_forward`,
-`varlen_backward`). Every case matches a phrase that names the problem together with the
+Entry points: `plan_sequences`, `sap_attention`, the kernels (`varlen_forward`,
+`varlen_backward`) and the Megatron batch splitter (`sap_split_batch`). Every case matches a phrase that names the problem together with the
 offending number, so a check that fires for the wrong reason does not pass.
 """
 from __future__ import annotations
@@ -274,3 +274,37 @@ def test_kernels_accept_zero_length_segments() -> None:
     out, lse = varlen_forward(q, k, v, _cu(cu), _cu(cu), 5, 5, causal=True)
     ref, ref_lse = dense_attention(q, k, v, torch.tensor(cu))
     assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
+
+
+# ---- Megatron batch splitter --------------------------------------------------------------------
+
+
+def _split(cu: list[int], batch: dict[str, torch.Tensor] | None = None, groups: SAPGroups | None = None) -> None:
+    from megatron_sap.megatron import sap_split_batch
+
+    row = torch.arange(8).unsqueeze(0)
+    sap_split_batch({"tokens": row, "labels": row} if batch is None else batch, cu, groups)
+
+
+@pytest.mark.parametrize(
+    ("cu", "pattern"),
+    [
+        ([1, 4, 8], r"must run from 0 to the batch length 8, got 1\.\.8"),
+        ([0, 4, 7], r"must run from 0 to the batch length 8, got 0\.\.7"),
+        ([0, 4, 9], r"must run from 0 to the batch length 8, got 0\.\.9"),
+        ([0, 5, 3, 8], r"cu_seqlens must be non-decreasing"),
+        ([0], r"cu_seqlens needs at least two entries, got \[0\]"),
+    ],
+)
+def test_batch_splitter_rejects_bad_cu_seqlens(cu: list[int], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        _split(cu)
+
+
+def test_batch_splitter_rejects_bad_batches() -> None:
+    with pytest.raises(ValueError, match=r"packed length 10 is not divisible by the CP size 4; pad the batch"):
+        _split([0, 3, 10], {"tokens": torch.zeros(1, 10)}, _fake_groups(2, 2))
+    with pytest.raises(ValueError, match=r"batch\['tokens'\] must be \[1, T\] \(packed, micro-batch size 1\), got \(2, 4\)"):
+        _split([0, 8], {"tokens": torch.zeros(2, 4)})
+    with pytest.raises(ValueError, match=r"disagree on the packed length: \{'tokens': 8, 'labels': 6\}"):
+        _split([0, 8], {"tokens": torch.zeros(1, 8), "labels": torch.zeros(1, 6)})
