@@ -79,20 +79,24 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
     hierarchical = getattr(args, "hierarchical_context_parallel_sizes", None)
     if hierarchical and len(hierarchical) != 2:
         raise ValueError(f"SAP needs two hierarchical CP levels [inner, outer], got {hierarchical}")
-    default_inner, default_outer = hierarchical if hierarchical else (None, None)
     inner, outer = args.sap_inner_size, args.sap_outer_size
+    for flag, value in (("--sap-inner-size", inner), ("--sap-outer-size", outer)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if hierarchical:
+        if inner not in (None, hierarchical[0]) or outer not in (None, hierarchical[1]):
+            raise ValueError(
+                f"--sap-inner-size/--sap-outer-size ({inner}, {outer}) contradict "
+                f"--hierarchical-context-parallel-sizes {list(hierarchical)}"
+            )
+        inner, outer = hierarchical
     if inner is None:
-        inner = default_inner if default_inner is not None else cp_size // (outer or cp_size)
+        inner = cp_size // (outer or cp_size)
     if outer is None:
-        outer = default_outer if default_outer is not None else cp_size // inner
+        outer = cp_size // inner
     if inner < 1 or outer < 1 or inner * outer != cp_size:
         raise ValueError(
             f"--sap-inner-size {inner} x --sap-outer-size {outer} must equal --context-parallel-size {cp_size}"
-        )
-    if hierarchical and [inner, outer] != list(hierarchical):
-        raise ValueError(
-            f"--sap-inner-size/--sap-outer-size ({inner}, {outer}) contradict "
-            f"--hierarchical-context-parallel-sizes {list(hierarchical)}"
         )
     options = set_sap_options(
         backend=args.sap_backend,

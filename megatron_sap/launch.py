@@ -1,0 +1,43 @@
+"""Run a Megatron-LM training script with SAP hooks installed.
+
+    python -m megatron_sap.launch /path/to/Megatron-LM/pretrain_gpt.py <Megatron flags> \\
+        --context-parallel-size 8 --cp-comm-type sap --sap-inner-size 4 ...
+
+The script's directory (the Megatron-LM checkout, whose `gpt_builders`/`model_provider`
+modules the script imports) and `$MEGATRON_LM_PATH` when set go first on sys.path; the hooks of
+`megatron_sap.megatron.hooks` are installed; the script then runs as `__main__` with the
+remaining arguments as its argv. Works under torchrun and srun like the script itself.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+USAGE = "usage: python -m megatron_sap.launch <megatron-lm>/pretrain_gpt.py [megatron flags ...]"
+
+
+def main(argv: list[str]) -> None:
+    """Install the hooks and run `argv[0]` with `argv[1:]` as its arguments."""
+    if not argv or argv[0] in ("-h", "--help"):
+        raise SystemExit(USAGE)
+    script = Path(argv[0]).resolve()
+    if not script.is_file():
+        raise SystemExit(f"training script {argv[0]!r} not found\n{USAGE}")
+    roots = [str(script.parent)]
+    if os.environ.get("MEGATRON_LM_PATH"):
+        roots.insert(0, str(Path(os.environ["MEGATRON_LM_PATH"]).resolve()))
+    for root in reversed(roots):
+        if root not in sys.path:
+            sys.path.insert(0, root)
+
+    from megatron_sap.megatron.hooks import install_training_hooks
+
+    install_training_hooks()
+    sys.argv = [str(script), *argv[1:]]
+    runpy.run_path(str(script), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,158 @@
+"""Hooks that make an unmodified Megatron-LM (core_v0.16.x) train with `--cp-comm-type sap`.
+
+`install_training_hooks()` patches, before the training script runs:
+
+* `megatron.training.pretrain`: the SAP flags are chained onto whatever `extra_args_provider`
+  the script passes.
+* `parallel_state.initialize_model_parallel` (Megatron-LM looks it up through `mpu` at call
+  time): with SAP on, CP = U*R is initialized with Megatron's hierarchical CP groups [U, R], the
+  SAP options are applied, layer specs are switched to SAP core attention and the SAP RoPE is
+  installed (all before `get_model()` builds anything).
+* `megatron.training.utils.get_batch_on_this_tp_rank`: an unpacked micro-batch becomes a packed
+  one (documents from `--reset-position-ids` restarts, else the whole row) so that
+  `pretrain_gpt.get_batch` takes its THD path.
+* `megatron.core.utils.get_thd_batch_on_this_cp_rank`: the THD split becomes `sap_split_batch`.
+
+Every hook defers to Megatron's original unless the parsed args ask for SAP.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+from .arguments import add_sap_args, chain_args_providers, sap_settings_from_args
+from .batch import cu_seqlens_from_position_ids, sap_split_batch
+from .rope import install_sap_rope
+from .specs import use_sap_core_attention
+
+_INSTALLED = False
+
+
+def sap_requested(args: Any) -> bool:
+    """True when `--cp-comm-type` is `sap` (for every layer; mixing with other types is refused)."""
+    comm = getattr(args, "cp_comm_type", None)
+    types = [comm] if isinstance(comm, str) or comm is None else list(comm)
+    if "sap" not in types:
+        return False
+    if any(t != "sap" for t in types):
+        raise ValueError(f"--cp-comm-type sap cannot be mixed with other CP types per layer, got {types}")
+    return True
+
+
+def _megatron_args() -> Any:
+    """Megatron-LM's parsed args (the hooks only run inside its training loop)."""
+    from megatron.training import get_args
+
+    return get_args()
+
+
+def wrap_pretrain(pretrain: Callable) -> Callable:
+    """`pretrain` with the SAP flags chained onto its `extra_args_provider`."""
+    signature = inspect.signature(pretrain)
+
+    @functools.wraps(pretrain)
+    def pretrain_with_sap_args(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind_partial(*args, **kwargs)
+        bound.arguments["extra_args_provider"] = chain_args_providers(
+            bound.arguments.get("extra_args_provider"), add_sap_args
+        )
+        return pretrain(*bound.args, **bound.kwargs)
+
+    return pretrain_with_sap_args
+
+
+def wrap_initialize_model_parallel(initialize: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
+    """`initialize_model_parallel` that lays CP out for SAP and switches the model to SAP first."""
+
+    @functools.wraps(initialize)
+    def initialize_for_sap(*args: Any, **kwargs: Any) -> Any:
+        megatron_args = get_args()
+        if not sap_requested(megatron_args):
+            return initialize(*args, **kwargs)
+        settings = sap_settings_from_args(megatron_args)
+        if megatron_args.context_parallel_size > 1:
+            sizes = [settings.inner_size, settings.outer_size]
+            kwargs["hierarchical_context_parallel_sizes"] = sizes
+            megatron_args.hierarchical_context_parallel_sizes = sizes
+        use_sap_core_attention()
+        install_sap_rope()
+        if not getattr(megatron_args, "calculate_per_token_loss", False) and megatron_args.context_parallel_size > 1:
+            warnings.warn(
+                "SAP gives CP ranks equal token counts but not equal loss-token counts: add "
+                "--calculate-per-token-loss for a loss and gradients identical to CP=1"
+            )
+        return initialize(*args, **kwargs)
+
+    return initialize_for_sap
+
+
+def pack_unpacked_batch(batch: dict[str, Any], reset_position_ids: bool) -> dict[str, Any]:
+    """Give a [1, S] batch without cu_seqlens its documents: position-id restarts, else one document."""
+    if batch.get("cu_seqlens") is not None or batch.get("tokens") is None:
+        return batch
+    tokens = batch["tokens"]
+    if tokens.dim() != 2 or tokens.size(0) != 1:
+        raise ValueError(f"SAP trains packed rows: use --micro-batch-size 1 (got tokens of shape {tuple(tokens.shape)})")
+    if reset_position_ids:
+        cu = cu_seqlens_from_position_ids(batch["position_ids"])
+    else:
+        cu = torch.tensor([0, tokens.size(1)], dtype=torch.int32, device=tokens.device)
+    batch["cu_seqlens"] = cu.unsqueeze(0)
+    batch["max_seqlen"] = (cu[1:] - cu[:-1]).max().reshape(1)
+    return batch
+
+
+def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
+    """`get_batch_on_this_tp_rank` whose batches always carry cu_seqlens when SAP is on."""
+
+    @functools.wraps(get_batch)
+    def get_packed_batch(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        batch = get_batch(*args, **kwargs)
+        megatron_args = get_args()
+        if not sap_requested(megatron_args):
+            return batch
+        return pack_unpacked_batch(batch, bool(getattr(megatron_args, "reset_position_ids", False)))
+
+    return get_packed_batch
+
+
+def wrap_get_thd_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
+    """Megatron's THD split replaced by `sap_split_batch` when SAP is on (same arguments and result)."""
+
+    @functools.wraps(split)
+    def sap_thd_split(
+        batch: dict[str, Any],
+        cu_seqlens: torch.Tensor,
+        cu_seqlens_padded: Optional[torch.Tensor],
+        max_seqlen: torch.Tensor,
+        cp_size: Optional[int] = None,
+        cp_rank: Optional[int] = None,
+    ) -> tuple[dict[str, Any], Any]:
+        if not sap_requested(get_args()):
+            return split(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size=cp_size, cp_rank=cp_rank)
+        # Padding tokens belong to the document they follow; SAP needs no per-document padding.
+        boundaries = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
+        return sap_split_batch(batch, boundaries.flatten())
+
+    return sap_thd_split
+
+
+def install_training_hooks() -> None:
+    """Patch Megatron-LM's training entry points for SAP (idempotent); run before the script imports them."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    import megatron.core.utils as core_utils
+    import megatron.training
+    import megatron.training.utils as training_utils
+    from megatron.core import parallel_state
+
+    megatron.training.pretrain = wrap_pretrain(megatron.training.pretrain)
+    parallel_state.initialize_model_parallel = wrap_initialize_model_parallel(parallel_state.initialize_model_parallel)
+    training_utils.get_batch_on_this_tp_rank = wrap_get_batch_on_this_tp_rank(training_utils.get_batch_on_this_tp_rank)
+    core_utils.get_thd_batch_on_this_cp_rank = wrap_get_thd_batch_on_this_cp_rank(core_utils.get_thd_batch_on_this_cp_rank)
+    _INSTALLED = True

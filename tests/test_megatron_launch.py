@@ -1,0 +1,246 @@
+"""SAP flags, the Megatron-LM training hooks and the launcher.
+
+The hook functions are tested on stand-ins for Megatron-LM's entry points (same signatures); the
+last tests run against a real Megatron-LM checkout named by $MEGATRON_LM_PATH and are skipped
+without one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron.core.models.backends import LocalSpecProvider  # noqa: E402
+
+from megatron_sap.megatron import SAPDotProductAttention, add_sap_args, chain_args_providers, get_sap_options  # noqa: E402
+from megatron_sap.megatron.arguments import sap_settings_from_args  # noqa: E402
+from megatron_sap.megatron.hooks import (  # noqa: E402
+    pack_unpacked_batch,
+    sap_requested,
+    wrap_get_batch_on_this_tp_rank,
+    wrap_get_thd_batch_on_this_cp_rank,
+    wrap_initialize_model_parallel,
+    wrap_pretrain,
+)
+from megatron_sap.megatron.options import reset_sap_options  # noqa: E402
+from megatron_sap.megatron.rope import uninstall_sap_rope  # noqa: E402
+
+MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
+needs_megatron_lm = pytest.mark.skipif(
+    not MEGATRON_LM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout to test the real hooks"
+)
+
+
+@pytest.fixture(autouse=True)
+def _restore_globals():
+    """Hooks change process-wide state (options, spec providers, RoPE): put it back after each test."""
+    provider = LocalSpecProvider.__dict__["core_attention"]
+    yield
+    LocalSpecProvider.core_attention = provider
+    reset_sap_options()
+    uninstall_sap_rope()
+
+
+def _megatron_like_parser() -> argparse.ArgumentParser:
+    """The few Megatron-LM flags SAP reads, declared as Megatron-LM declares them."""
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    group = parser.add_argument_group(title="distributed")
+    group.add_argument("--context-parallel-size", type=int, default=1)
+    group.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None)
+    group.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"])
+    return parser
+
+
+def _modelopt_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument_group(title="modelopt").add_argument("--export-te-mcore-model", action="store_true")
+    return parser
+
+
+def _parse(flags: str) -> argparse.Namespace:
+    provider = chain_args_providers(_modelopt_provider, None, add_sap_args)
+    return provider(_megatron_like_parser()).parse_args(flags.split())
+
+
+def test_flags_parse_and_chain_with_an_existing_provider() -> None:
+    args = _parse(
+        "--context-parallel-size 8 --cp-comm-type sap --export-te-mcore-model --sap-inner-size 4 "
+        "--sap-backend torch --sap-cost-preset h200 --sap-plan-cache-size 8 --no-sap-check-agreement"
+    )
+    assert args.export_te_mcore_model and args.sap_inner_size == 4 and args.sap_outer_size is None
+    assert (args.sap_backend, args.sap_cost_preset, args.sap_plan_cache_size) == ("torch", "h200", 8)
+    assert args.sap_check_agreement is False
+    settings = sap_settings_from_args(args)
+    assert (settings.inner_size, settings.outer_size) == (4, 2)
+    assert get_sap_options() == settings.options and settings.options.backend == "torch"
+
+
+@pytest.mark.parametrize(
+    "flags, levels",
+    [
+        ("--context-parallel-size 8 --hierarchical-context-parallel-sizes 2 4", (2, 4)),
+        ("--context-parallel-size 4", (1, 4)),
+        ("--context-parallel-size 8 --sap-outer-size 2", (4, 2)),
+        ("", (1, 1)),
+    ],
+)
+def test_levels_default_from_hierarchical_sizes(flags: str, levels: tuple[int, int]) -> None:
+    settings = sap_settings_from_args(_parse(flags))
+    assert (settings.inner_size, settings.outer_size) == levels
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        ("--context-parallel-size 8 --sap-inner-size 3", "must equal"),
+        ("--context-parallel-size 8 --hierarchical-context-parallel-sizes 2 4 --sap-inner-size 4", "contradict"),
+        ("--context-parallel-size 8 --hierarchical-context-parallel-sizes 2 2 2", "two hierarchical"),
+        ("--sap-cost-preset h100 --sap-calibration-file cal.json", "not both"),
+        ("--sap-plan-cache-size 0", "plan_cache_size"),
+        ("--context-parallel-size 4 --sap-inner-size 0", ">= 1"),
+    ],
+)
+def test_bad_flag_combinations_are_rejected(flags: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        sap_settings_from_args(_parse(flags))
+
+
+def test_unknown_backend_is_an_argparse_error() -> None:
+    with pytest.raises(SystemExit):
+        _parse("--sap-backend nonsense")
+
+
+def test_sap_requested() -> None:
+    assert sap_requested(SimpleNamespace(cp_comm_type=["sap"]))
+    assert sap_requested(SimpleNamespace(cp_comm_type="sap"))
+    assert not sap_requested(SimpleNamespace(cp_comm_type=["p2p"]))
+    with pytest.raises(ValueError, match="mixed"):
+        sap_requested(SimpleNamespace(cp_comm_type=["sap", "p2p"]))
+
+
+def _fake_pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                   process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}, store=None):
+    """Megatron-LM's pretrain signature; parses like parse_args(extra_args_provider)."""
+    parser = _megatron_like_parser()
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser.parse_args(["--sap-inner-size", "2"])
+
+
+@pytest.mark.parametrize("how", ["keyword", "positional", "none"])
+def test_pretrain_wrapper_chains_the_script_provider(how: str) -> None:
+    wrapped = wrap_pretrain(_fake_pretrain)
+    if how == "keyword":
+        args = wrapped(None, None, None, None, extra_args_provider=_modelopt_provider, store=None)
+    elif how == "positional":
+        args = wrapped(None, None, None, None, None, _modelopt_provider)
+    else:
+        args = wrapped(None, None, None, None)
+    assert args.sap_inner_size == 2
+    assert hasattr(args, "export_te_mcore_model") == (how != "none")
+
+
+def test_initialize_hook_lays_out_cp_and_switches_specs() -> None:
+    calls = []
+    args = _parse("--context-parallel-size 4 --cp-comm-type sap --sap-inner-size 2")
+    wrapped = wrap_initialize_model_parallel(lambda *a, **k: calls.append((a, k)), get_args=lambda: args)
+    with pytest.warns(UserWarning, match="calculate-per-token-loss"):
+        wrapped(1, 1, context_parallel_size=4, hierarchical_context_parallel_sizes=None)
+    assert calls == [((1, 1), {"context_parallel_size": 4, "hierarchical_context_parallel_sizes": [2, 2]})]
+    assert args.hierarchical_context_parallel_sizes == [2, 2]
+    assert LocalSpecProvider().core_attention() is SAPDotProductAttention
+    from megatron.core.transformer import attention
+
+    assert hasattr(attention.apply_rotary_pos_emb, "__wrapped__")
+
+
+def test_initialize_hook_is_transparent_without_sap() -> None:
+    calls = []
+    args = _parse("--context-parallel-size 4 --cp-comm-type p2p")
+    wrapped = wrap_initialize_model_parallel(lambda *a, **k: calls.append((a, k)), get_args=lambda: args)
+    wrapped(1, context_parallel_size=4, hierarchical_context_parallel_sizes=None)
+    assert calls == [((1,), {"context_parallel_size": 4, "hierarchical_context_parallel_sizes": None})]
+    assert LocalSpecProvider().core_attention() is not SAPDotProductAttention
+
+
+def _row(position_ids: list[int]) -> dict:
+    n = len(position_ids)
+    return {"tokens": torch.arange(n).unsqueeze(0), "labels": torch.arange(1, n + 1).unsqueeze(0),
+            "loss_mask": torch.ones(1, n), "attention_mask": None,
+            "position_ids": torch.tensor([position_ids]), "cu_seqlens": None, "max_seqlen": None}
+
+
+def test_unpacked_batches_become_packed() -> None:
+    reset = pack_unpacked_batch(_row([0, 1, 2, 0, 1, 0, 1, 2]), reset_position_ids=True)
+    assert reset["cu_seqlens"].tolist() == [[0, 3, 5, 8]] and reset["max_seqlen"].tolist() == [3]
+    whole = pack_unpacked_batch(_row(list(range(8))), reset_position_ids=False)
+    assert whole["cu_seqlens"].tolist() == [[0, 8]]
+    with pytest.raises(ValueError, match="micro-batch-size 1"):
+        pack_unpacked_batch({"tokens": torch.zeros(2, 8), "cu_seqlens": None}, reset_position_ids=False)
+
+
+def test_batch_hooks_split_packed_rows_with_sap() -> None:
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True)
+    get_batch = wrap_get_batch_on_this_tp_rank(lambda iterator: _row([0, 1, 2, 0, 1, 0, 1, 2]), get_args=lambda: args)
+    split = wrap_get_thd_batch_on_this_cp_rank(lambda *a, **k: pytest.fail("Megatron's split was called"),
+                                               get_args=lambda: args)
+    batch = get_batch(None)
+    cu, padded, max_seqlen = batch.pop("cu_seqlens"), batch.pop("cu_seqlens_padded", None), batch.pop("max_seqlen")
+    local, params = split(batch, cu, padded, max_seqlen)
+    assert list(local) == ["tokens", "labels", "loss_mask", "attention_mask", "position_ids"]
+    assert params.cu_seqlens_q.tolist() == [0, 3, 5, 8] and params.max_seqlen_q == 3
+    assert torch.equal(local["labels"], local["tokens"] + 1)
+
+
+def test_batch_hooks_defer_to_megatron_without_sap() -> None:
+    args = SimpleNamespace(cp_comm_type=["p2p"], reset_position_ids=True)
+    get_batch = wrap_get_batch_on_this_tp_rank(lambda iterator: _row([0, 1, 0, 1]), get_args=lambda: args)
+    assert get_batch(None)["cu_seqlens"] is None
+    split = wrap_get_thd_batch_on_this_cp_rank(lambda *a, **k: "megatron", get_args=lambda: args)
+    assert split({}, None, None, None) == "megatron"
+
+
+def test_launcher_rejects_a_missing_script() -> None:
+    result = subprocess.run([sys.executable, "-m", "megatron_sap.launch", "/nonexistent/pretrain_gpt.py"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "not found" in result.stderr
+
+
+@needs_megatron_lm
+def test_launcher_adds_sap_flags_to_pretrain_gpt() -> None:
+    """`pretrain_gpt.py --help` through the launcher lists the SAP group beside Megatron's flags."""
+    script = os.path.join(MEGATRON_LM, "pretrain_gpt.py")
+    result = subprocess.run([sys.executable, "-m", "megatron_sap.launch", script, "--help"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for flag in ("--cp-comm-type", "--sap-inner-size", "--sap-check-agreement", "--sap-calibration-file"):
+        assert flag in result.stdout
+
+
+@needs_megatron_lm
+def test_hooks_patch_the_names_pretrain_gpt_imports() -> None:
+    """After install_training_hooks, the names pretrain_gpt.py binds at import are the SAP versions."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from megatron_sap.megatron.hooks import install_training_hooks\n"
+        "install_training_hooks()\n"
+        "import pretrain_gpt\n"
+        "assert pretrain_gpt.pretrain.__name__ == 'pretrain_with_sap_args', pretrain_gpt.pretrain\n"
+        "assert pretrain_gpt.get_thd_batch_on_this_cp_rank.__name__ == 'sap_thd_split'\n"
+        "assert pretrain_gpt.get_batch_on_this_tp_rank.__name__ == 'get_packed_batch'\n"
+        "from megatron.training.arguments import parse_args\n"
+        "from megatron_sap.megatron import add_sap_args\n"
+        "sys.argv = ['x', '--context-parallel-size', '4', '--hierarchical-context-parallel-sizes', '2', '2',\n"
+        "            '--cp-comm-type', 'sap']\n"
+        "args = parse_args(add_sap_args)\n"
+        "assert args.cp_comm_type == ['sap'] and args.sap_inner_size is None\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, MEGATRON_LM], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
