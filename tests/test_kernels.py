@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import sys
+import types
 
 import pytest
 import torch
@@ -316,3 +318,105 @@ def test_backward_checks_out_and_lse_shapes():
         varlen_backward(q, q, kv, kv, q, torch.zeros(6, 4), cu, cu, 4, 4, causal=True)
     with pytest.raises(ValueError, match="must have q's shape"):
         varlen_backward(q[:5], q, kv, kv, q, torch.zeros(4, 6), cu, cu, 4, 4, causal=True)
+
+
+def test_flash_lse_layout_round_trip():
+    """The flash backends' lse conversions (pure tensor ops, so checked here on the CPU)."""
+    from megatron_sap.kernels.aten_flash import lse_for_kernel, lse_rows
+
+    cu = _cu([3, 0, 1, 4])
+    lse = torch.randn(2, 8)
+    lse[1, 3] = float("-inf")  # a row without keys
+    padded = lse_for_kernel(lse, cu, 5, padded=True)
+    assert padded.shape == (4, 2, 5)
+    assert padded[0, 0, 2] == lse[0, 2] and padded[3, 1, 3] == lse[1, 7] and padded[2, 1, 0] == float("inf")
+    assert torch.all(padded[0, :, 3:] == float("inf")) and torch.all(padded[1] == float("inf"))
+    assert torch.equal(lse_rows(padded, cu, 8), lse)
+    flat = lse_for_kernel(lse, cu, 5, padded=False)
+    assert flat.shape == (2, 8) and flat[1, 3] == float("inf")
+    assert torch.equal(lse_rows(flat, cu, 8), lse)
+
+
+class _CustomOp:
+    """Stands in for torch.library.custom_op's wrapper (flash-attn >= 2.7), whose signature is (*args, **kwargs)."""
+
+    def __init__(self, fn):
+        self._init_fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self._init_fn(*args, **kwargs)
+
+
+def _fake_flash_attn(new_api: bool):
+    """A flash_attn.flash_attn_interface computing with the torch backend, in flash-attn 2.3 or 2.7 calling style."""
+    from megatron_sap.kernels.aten_flash import lse_for_kernel, lse_rows
+
+    def kernel_forward(q, k, v, cu_q, cu_k, max_q, causal, scale):
+        assert max_q >= 2 and cu_q.dtype == torch.int32
+        out, lse = torch_backend.forward(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale)
+        return out, lse_for_kernel(lse, cu_q, max_q, padded=not new_api)
+
+    def kernel_backward(dout, q, k, v, out, lse, grads, cu_q, cu_k, causal, scale):
+        lse = lse_rows(lse, cu_q, q.shape[0])
+        for buffer, grad in zip(grads, torch_backend.backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal, softmax_scale=scale)):
+            buffer.copy_(grad)
+
+    def forward_2_3(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                    window_size, alibi_slopes, return_softmax):
+        assert dropout_p == 0.0 and window_size == (-1, -1) and alibi_slopes is None and not return_softmax
+        out, lse = kernel_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale)
+        return out, q, k, v, out, lse, None, None
+
+    def backward_2_3(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, rng_state=None):
+        kernel_backward(dout, q, k, v, out, softmax_lse, (dq, dk, dv), cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+        return dq, dk, dv, None
+
+    def forward_2_7(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                    window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+                    block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False):
+        assert (window_size_left, window_size_right, softcap) == (-1, -1, 0.0)
+        out, lse = kernel_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale)
+        return out, lse, None, None
+
+    def backward_2_7(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                     alibi_slopes, deterministic, rng_state=None, zero_tensors=False):
+        kernel_backward(dout, q, k, v, out, softmax_lse, (dq, dk, dv), cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+        return torch.empty(0)
+
+    interface = types.ModuleType("flash_attn.flash_attn_interface")
+    if new_api:
+        interface._flash_attn_varlen_forward = _CustomOp(forward_2_7)
+        interface._flash_attn_varlen_backward = _CustomOp(backward_2_7)
+    else:
+        interface._flash_attn_varlen_forward = forward_2_3
+        interface._flash_attn_varlen_backward = backward_2_3
+    package = types.ModuleType("flash_attn")
+    package.flash_attn_interface = interface
+    return package, interface
+
+
+@pytest.mark.parametrize("new_api", [False, True], ids=["flash-attn-2.3", "flash-attn-2.7"])
+def test_flash_attn_adapter_across_versions(monkeypatch, new_api):
+    """The flash-attn backend's calling conventions, against a stand-in package (the real one needs CUDA)."""
+    from megatron_sap.kernels import flash_attn_backend
+
+    package, interface = _fake_flash_attn(new_api)
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+    flash_attn_backend._padded_lse.cache_clear()
+
+    gen = torch.Generator().manual_seed(19)
+    # One query per segment (max_seqlen_q = 1, the kernels' decoding case), a zero-length segment, one without keys.
+    cu_q, cu_k = _cu([1, 0, 1, 1]), _cu([1, 4, 0, 3])
+    q, dout = _random(3, 4, 16, torch.float16, gen), _random(3, 4, 16, torch.float16, gen)
+    k, v = _random(8, 2, 16, torch.float16, gen), _random(8, 2, 16, torch.float16, gen)
+    out, lse = flash_attn_backend.forward(q, k, v, cu_q, cu_k, 1, 4, causal=True, softmax_scale=0.25)
+    want_out, want_lse = torch_backend.forward(q, k, v, cu_q, cu_k, causal=True, softmax_scale=0.25)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse) and lse[0, 1] == float("-inf")
+
+    grads = flash_attn_backend.backward(dout, q, k, v, out, lse, cu_q, cu_k, 1, 4, causal=True, softmax_scale=0.25)
+    wanted = torch_backend.backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True, softmax_scale=0.25)
+    assert all(torch.equal(got, want) for got, want in zip(grads, wanted))
+    flash_attn_backend._padded_lse.cache_clear()

@@ -23,6 +23,7 @@ flash_attn package, CUDA fp16/bf16). "auto" picks the fastest available.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -45,19 +46,26 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
+@functools.cache
 def _flash_attn_importable() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
 def available_backends(device: torch.device | str | None = None) -> list[str]:
-    """Backends usable on `device` (default: CUDA if present, else CPU), fastest first."""
+    """Backends usable on `device` (default: CUDA if present, else CPU), fastest first.
+
+    The flash kernels need an Ampere or newer GPU; aten-flash also needs a
+    PyTorch build that includes them.
+    """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
     names = []
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 8:
         if _flash_attn_importable():
             names.append("flash-attn")
-        names.append("aten-flash")
+        if torch.backends.cuda.is_flash_attention_available():
+            names.append("aten-flash")
     names.append("torch")
     return names
 
@@ -140,8 +148,10 @@ def varlen_forward(
     """Attention of each q segment over its k segment.
 
     Returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32, float64 for float64
-    inputs). max_seqlen_* bound the segment lengths (the flash kernels size their
-    grids with them). softmax_scale defaults to D ** -0.5.
+    inputs). max_seqlen_* must be at least the longest segment (Python ints: the
+    flash kernels size their grids with them). softmax_scale defaults to D ** -0.5.
+    cu_seqlens values are validated when they live on the CPU; on a GPU that
+    would cost a host sync, so the flash backends trust them.
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)

@@ -1,0 +1,130 @@
+"""PyTorch's built-in FlashAttention-2 varlen kernels (CUDA, fp16/bf16).
+
+Thin wrappers over torch.ops.aten._flash_attention_forward/_backward with
+cum_seq_q/cum_seq_k, adapted to this package's conventions. Nothing here syncs
+the host with the device. The helpers for the lse layout and the head-dim check
+are shared with the flash-attn backend, whose kernels are the same.
+
+Flash kernel conventions that differ from ours:
+  * lse is [Hq, Tq] in recent kernels but [batch, Hq, max_seqlen_q] (padded)
+    in older ones; the layout is probed once per device;
+  * a row that sees no key gets lse = +inf (so the backward's exp(S - lse) is 0);
+    we return -inf and convert back for the backward;
+  * max_seqlen_q == 1 with GQA takes a decoding shortcut that assumes one query
+    per segment (wrong with zero-length segments), so we pass at least 2.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+_MAX_HEAD_DIM = 256
+
+
+def check_head_dim(dim: int) -> None:
+    """The flash kernels need a head dim that is a multiple of 8 and at most 256."""
+    if dim % 8 != 0 or dim > _MAX_HEAD_DIM:
+        raise ValueError(f"flash kernels need head_dim % 8 == 0 and head_dim <= {_MAX_HEAD_DIM}, got {dim}; use backend='torch'")
+
+
+def kernel_max_seqlen_q(max_seqlen_q: int) -> int:
+    """max_seqlen_q to pass to the kernels: at least 2, avoiding the single-query GQA shortcut."""
+    return max(int(max_seqlen_q), 2)
+
+
+def _row_segments(cu_seqlens_q: Tensor, total_q: int) -> tuple[Tensor, Tensor]:
+    """(segment, position in segment) of every query row, computed on the device."""
+    cu = cu_seqlens_q.long()
+    rows = torch.arange(total_q, device=cu.device)
+    segment = torch.searchsorted(cu[1:], rows, right=True)
+    return segment, rows - cu[segment]
+
+
+def lse_rows(lse: Tensor, cu_seqlens_q: Tensor, total_q: int) -> Tensor:
+    """A kernel's lse (either layout, +inf for rows without keys) -> [Hq, Tq] float32 with -inf there."""
+    if lse.dim() == 3:
+        segment, position = _row_segments(cu_seqlens_q, total_q)
+        lse = lse[segment, :, position].T
+    lse = lse.float()
+    return torch.where(lse == float("inf"), float("-inf"), lse).contiguous()
+
+
+def lse_for_kernel(lse: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, padded: bool) -> Tensor:
+    """Our lse [Hq, Tq] -> the kernel's layout, float32, +inf for rows without keys."""
+    lse = lse.float()
+    lse = torch.where(lse == float("-inf"), float("inf"), lse)
+    if not padded:
+        return lse.contiguous()
+    heads, total_q = lse.shape
+    segment, position = _row_segments(cu_seqlens_q, total_q)
+    out = torch.full((cu_seqlens_q.numel() - 1, heads, max_seqlen_q), float("inf"), dtype=torch.float32, device=lse.device)
+    out[segment, :, position] = lse.T
+    return out
+
+
+def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float):
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+    )
+    return out, lse
+
+
+@functools.cache
+def _padded_lse(device: torch.device) -> bool:
+    """Whether this build's kernels use the padded [batch, H, max_seqlen_q] lse layout."""
+    x = torch.zeros(1, 1, 8, dtype=torch.float16, device=device)
+    cu = torch.arange(2, dtype=torch.int32, device=device)
+    return _kernel_forward(x, x, x, cu, cu, 2, 1, False, 1.0)[1].dim() == 3
+
+
+def forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32)."""
+    check_head_dim(q.shape[2])
+    cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
+    out, lse = _kernel_forward(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k,
+        kernel_max_seqlen_q(max_seqlen_q), int(max_seqlen_k), causal, softmax_scale,
+    )
+    return out, lse_rows(lse, cu_q, q.shape[0])
+
+
+def backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients against the given out/lse (the kernel recomputes D = rowsum(dout * out) from them)."""
+    check_head_dim(q.shape[2])
+    cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
+    max_q = kernel_max_seqlen_q(max_seqlen_q)
+    lse_k = lse_for_kernel(lse, cu_q, max_q, _padded_lse(q.device))
+    unused_rng = torch.zeros(2, dtype=torch.int64, device=q.device)  # read only with dropout
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+        out.to(q.dtype).contiguous(), lse_k, cu_q, cu_k, max_q, int(max_seqlen_k),
+        0.0, causal, unused_rng, unused_rng, scale=softmax_scale,
+    )
+    return dq, dk, dv

@@ -1,0 +1,107 @@
+"""The flash_attn package's varlen kernels (CUDA, fp16/bf16), imported lazily.
+
+Calls flash_attn.flash_attn_interface._flash_attn_varlen_forward/_backward, the
+functions under flash_attn_varlen_func. Their keyword arguments changed across
+2.x releases (window_size became window_size_left/right, softcap, block_table,
+leftpad_k, seqused_k, zero_tensors were added), so the leading positional
+arguments, stable since 2.0, are passed by position and the rest by keyword,
+keeping only the names the installed version accepts. The lse conventions are
+the same as PyTorch's copy of these kernels (see aten_flash).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch import Tensor
+
+from .aten_flash import check_head_dim, kernel_max_seqlen_q, lse_for_kernel, lse_rows
+
+
+def _interface():
+    from flash_attn import flash_attn_interface
+
+    return flash_attn_interface
+
+
+def _accepted(fn, **candidates) -> dict:
+    """The keyword arguments among `candidates` that `fn` accepts (unwrapping torch custom ops)."""
+    names = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    return {name: value for name, value in candidates.items() if name in names}
+
+
+def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float):
+    fn = _interface()._flash_attn_varlen_forward
+    options = _accepted(
+        fn, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=(-1, -1), window_size_left=-1,
+        window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
+        leftpad_k=None, seqused_k=None,
+    )
+    result = fn(q, k, v, cu_q, cu_k, max_q, max_k, **options)
+    # <= 2.5: (out, q, k, v, out_padded, lse, S_dmask, rng_state); >= 2.6: (out, lse, S_dmask, rng_state)
+    return result[0], result[5] if len(result) == 8 else result[1]
+
+
+@functools.cache
+def _padded_lse(device: torch.device) -> bool:
+    """Whether the installed kernels use the padded [batch, H, max_seqlen_q] lse layout."""
+    x = torch.zeros(1, 1, 8, dtype=torch.float16, device=device)
+    cu = torch.arange(2, dtype=torch.int32, device=device)
+    return _kernel_forward(x, x, x, cu, cu, 2, 1, False, 1.0)[1].dim() == 3
+
+
+def forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32)."""
+    check_head_dim(q.shape[2])
+    cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
+    out, lse = _kernel_forward(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k,
+        kernel_max_seqlen_q(max_seqlen_q), int(max_seqlen_k), causal, softmax_scale,
+    )
+    return out, lse_rows(lse, cu_q, q.shape[0])
+
+
+def backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients against the given out/lse; the kernel writes them into dq, dk, dv in place."""
+    check_head_dim(q.shape[2])
+    cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
+    max_q = kernel_max_seqlen_q(max_seqlen_q)
+    lse_k = lse_for_kernel(lse, cu_q, max_q, _padded_lse(q.device))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fn = _interface()._flash_attn_varlen_backward
+    options = _accepted(
+        fn, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size=(-1, -1), window_size_left=-1,
+        window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None,
+    )
+    fn(
+        dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse_k, dq, dk, dv,
+        cu_q, cu_k, max_q, int(max_seqlen_k), **options,
+    )
+    return dq, dk, dv

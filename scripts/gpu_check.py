@@ -1,0 +1,302 @@
+#!/usr/bin/env python
+"""Check the CUDA attention kernels on a real GPU and record the numbers.
+
+    python scripts/gpu_check.py --out docs/gpu_results.json
+
+Each function in CHECKS takes no argument and returns a JSON-able dict that
+contains "ok"; the runner records it under the function's name, records an
+exception as a failure and goes on. To add a check, append to CHECKS.
+
+Built-in checks, for every flash backend present (aten-flash, flash-attn):
+  * accuracy in bf16 against the float64 dense reference on random packed
+    batches: diagonal causal blocks, full blocks, key blocks merged with
+    merge_partials, and backward per block with the merged out/lse;
+  * no host syncs: forward and backward run under
+    torch.cuda.set_sync_debug_mode("error");
+  * speed: forward and backward TFLOP/s at Hq=32, Hkv=8, D=128, bf16, for a
+    few document-length mixes of 128K tokens (causal FLOPs: pairs * 4 * D * Hq
+    forward, 2.5 times that backward);
+and the torch backend's accuracy on the GPU in float32.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import random
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from megatron_sap.kernels import available_backends, merge_partials, varlen_backward, varlen_forward  # noqa: E402
+from megatron_sap.reference import dense_attention  # noqa: E402
+
+DEVICE = torch.device("cuda")
+BF16_TOLERANCE = 2e-2  # max error relative to the largest reference magnitude
+FP32_TOLERANCE = 1e-4
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+
+
+def _rows(cu: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    starts = cu.tolist()
+    return torch.cat([torch.arange(starts[i] + lo, starts[i] + hi) for i, (lo, hi) in enumerate(spans)]).to(DEVICE)
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Max absolute error over the largest reference magnitude; inf when got has NaN."""
+    if torch.isnan(got).any():
+        return math.inf
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(got[~finite].double(), want[~finite]):
+        return math.inf  # -inf lse (rows without keys) must match exactly
+    scale = want[finite].abs().max().item() if finite.any() else 1.0
+    return (got[finite].double() - want[finite]).abs().max().item() / max(scale, 1e-6)
+
+
+def _reference(q, k, v, cu, dout, causal):
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, lse = dense_attention(*leaves, cu, causal=causal)
+    return (out.detach(), lse.detach(), *torch.autograd.grad(out, leaves, dout.double()))
+
+
+def _batch(lengths, heads_q, heads_kv, dim, dtype, seed):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    total = sum(lengths)
+    q, dout = (torch.randn(total, heads_q, dim, device=DEVICE, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(total, heads_kv, dim, device=DEVICE, generator=gen).to(dtype) for _ in range(2))
+    return q, k, v, dout
+
+
+ACCURACY_BATCHES = {
+    "tiny_docs": [1, 0, 2, 1, 5, 1, 0, 3] * 250,
+    "mixed": [7, 0, 1000, 1, 33, 0, 700, 128, 2, 129, 900],
+    "long": [1, 3000, 5],
+}
+
+
+def _accuracy(backend: str, dtype: torch.dtype, tolerance: float) -> dict:
+    """Errors of forward and backward against the reference: whole documents, then split key blocks."""
+    errors = {}
+    heads_q, heads_kv, dim = 8, 2, 128
+    for seed, (name, lengths) in enumerate(ACCURACY_BATCHES.items()):
+        cu, longest = _cu(lengths), max(lengths)
+        q, k, v, dout = _batch(lengths, heads_q, heads_kv, dim, dtype, seed)
+        for causal in (True, False):
+            ref = _reference(q, k, v, cu, dout, causal)
+            out, lse = varlen_forward(q, k, v, cu, cu, longest, longest, causal=causal, backend=backend)
+            grads = varlen_backward(
+                dout, q, k, v, ref[0].to(dtype), ref[1], cu, cu, longest, longest, causal=causal, backend=backend
+            )
+            for label, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref):
+                errors[f"{name}/{'causal' if causal else 'full'}/{label}"] = _error(got, want)
+
+        # Tail queries of each document against its keys in three blocks: [0, a) and [a, s) full, [s, L) causal.
+        rng = random.Random(seed)
+        parts = []
+        for length in lengths:
+            s = rng.randint(0, length)
+            parts.append((rng.randint(0, s), s, length))
+        tail = _rows(cu, [(s, n) for _, s, n in parts])
+        dout_tail = torch.zeros_like(dout)
+        dout_tail[tail] = dout[tail]
+        ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _reference(q, k, v, cu, dout_tail, True)
+        cu_tail = _cu([n - s for _, s, n in parts])
+        blocks = []
+        for spans, causal in (
+            ([(0, a) for a, _, _ in parts], False),
+            ([(a, s) for a, s, _ in parts], False),
+            ([(s, n) for _, s, n in parts], True),
+        ):
+            keys, cu_k = _rows(cu, spans), _cu([hi - lo for lo, hi in spans])
+            out, lse = varlen_forward(q[tail], k[keys], v[keys], cu_tail, cu_k, longest, longest, causal=causal, backend=backend)
+            blocks.append((keys, cu_k, causal, out, lse))
+        out, lse = blocks[0][3], blocks[0][4]
+        for *_, out_b, lse_b in blocks[1:]:
+            out, lse = merge_partials(out, lse, out_b, lse_b)
+        dq = torch.zeros(len(tail), heads_q, dim, dtype=torch.float64, device=DEVICE)
+        dk = torch.zeros(k.shape, dtype=torch.float64, device=DEVICE)
+        dv = torch.zeros(v.shape, dtype=torch.float64, device=DEVICE)
+        for keys, cu_k, causal, _, _ in blocks:
+            dq_b, dk_b, dv_b = varlen_backward(
+                dout[tail], q[tail], k[keys], v[keys], out, lse, cu_tail, cu_k, longest, longest,
+                causal=causal, backend=backend,
+            )
+            dq += dq_b.double()
+            dk[keys] += dk_b.double()
+            dv[keys] += dv_b.double()
+        for label, got, want in zip(
+            ("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), (ref_out[tail], ref_lse[:, tail], ref_dq[tail], ref_dk, ref_dv)
+        ):
+            errors[f"{name}/merged_blocks/{label}"] = _error(got, want)
+    worst = max(errors.values())
+    return {"ok": worst <= tolerance, "tolerance": tolerance, "max_error": worst, "errors": errors}
+
+
+def _no_host_syncs(backend: str) -> dict:
+    """Forward and backward (including first-use probes) under set_sync_debug_mode("error")."""
+    from megatron_sap.kernels import aten_flash, flash_attn_backend
+
+    aten_flash._padded_lse.cache_clear()
+    flash_attn_backend._padded_lse.cache_clear()
+    lengths = [5, 0, 300, 1, 2000, 64]
+    cu, longest = _cu(lengths), max(lengths)
+    q, k, v, dout = _batch(lengths, 32, 8, 128, torch.bfloat16, 0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, lse = varlen_forward(q, k, v, cu, cu, longest, longest, causal=True, backend=backend)
+        varlen_backward(dout, q, k, v, out, lse, cu, cu, longest, longest, causal=True, backend=backend)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return {"ok": True}
+
+
+SPEED_MIXES = {
+    "all_128": lambda: [128] * 1024,
+    "all_2K": lambda: [2048] * 64,
+    "mix_200_to_90K": lambda: _log_uniform_lengths(200, 90_000, 131_072, seed=0),
+    "one_128K": lambda: [131_072],
+}
+
+
+def _log_uniform_lengths(low: int, high: int, total: int, seed: int) -> list[int]:
+    rng, lengths = random.Random(seed), []
+    while sum(lengths) < total:
+        lengths.append(int(math.exp(rng.uniform(math.log(low), math.log(high)))))
+    lengths[-1] -= sum(lengths) - total
+    return lengths
+
+
+def _time_ms(fn: Callable[[], object], budget_ms: float = 1500.0) -> float:
+    """Median time of fn in milliseconds, with as many repeats as fit the budget (at least 3)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    repeats = max(3, min(20, int(budget_ms / max(start.elapsed_time(end), 1e-3))))
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _speed(backend: str) -> dict:
+    heads_q, heads_kv, dim = 32, 8, 128
+    results = {}
+    for name, make in SPEED_MIXES.items():
+        lengths = make()
+        cu, longest = _cu(lengths), max(lengths)
+        q, k, v, dout = _batch(lengths, heads_q, heads_kv, dim, torch.bfloat16, 1)
+        out, lse = varlen_forward(q, k, v, cu, cu, longest, longest, causal=True, backend=backend)
+        fwd_ms = _time_ms(lambda: varlen_forward(q, k, v, cu, cu, longest, longest, causal=True, backend=backend))
+        bwd_ms = _time_ms(
+            lambda: varlen_backward(dout, q, k, v, out, lse, cu, cu, longest, longest, causal=True, backend=backend)
+        )
+        fwd_flops = sum(n * (n + 1) // 2 for n in lengths) * 4 * dim * heads_q
+        results[name] = {
+            "tokens": sum(lengths),
+            "documents": len(lengths),
+            "forward_ms": fwd_ms,
+            "backward_ms": bwd_ms,
+            "forward_tflops": fwd_flops / fwd_ms / 1e9,
+            "backward_tflops": 2.5 * fwd_flops / bwd_ms / 1e9,
+        }
+        del q, k, v, dout, out, lse
+        torch.cuda.empty_cache()
+    return {"ok": True, "shape": {"heads_q": heads_q, "heads_kv": heads_kv, "head_dim": dim, "dtype": "bfloat16"}, **results}
+
+
+def _flash_backends() -> list[str]:
+    return [name for name in available_backends(DEVICE) if name != "torch"]
+
+
+def _bf16_accuracy(backend: str) -> dict:
+    return _accuracy(backend, torch.bfloat16, BF16_TOLERANCE)
+
+
+def _backend_checks() -> list[Callable[[], dict]]:
+    """accuracy, no_host_syncs and speed for every flash backend usable on this GPU."""
+    checks = []
+    for backend in _flash_backends():
+        for kind, fn in (("accuracy", _bf16_accuracy), ("no_host_syncs", _no_host_syncs), ("speed", _speed)):
+            check = functools.partial(fn, backend)
+            check.__name__ = f"{backend}/{kind}"
+            checks.append(check)
+    return checks
+
+
+def torch_backend_accuracy() -> dict:
+    """The pure-PyTorch backend on the GPU (float32)."""
+    return _accuracy("torch", torch.float32, FP32_TOLERANCE)
+
+
+def flash_backends_present() -> dict:
+    """At least one flash backend must be usable on this GPU."""
+    names = _flash_backends()
+    return {"ok": bool(names), "backends": names}
+
+
+# Append further checks here (functions returning a dict with "ok").
+CHECKS: list[Callable[[], dict]] = [flash_backends_present, torch_backend_accuracy]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--out", type=Path, default=Path("docs/gpu_results.json"), help="where to write the JSON report")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: CUDA is not available on this machine; nothing to check, no report written.")
+        return 0
+
+    try:
+        import flash_attn
+
+        flash_attn_version = flash_attn.__version__
+    except ImportError:
+        flash_attn_version = None
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(DEVICE),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "flash_attn": flash_attn_version,
+        "checks": {},
+    }
+    for check in CHECKS + _backend_checks():
+        name = check.__name__
+        print(f"gpu_check: {name} ...", flush=True)
+        try:
+            result = check()
+        except Exception as error:  # record and go on with the other checks
+            result = {"ok": False, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+        report["checks"][name] = result
+        print(f"gpu_check: {name}: {'ok' if result['ok'] else 'FAILED'}", flush=True)
+        torch.cuda.synchronize()
+    report["ok"] = all(result["ok"] for result in report["checks"].values())
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"gpu_check: {'all checks passed' if report['ok'] else 'SOME CHECKS FAILED'}; report in {args.out}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
