@@ -16,13 +16,18 @@ The planner evaluates every candidate with the cost model and keeps the fastest.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from operator import add, attrgetter
+from typing import NamedTuple
 
 from .cost_model import CostModel
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A contiguous token range [start, end) of document `doc`, in global packed positions."""
+class Piece(NamedTuple):
+    """A contiguous token range [start, end) of document `doc`, in global packed positions.
+
+    A named tuple rather than a dataclass: placements create thousands per batch.
+    """
 
     doc: int
     start: int
@@ -49,7 +54,11 @@ class Placement:
 def piece_cost(model: CostModel, offset: int, length: int) -> int:
     """Tile-rounded pairs of a piece at `offset` in its document: its causal diagonal
     block plus one full block over every earlier key of the document."""
-    t = model.tile
+    return _tile_pairs(model.tile, offset, length)
+
+
+def _tile_pairs(t: int, offset: int, length: int) -> int:
+    """`piece_cost` for a tile of t tokens."""
     nq = -(-length // t)
     return t * t * (nq * (nq + 1) // 2 + nq * -(-offset // t))
 
@@ -86,6 +95,29 @@ def split_slots(length: int, k: int, split: str) -> list[list[tuple[int, int]]]:
     raise ValueError(f"unknown split {split!r}; expected 'zigzag' or 'contiguous'")
 
 
+class _Split(NamedTuple):
+    """A document of one length cut over k ranks, with the costs the greedy weighs."""
+
+    slots: tuple[tuple[tuple[int, int, int], ...], ...]  # per slot: (offset, size, pairs) of its pieces
+    heavy_first: tuple[int, ...]  # slot indices, heaviest first (stable)
+    heavy_costs: tuple[int, ...]  # their tile-rounded pairs
+    need: int  # tokens of the largest slot
+
+
+@lru_cache(maxsize=1 << 14)
+def _split(length: int, k: int, split: str, tile: int) -> _Split:
+    """`split_slots(length, k, split)` with tile-rounded costs; memoised, because the greedy
+    weighs the same splits at every slack and on every batch."""
+    slots, costs, need = [], [], 0
+    for slot in split_slots(length, k, split):
+        pieces = tuple((off, size, _tile_pairs(tile, off, size)) for off, size in slot)
+        slots.append(pieces)
+        costs.append(sum([c for _, _, c in pieces]))
+        need = max(need, sum([size for _, size in slot]))
+    heavy_first = tuple(sorted(range(k), key=costs.__getitem__, reverse=True))
+    return _Split(tuple(slots), heavy_first, tuple([costs[i] for i in heavy_first]), need)
+
+
 def _zigzag_pieces(doc: int, start: int, sizes: list[int]) -> list[list[Piece]]:
     """Cut a document into chunks of `sizes` and pair them head-to-tail: result[i] = pieces of pair i."""
     k = len(sizes) // 2
@@ -100,8 +132,11 @@ def _zigzag_pieces(doc: int, start: int, sizes: list[int]) -> list[list[Piece]]:
     return pairs
 
 
+_by_start = attrgetter("start")
+
+
 def _finish(capacity: int, per_rank: list[list[Piece]], strategy: str) -> Placement:
-    ranks = tuple(tuple(sorted(p, key=lambda x: x.start)) for p in per_rank)
+    ranks = tuple(tuple(sorted(p, key=_by_start)) for p in per_rank)
     for r, pieces in enumerate(ranks):
         held = sum(p.length for p in pieces)
         if held != capacity:
@@ -188,29 +223,28 @@ def greedy(
         n, start = lengths[d], doc_starts[d]
         by_load = sorted(range(R), key=load.__getitem__)
         whole = next((r for r in by_load if room[r] >= n), None)
-        options: list[tuple[int, int, list[int], list[list[tuple[int, int]]]]] = []
+        options: list[tuple[int, int, list[int], tuple[tuple[tuple[int, int, int], ...], ...]]] = []
         if whole is not None:
             if load[whole] + cost[d] <= limit:
                 put(whole, Piece(d, start, start + n), cost[d])
                 continue
-            options.append((load[whole] + cost[d], 1, [whole], [[(0, n)]]))
+            options.append((load[whole] + cost[d], 1, [whole], (((0, n, cost[d]),),)))
         for k in _split_degrees(cost[d], [load[r] for r in by_load], limit, min(R, n)):
-            slots = split_slots(n, k, split)
-            slot_cost = [sum(piece_cost(model, off, size) for off, size in slot) for slot in slots]
-            need = max(sum(size for _, size in slot) for slot in slots)
-            eligible = [r for r in by_load if room[r] >= need]
+            cut = _split(n, k, split, model.tile)
+            eligible = [r for r in by_load if room[r] >= cut.need]
             if len(eligible) < k:
                 continue
-            heavy_first = sorted(range(k), key=lambda i: -slot_cost[i])
             best_here = None
-            for chosen in (_node_local(eligible, k, rank_node), eligible[:k]):
+            near = _node_local(eligible, k, rank_node)
+            for chosen in (near, eligible[:k]) if near != eligible[:k] else (near,):
+                # The heaviest slot goes to the least-loaded chosen rank.
                 chosen = sorted(chosen, key=load.__getitem__)
-                assignment = [0] * k
-                for place, i in enumerate(heavy_first):
-                    assignment[i] = chosen[place]
-                peak = max(load[assignment[i]] + slot_cost[i] for i in range(k))
+                peak = max(map(add, map(load.__getitem__, chosen), cut.heavy_costs))
                 if best_here is None or (best_here[0] > limit and peak < best_here[0]):
-                    best_here = (peak, k, assignment, slots)
+                    assignment = [0] * k
+                    for place, i in enumerate(cut.heavy_first):
+                        assignment[i] = chosen[place]
+                    best_here = (peak, k, assignment, cut.slots)
             options.append(best_here)
             if best_here[0] <= limit:
                 break
@@ -219,9 +253,9 @@ def greedy(
             best = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
             _, _, assignment, slots = best
             for r, slot in zip(assignment, slots):
-                for off, size in slot:
+                for off, size, pairs in slot:
                     if size:
-                        put(r, Piece(d, start + off, start + off + size), piece_cost(model, off, size))
+                        put(r, Piece(d, start + off, start + off + size), pairs)
             continue
         # Fragmented room: cut the document over the ranks with the most room.
         pos, end = start, start + n
