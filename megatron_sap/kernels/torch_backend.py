@@ -1,9 +1,11 @@
 """Varlen attention in plain PyTorch: tiled, vectorised, bounded memory, CPU or GPU.
 
-The query rows of a call are cut into fixed tiles of BLOCK_Q rows and the key
-rows into tiles of BLOCK_K rows, regardless of segment boundaries, so a batch
+The query rows of a call are cut into fixed tiles of block_q rows and the key
+rows into tiles of block_k rows, regardless of segment boundaries, so a batch
 of thousands of one-token documents costs a handful of tiles rather than a
-Python loop over documents. Query row i of segment s may see the key interval
+Python loop over documents. Tile sizes are powers of two from 16 to 128, near
+the length of the segment an average token belongs to: short documents get
+small tiles, which wastes less work on masked scores. Query row i of segment s may see the key interval
 [lo_i, hi_i): the keys of segment s, cut by the bottom-right causal bound when
 causal. Both ends are non-decreasing in i, which makes a tile's keys one
 contiguous span and lets the non-empty (q tile, k tile) pairs be found with
@@ -11,8 +13,8 @@ searchsorted. Pairs are processed in chunks of bounded size (never a score
 matrix bigger than CHUNK_SCORES elements), with masking by the per-row key
 interval and online-softmax accumulation per q tile.
 
-Heads stay grouped for GQA: a q tile is laid out [Hkv, G * BLOCK_Q, D] so one
-matmul against a k tile [Hkv, BLOCK_K, D] serves all G query heads of a
+Heads stay grouped for GQA: a q tile is laid out [Hkv, G * block_q, D] so one
+matmul against a k tile [Hkv, block_k, D] serves all G query heads of a
 key/value head without repeating K or V.
 
 Arithmetic is float32 (float64 for float64 inputs, exact to ~1e-12).
@@ -26,9 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-BLOCK_Q = 128
-BLOCK_K = 128
-CHUNK_SCORES = 1 << 22  # score elements (pairs * Hq * BLOCK_Q * BLOCK_K) per chunk
+MIN_BLOCK, MAX_BLOCK = 16, 128
+CHUNK_SCORES = 1 << 22  # score elements (pairs * Hq * block_q * block_k) per chunk
 PLAN_CACHE_SIZE = 32
 
 
@@ -58,20 +59,29 @@ class _TilePlan:
     n_k_tiles, whose keys lie beyond every row's visible interval.
     """
 
+    block_q: int
+    block_k: int
     n_q_tiles: int
     n_k_tiles: int
     order: Tensor  # [n_q_tiles] int64: q tile at each compute position
     inverse: Tensor  # [n_q_tiles] int64: compute position of each q tile
-    row_lo: Tensor  # [n_q_tiles, BLOCK_Q] int64, compute order: first key row each query row sees
-    row_hi: Tensor  # [n_q_tiles, BLOCK_Q] int64, compute order: end (exclusive) of that key interval
+    row_lo: Tensor  # [n_q_tiles, block_q] int64, compute order: first key row each query row sees
+    row_hi: Tensor  # [n_q_tiles, block_q] int64, compute order: end (exclusive) of that key interval
     table: Tensor  # [n_q_tiles, n_steps] int64, compute order: k tiles of each q tile
     active: list[int]  # active[s]: how many q tiles have an s-th k tile
+
+
+def _block_size(lengths: Tensor) -> int:
+    """Power of two in [MIN_BLOCK, MAX_BLOCK] near the length of the segment of an average token."""
+    typical = float((lengths.double() ** 2).sum() / lengths.sum().clamp_min(1))
+    return min(MAX_BLOCK, max(MIN_BLOCK, 1 << max(0, int(typical) - 1).bit_length()))
 
 
 def _build_plan(cu_q: Tensor, cu_k: Tensor, causal: bool, total_q: int, total_k: int, device: torch.device) -> _TilePlan:
     check_cu_seqlens(cu_q, total_q, "cu_seqlens_q")
     check_cu_seqlens(cu_k, total_k, "cu_seqlens_k")
     len_q, len_k = torch.diff(cu_q), torch.diff(cu_k)
+    block_q, block_k = _block_size(len_q), _block_size(len_k)
     seg = torch.repeat_interleave(torch.arange(len_q.numel()), len_q)
     lo = cu_k[seg]
     hi = cu_k[seg + 1]
@@ -79,23 +89,23 @@ def _build_plan(cu_q: Tensor, cu_k: Tensor, causal: bool, total_q: int, total_k:
         pos = torch.arange(total_q) - cu_q[seg]
         hi = torch.maximum(torch.minimum(hi, lo + pos + (len_k - len_q)[seg] + 1), lo)
 
-    n_q_tiles = -(-total_q // BLOCK_Q)
-    n_k_tiles = -(-total_k // BLOCK_K)
-    padding = torch.full((n_q_tiles * BLOCK_Q - total_q,), total_k, dtype=torch.int64)
+    n_q_tiles = -(-total_q // block_q)
+    n_k_tiles = -(-total_k // block_k)
+    padding = torch.full((n_q_tiles * block_q - total_q,), total_k, dtype=torch.int64)
     lo, hi = torch.cat([lo, padding]), torch.cat([hi, padding])
 
     # Candidate pairs: every k tile overlapping the key span of the q tile.
-    span_lo, span_hi = lo.view(n_q_tiles, BLOCK_Q)[:, 0], hi.view(n_q_tiles, BLOCK_Q)[:, -1]
-    first_k = span_lo // BLOCK_K
-    count = torch.where(span_hi > span_lo, (span_hi - 1) // BLOCK_K - first_k + 1, 0)
+    span_lo, span_hi = lo.view(n_q_tiles, block_q)[:, 0], hi.view(n_q_tiles, block_q)[:, -1]
+    first_k = span_lo // block_k
+    count = torch.where(span_hi > span_lo, (span_hi - 1) // block_k - first_k + 1, 0)
     pair_q = torch.repeat_interleave(torch.arange(n_q_tiles), count)
     pair_k = first_k[pair_q] + torch.arange(pair_q.numel()) - (torch.cumsum(count, 0) - count)[pair_q]
 
     # Keep a pair only if some row of the q tile sees some key of the k tile:
     # rows in [first_row, end_row) have hi > tile start and lo < tile end.
-    first_row = torch.searchsorted(hi, pair_k * BLOCK_K, right=True)
-    end_row = torch.searchsorted(lo, (pair_k + 1) * BLOCK_K)
-    keep = torch.maximum(first_row, pair_q * BLOCK_Q) < torch.minimum(end_row, (pair_q + 1) * BLOCK_Q)
+    first_row = torch.searchsorted(hi, pair_k * block_k, right=True)
+    end_row = torch.searchsorted(lo, (pair_k + 1) * block_k)
+    keep = torch.maximum(first_row, pair_q * block_q) < torch.minimum(end_row, (pair_q + 1) * block_q)
     pair_q, pair_k = pair_q[keep], pair_k[keep]
 
     count = torch.bincount(pair_q, minlength=n_q_tiles)
@@ -107,12 +117,14 @@ def _build_plan(cu_q: Tensor, cu_k: Tensor, causal: bool, total_q: int, total_k:
     active = n_q_tiles - torch.cumsum(torch.bincount(count, minlength=n_steps + 1), 0)[:n_steps]
 
     return _TilePlan(
+        block_q=block_q,
+        block_k=block_k,
         n_q_tiles=n_q_tiles,
         n_k_tiles=n_k_tiles,
         order=order.to(device),
         inverse=inverse.to(device),
-        row_lo=lo.view(n_q_tiles, BLOCK_Q)[order].to(device),
-        row_hi=hi.view(n_q_tiles, BLOCK_Q)[order].to(device),
+        row_lo=lo.view(n_q_tiles, block_q)[order].to(device),
+        row_hi=hi.view(n_q_tiles, block_q)[order].to(device),
         table=table.to(device),
         active=active.tolist(),
     )
@@ -142,7 +154,7 @@ def _chunks(plan: _TilePlan, heads_q: int) -> Iterator[tuple[int, int, Tensor]]:
     Where few q tiles are active, a chunk takes W > 1 steps at once, as long as
     at least 3/4 of its rows are still active at its last step (bounded padding).
     """
-    per_chunk = max(1, CHUNK_SCORES // (heads_q * BLOCK_Q * BLOCK_K))
+    per_chunk = max(1, CHUNK_SCORES // (heads_q * plan.block_q * plan.block_k))
     active, n_steps = plan.active, len(plan.active)
     step = 0
     while step < n_steps:
@@ -161,55 +173,67 @@ def _chunks(plan: _TilePlan, heads_q: int) -> Iterator[tuple[int, int, Tensor]]:
 
 
 def _q_tiles(x: Tensor, plan: _TilePlan, heads_kv: int, dtype: torch.dtype, fill: float = 0.0) -> Tensor:
-    """[Tq, Hq, *rest] -> [n_q_tiles, Hkv, G * BLOCK_Q, *rest] in compute order.
+    """[Tq, Hq, *rest] -> [n_q_tiles, Hkv, G * block_q, *rest] in compute order.
 
-    Row g * BLOCK_Q + r of a tile is query row r for head g of the key/value head's group.
+    Row g * block_q + r of a tile is query row r for head g of the key/value head's group.
     """
     total, heads_q, *rest = x.shape
     groups = heads_q // heads_kv
-    padded = x.new_full((plan.n_q_tiles * BLOCK_Q, heads_q, *rest), fill, dtype=dtype)
+    padded = x.new_full((plan.n_q_tiles * plan.block_q, heads_q, *rest), fill, dtype=dtype)
     padded[:total] = x
-    tiles = padded.view(plan.n_q_tiles, BLOCK_Q, heads_kv, groups, *rest).movedim(1, 3)
-    return tiles.reshape(plan.n_q_tiles, heads_kv, groups * BLOCK_Q, *rest).index_select(0, plan.order)
+    tiles = padded.view(plan.n_q_tiles, plan.block_q, heads_kv, groups, *rest).movedim(1, 3)
+    return tiles.reshape(plan.n_q_tiles, heads_kv, groups * plan.block_q, *rest).index_select(0, plan.order)
 
 
 def _q_rows(tiles: Tensor, plan: _TilePlan, total: int, heads_q: int) -> Tensor:
-    """Inverse of _q_tiles: [n_q_tiles, Hkv, G * BLOCK_Q, *rest] in compute order -> [total, Hq, *rest]."""
+    """Inverse of _q_tiles: [n_q_tiles, Hkv, G * block_q, *rest] in compute order -> [total, Hq, *rest]."""
     n_tiles, heads_kv, _, *rest = tiles.shape
-    tiles = tiles.index_select(0, plan.inverse).view(n_tiles, heads_kv, heads_q // heads_kv, BLOCK_Q, *rest)
-    return tiles.movedim(3, 1).reshape(n_tiles * BLOCK_Q, heads_q, *rest)[:total]
+    tiles = tiles.index_select(0, plan.inverse).view(n_tiles, heads_kv, heads_q // heads_kv, plan.block_q, *rest)
+    return tiles.movedim(3, 1).reshape(n_tiles * plan.block_q, heads_q, *rest)[:total]
 
 
 def _k_tiles(x: Tensor, plan: _TilePlan, dtype: torch.dtype) -> Tensor:
-    """[Tk, Hkv, D] -> [n_k_tiles + 1, BLOCK_K, Hkv, D], zero padded; the last tile is the dummy."""
+    """[Tk, Hkv, D] -> [n_k_tiles + 1, Hkv, block_k, D], zero padded; the last tile is the dummy."""
     total, heads_kv, dim = x.shape
-    padded = x.new_zeros(((plan.n_k_tiles + 1) * BLOCK_K, heads_kv, dim), dtype=dtype)
+    padded = x.new_zeros(((plan.n_k_tiles + 1) * plan.block_k, heads_kv, dim), dtype=dtype)
     padded[:total] = x
-    return padded.view(plan.n_k_tiles + 1, BLOCK_K, heads_kv, dim)
+    return padded.view(plan.n_k_tiles + 1, plan.block_k, heads_kv, dim).transpose(1, 2).contiguous()
+
+
+def _k_rows(tiles: Tensor, total: int) -> Tensor:
+    """Inverse of _k_tiles."""
+    n_tiles, heads_kv, block_k, dim = tiles.shape
+    return tiles.transpose(1, 2).reshape(n_tiles * block_k, heads_kv, dim)[:total]
 
 
 def _gather_keys(tiles: Tensor, k_idx: Tensor) -> Tensor:
-    """k tiles [n, W] -> keys [n, Hkv, W * BLOCK_K, D] for a batched matmul."""
+    """k tiles [n, W] -> keys [n, Hkv, W * block_k, D] (a view, no copy, when W == 1)."""
     n, width = k_idx.shape
+    _, heads_kv, block_k, dim = tiles.shape
     gathered = tiles.index_select(0, k_idx.reshape(-1))
-    return gathered.view(n, width * BLOCK_K, *tiles.shape[2:]).transpose(1, 2)
+    if width == 1:
+        return gathered
+    return gathered.view(n, width, heads_kv, block_k, dim).transpose(1, 2).reshape(n, heads_kv, width * block_k, dim)
 
 
 def _scatter_keys(tiles: Tensor, k_idx: Tensor, grads: Tensor) -> None:
-    """Add grads [n, Hkv, W * BLOCK_K, D] into tiles [n_k_tiles + 1, BLOCK_K, Hkv, D] at k_idx [n, W]."""
-    grads = grads.transpose(1, 2).reshape(k_idx.numel(), BLOCK_K, *tiles.shape[2:])
+    """Add grads [n, Hkv, W * block_k, D] into tiles [n_k_tiles + 1, Hkv, block_k, D] at k_idx [n, W]."""
+    n, width = k_idx.shape
+    _, heads_kv, block_k, dim = tiles.shape
+    if width > 1:
+        grads = grads.view(n, heads_kv, width, block_k, dim).transpose(1, 2).reshape(n * width, heads_kv, block_k, dim)
     tiles.index_add_(0, k_idx.reshape(-1), grads)
 
 
 def _masked_scores(plan: _TilePlan, start: int, end: int, q_c: Tensor, k_c: Tensor, k_idx: Tensor) -> Tensor:
-    """Scores [n, Hkv, G * BLOCK_Q, W * BLOCK_K] of compute positions [start, end), -inf where a key is hidden."""
+    """Scores [n, Hkv, G * block_q, W * block_k] of compute positions [start, end), -inf where a key is hidden."""
     n, heads_kv, rows, _ = q_c.shape
     scores = torch.matmul(q_c, k_c.transpose(-1, -2))
-    key = (k_idx[:, :, None] * BLOCK_K + torch.arange(BLOCK_K, device=k_idx.device)).view(n, 1, -1)
-    lo, hi = plan.row_lo[start:end, :, None], plan.row_hi[start:end, :, None]  # [n, BLOCK_Q, 1]
+    key = (k_idx[:, :, None] * plan.block_k + torch.arange(plan.block_k, device=k_idx.device)).view(n, 1, -1)
+    lo, hi = plan.row_lo[start:end, :, None], plan.row_hi[start:end, :, None]  # [n, block_q, 1]
     bias = torch.where((key < lo) | (key >= hi), float("-inf"), 0.0).to(scores.dtype)
     # Adding a 0/-inf bias is several times faster than masked_fill_ on the CPU.
-    scores.view(n, heads_kv, rows // BLOCK_Q, BLOCK_Q, -1).add_(bias[:, None, None])
+    scores.view(n, heads_kv, rows // plan.block_q, plan.block_q, -1).add_(bias[:, None, None])
     return scores
 
 
@@ -289,6 +313,4 @@ def backward(
         _scatter_keys(dk_t, k_idx, torch.matmul(dscores.transpose(-1, -2), q_c))
 
     dq = _q_rows(dq_t.mul_(softmax_scale), plan, total_q, heads_q).to(q.dtype)
-    dk = dk_t.view(-1, heads_kv, k.shape[2])[:total_k].to(k.dtype)
-    dv = dv_t.view(-1, heads_kv, v.shape[2])[:total_k].to(v.dtype)
-    return dq, dk, dv
+    return dq, _k_rows(dk_t, total_k).to(k.dtype), _k_rows(dv_t, total_k).to(v.dtype)
