@@ -249,3 +249,23 @@ def test_hooks_patch_the_names_pretrain_gpt_imports() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code, MEGATRON_LM], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+PATCH = os.path.join(os.path.dirname(__file__), os.pardir, "patches", "megatron-lm-core_v0.16.1-sap.patch")
+
+
+@needs_megatron_lm
+def test_fork_patch_applies_and_compiles(tmp_path) -> None:
+    """The patch applies to the checkout's pretrain_gpt.py and initialize.py, and the results compile."""
+    import py_compile
+    import shutil
+
+    files = ["pretrain_gpt.py", os.path.join("megatron", "training", "initialize.py")]
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(os.path.join(MEGATRON_LM, name), tmp_path / name)
+    result = subprocess.run(["git", "apply", os.path.abspath(PATCH)], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    for name in files:
+        py_compile.compile(str(tmp_path / name), doraise=True)
+    assert "sap_split_batch" in (tmp_path / "pretrain_gpt.py").read_text()

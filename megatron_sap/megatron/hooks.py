@@ -65,6 +65,25 @@ def wrap_pretrain(pretrain: Callable) -> Callable:
     return pretrain_with_sap_args
 
 
+def configure_sap(args: Any) -> Optional[list[int]]:
+    """Apply the SAP flags before Megatron builds groups and model; return the CP levels [U, R].
+
+    Sets the SAP options, switches layer specs to SAP core attention and installs the SAP RoPE.
+    The returned sizes (None at CP 1) are what `hierarchical_context_parallel_sizes` must be.
+    """
+    settings = sap_settings_from_args(args)
+    use_sap_core_attention()
+    install_sap_rope()
+    if args.context_parallel_size == 1:
+        return None
+    if not getattr(args, "calculate_per_token_loss", False):
+        warnings.warn(
+            "SAP gives CP ranks equal token counts but not equal loss-token counts: add "
+            "--calculate-per-token-loss for a loss and gradients identical to CP=1"
+        )
+    return [settings.inner_size, settings.outer_size]
+
+
 def wrap_initialize_model_parallel(initialize: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
     """`initialize_model_parallel` that lays CP out for SAP and switches the model to SAP first."""
 
@@ -73,18 +92,10 @@ def wrap_initialize_model_parallel(initialize: Callable, get_args: Callable[[], 
         megatron_args = get_args()
         if not sap_requested(megatron_args):
             return initialize(*args, **kwargs)
-        settings = sap_settings_from_args(megatron_args)
-        if megatron_args.context_parallel_size > 1:
-            sizes = [settings.inner_size, settings.outer_size]
+        sizes = configure_sap(megatron_args)
+        if sizes is not None:
             kwargs["hierarchical_context_parallel_sizes"] = sizes
             megatron_args.hierarchical_context_parallel_sizes = sizes
-        use_sap_core_attention()
-        install_sap_rope()
-        if not getattr(megatron_args, "calculate_per_token_loss", False) and megatron_args.context_parallel_size > 1:
-            warnings.warn(
-                "SAP gives CP ranks equal token counts but not equal loss-token counts: add "
-                "--calculate-per-token-loss for a loss and gradients identical to CP=1"
-            )
         return initialize(*args, **kwargs)
 
     return initialize_for_sap
