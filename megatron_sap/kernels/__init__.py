@@ -194,6 +194,8 @@ def varlen_backward(
         )
     if lse.shape != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse must be [Hq, Tq] = {(q.shape[1], q.shape[0])}, got {tuple(lse.shape)}")
+    if not (dout.device == out.device == lse.device == q.device):
+        raise ValueError(f"dout, out, lse must be on q's device {q.device}, got {dout.device}, {out.device}, {lse.device}")
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
     name = resolve_backend(backend, q.device, q.dtype)
     if q.shape[0] == 0 or k.shape[0] == 0:

@@ -25,9 +25,15 @@ def _interface():
     return flash_attn_interface
 
 
+@functools.cache
+def _parameter_names(fn) -> frozenset[str]:
+    """Parameter names of fn, looking through torch.library.custom_op's (*args, **kwargs) wrapper."""
+    return frozenset(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
+
+
 def _accepted(fn, **candidates) -> dict:
-    """The keyword arguments among `candidates` that `fn` accepts (unwrapping torch custom ops)."""
-    names = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    """The keyword arguments among `candidates` that `fn` accepts."""
+    names = _parameter_names(fn)
     return {name: value for name, value in candidates.items() if name in names}
 
 
