@@ -300,8 +300,7 @@ def _bad_inputs():
     yield "non-decreasing", dict(cu_k=torch.tensor([0, 4, 3, 6], dtype=torch.int32), cu_q=_cu([2, 2, 2]))
     yield "end at the number of tokens 6, got 5", dict(cu_k=torch.tensor([0, 2, 5], dtype=torch.int32))
     yield "same number of segments, got 2 and 3", dict(cu_k=_cu([2, 2, 2]))
-    if torch.cuda.is_available():
-        yield "one device", dict(k=kv.cuda())
+    yield "must be on one device, got \\['cpu', 'meta'\\]", dict(k=kv.to("meta"), v=kv.to("meta"))
 
 
 @pytest.mark.parametrize("message, change", list(_bad_inputs()), ids=lambda x: x if isinstance(x, str) else "")

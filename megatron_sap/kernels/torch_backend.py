@@ -5,19 +5,23 @@ rows into tiles of block_k rows, regardless of segment boundaries, so a batch
 of thousands of one-token documents costs a handful of tiles rather than a
 Python loop over documents. Tile sizes are powers of two from 16 to 128, near
 the length of the segment an average token belongs to: short documents get
-small tiles, which wastes less work on masked scores. Query row i of segment s may see the key interval
-[lo_i, hi_i): the keys of segment s, cut by the bottom-right causal bound when
-causal. Both ends are non-decreasing in i, which makes a tile's keys one
-contiguous span and lets the non-empty (q tile, k tile) pairs be found with
-searchsorted. Pairs are processed in chunks of bounded size (never a score
-matrix bigger than CHUNK_SCORES elements), with masking by the per-row key
-interval and online-softmax accumulation per q tile.
+small tiles, which wastes less work on masked scores.
+
+Query row i of segment s may see the key interval [lo_i, hi_i): the keys of
+segment s, cut by the bottom-right causal bound when causal. Both ends are
+non-decreasing in i, which makes a tile's keys one contiguous span and lets the
+non-empty (q tile, k tile) pairs be found with searchsorted. Pairs are
+processed in chunks of bounded size (never a score matrix bigger than
+CHUNK_SCORES elements), with masking by the per-row key interval and
+online-softmax accumulation per q tile. The pair metadata of a call is kept in
+a small LRU cache: every layer repeats the same boundaries.
 
 Heads stay grouped for GQA: a q tile is laid out [Hkv, G * block_q, D] so one
 matmul against a k tile [Hkv, block_k, D] serves all G query heads of a
 key/value head without repeating K or V.
 
-Arithmetic is float32 (float64 for float64 inputs, exact to ~1e-12).
+Arithmetic is float32 (float64 for float64 inputs, exact to ~1e-12). On the
+CPU the backward is deterministic (index_add_ runs sequentially there).
 """
 from __future__ import annotations
 
