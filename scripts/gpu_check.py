@@ -54,6 +54,8 @@ def _rows(cu: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
 
 def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     """Max absolute error over the largest reference magnitude; inf when got has NaN."""
+    if want.numel() == 0:
+        return 0.0
     if torch.isnan(got).any():
         return math.inf
     finite = torch.isfinite(want)
@@ -280,20 +282,20 @@ def main() -> int:
         "flash_attn": flash_attn_version,
         "checks": {},
     }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for check in CHECKS + _backend_checks():
         name = check.__name__
         print(f"gpu_check: {name} ...", flush=True)
         try:
             result = check()
+            torch.cuda.synchronize()
         except Exception as error:  # record and go on with the other checks
             result = {"ok": False, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
         report["checks"][name] = result
+        report["ok"] = all(result["ok"] for result in report["checks"].values())
+        args.out.write_text(json.dumps(report, indent=2) + "\n")  # after every check, in case the run is cut short
         print(f"gpu_check: {name}: {'ok' if result['ok'] else 'FAILED'}", flush=True)
-        torch.cuda.synchronize()
-    report["ok"] = all(result["ok"] for result in report["checks"].values())
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"gpu_check: {'all checks passed' if report['ok'] else 'SOME CHECKS FAILED'}; report in {args.out}")
     return 0 if report["ok"] else 1
 
