@@ -101,3 +101,44 @@ def test_real_corpus_packing():
     batches = pack(lengths, 131_072, num_batches=4, seed=0)
     assert all(cu[-1] == 131_072 for cu in batches)
     assert sum(len(cu) - 1 for cu in batches) > 4 * 20  # many documents per 128K row
+
+
+# ---- scale model, plots and report --------------------------------------------------------
+def test_scale_projection_small(tmp_path):
+    from megatron_sap.bench import plots, scale
+
+    points = scale.project(corpora=("sharegpt",), presets=("h100",), Ps=(8, 16), Ts=(32_768,), num_batches=1)
+    methods = {p.method for p in points}
+    assert {"sap", "p2p", "all_gather", "a2a+p2p"} <= methods
+    for p in points:
+        assert p.time_s > 0 and p.ideal_s > 0 and p.sent_bytes_mean >= 0
+    sap8 = next(p for p in points if p.method == "sap" and p.P == 8)
+    assert sap8.padding_tokens == 0
+    rows = scale.scale_rows(points)
+    assert {r.P for r in rows} == {8, 16}
+    targets = scale.scale_targets(rows)
+    assert all(isinstance(t.met, bool) and t.detail for t in targets)
+    assert "MISSED" in scale.targets_table([scale.Target("x", False, "y")])
+    paths = plots.scale_plots(points, tmp_path)
+    assert all(p.exists() and p.stat().st_size > 0 for p in paths)
+
+
+def test_placement_picture(tmp_path):
+    import megatron_sap as sap
+    from megatron_sap.bench import plots
+
+    cu = pack(data.synthetic_lengths("longtail", 200, seed=3), 16_384, 1, seed=3)[0]
+    plan = sap.plan_sequences(cu, outer_size=4)
+    path = plots.placement_picture([plan.pieces(r) for r in range(4)], cu, tmp_path / "p.png", "test")
+    assert path.exists() and path.stat().st_size > 0
+
+
+def test_report_keeps_hand_written_header(tmp_path):
+    from megatron_sap.bench.__main__ import MARKER, write_report
+
+    path = tmp_path / "bench.md"
+    path.write_text("# Title\n\nmethodology\n\n" + MARKER + "\n\nold table\n")
+    write_report(path, ["## new", "table"])
+    text = path.read_text()
+    assert text.startswith("# Title\n\nmethodology") and "old table" not in text and text.endswith("table\n")
+    assert text.count(MARKER) == 1
