@@ -1,16 +1,20 @@
 """Train a tiny Megatron-Core GPT on CPU with SAP context parallelism and compare it with CP=1.
 
-`run_demo_training(steps)` packs real documents (CPython standard-library sources, byte-level
-tokens), trains the same model once on one process (CP=1, plain varlen attention) and once on
-four gloo processes with SAP (CP=4 as 2x2), and prints both loss curves side by side. The
-helpers (`stdlib_documents`, `packed_batch`, `build_tiny_gpt`, `train_step`) are what the
-Megatron acceptance test uses too.
+`run_demo_training(steps)` (also `python -m megatron_sap.demo_train`) packs real documents
+(CPython standard-library sources, byte-level tokens), trains the same model once on one process (CP=1, plain varlen attention) and once on
+four gloo processes with SAP (CP=4 as 2x2), and prints both loss curves side by side. Under
+torchrun (`scripts/train_sap_local.sh`) it trains with SAP on gloo. The helpers
+(`stdlib_documents`, `packed_batch`, `build_tiny_gpt`, `train_step`) are what the Megatron
+acceptance test uses too.
 """
 from __future__ import annotations
 
+import argparse
 import os
+import queue
 import socket
 import sysconfig
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -127,6 +131,27 @@ def train_step(model, optimizer: torch.optim.Optimizer, batch: dict[str, Tensor]
     return per_token.detach(), float(mean)
 
 
+def train_sap(inner: int, outer: int, steps: int, lr: float = 3e-3) -> list[float]:
+    """Train the tiny GPT with SAP (CP = inner*outer) in an initialized process group; return the loss curve.
+
+    World size must be a multiple of inner*outer (the rest is data parallelism, every replica
+    training on the same packed row).
+    """
+    from megatron.core import parallel_state
+
+    from megatron_sap.megatron import initialize_sap_parallel
+
+    initialize_sap_parallel(inner_size=inner, outer_size=outer)
+    try:
+        model = build_tiny_gpt()
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        tokens, cu = stdlib_documents()
+        batch = packed_batch(tokens, cu)
+        return [train_step(model, optimizer, batch, cu)[1] for _ in range(steps)]
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -134,30 +159,19 @@ def _free_port() -> int:
 
 
 def _train_worker(rank: int, world_size: int, port: int, inner: int, outer: int, steps: int, results) -> None:
-    """One process of a demo run: init gloo + Megatron parallel state, train, report rank 0's curve."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    """One spawned process of a demo run: join the gloo group, train, report rank 0's curve."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        from megatron.core import parallel_state
-
-        from megatron_sap.megatron import initialize_sap_parallel
-
-        initialize_sap_parallel(inner_size=inner, outer_size=outer)
-        model = build_tiny_gpt()
-        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-        tokens, cu = stdlib_documents()
-        batch = packed_batch(tokens, cu)
-        curve = [train_step(model, optimizer, batch, cu)[1] for _ in range(steps)]
+        curve = train_sap(inner, outer, steps)
         if rank == 0:
             results.put(curve)
-        parallel_state.destroy_model_parallel()
     finally:
         dist.destroy_process_group()
 
 
 def _run(inner: int, outer: int, steps: int, timeout: float) -> list[float]:
-    """Spawn inner*outer gloo processes and return the loss curve."""
+    """Spawn inner*outer gloo processes and return the loss curve; fail fast if a worker dies."""
     world_size = inner * outer
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -168,20 +182,28 @@ def _run(inner: int, outer: int, steps: int, timeout: float) -> list[float]:
     ]
     for proc in procs:
         proc.start()
+    deadline = time.monotonic() + timeout
+    curve = None
     try:
-        curve = results.get(timeout=timeout)
+        while curve is None:
+            try:
+                curve = results.get(timeout=1.0)
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"demo worker(s) exited with {failed}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"demo training with {world_size} processes took over {timeout} s") from None
     finally:
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
-    failed = [proc.exitcode for proc in procs if proc.exitcode != 0]
-    if failed:
-        raise RuntimeError(f"demo worker(s) exited with {failed}")
+                proc.join(timeout=10)
     return curve
 
 
-def run_demo_training(steps: int = 5, timeout: Optional[float] = 600.0) -> tuple[list[float], list[float]]:
+def run_demo_training(steps: int = 5, timeout: float = 600.0) -> tuple[list[float], list[float]]:
     """Train with CP=1 and with SAP on 4 gloo ranks (2x2); print and return both loss curves."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -194,5 +216,26 @@ def run_demo_training(steps: int = 5, timeout: Optional[float] = 600.0) -> tuple
     return reference, sap_curve
 
 
+def main(argv: Optional[list[str]] = None) -> None:
+    """CLI: under torchrun (RANK set) train with SAP on gloo; otherwise run the CP=1 vs SAP comparison."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inner-size", type=int, default=2, help="SAP inner level U (under torchrun)")
+    parser.add_argument("--outer-size", type=int, default=2, help="SAP outer level R (under torchrun)")
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        run_demo_training(args.steps)
+        return
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    try:
+        curve = train_sap(args.inner_size, args.outer_size, args.steps)
+        if dist.get_rank() == 0:
+            for step, loss in enumerate(curve, start=1):
+                print(f"step {step:>4}  loss {loss:.5f}")
+    finally:
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    run_demo_training()
+    main()
