@@ -1,0 +1,58 @@
+# Megatron-LM flags for a Llama-3-8B-like model trained on packed documents with SAP context
+# parallelism. Sourced by train_sap_slurm.sbatch and train_sap_local.sh; override the
+# variables below in the environment.
+#
+# Packed pretraining data: Megatron's GPT dataset with --reset-position-ids, whose position ids
+# restart at 0 after every EOD; SAP recovers the document boundaries (cu_seqlens) from them.
+# --calculate-per-token-loss makes the loss and gradients identical to CP=1.
+
+: "${SEQ_LENGTH:=131072}"          # tokens per packed row (divisible by the CP size)
+: "${TP:=2}"                       # tensor parallel size
+: "${SAP_INNER:=4}"                # SAP inner level U (TP*U GPUs must sit on one node)
+: "${SAP_OUTER:=4}"                # SAP outer level R
+: "${GLOBAL_BATCH:=16}"
+: "${TRAIN_ITERS:=1000}"
+: "${DATA_PATH:?set DATA_PATH to a Megatron .bin/.idx prefix (tools/preprocess_data.py output)}"
+: "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a Hugging Face tokenizer directory or name}"
+: "${SAP_COST_PRESET:=h100}"
+
+CP=$((SAP_INNER * SAP_OUTER))
+
+MODEL_ARGS=(
+    --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336
+    --num-attention-heads 32 --group-query-attention --num-query-groups 8 --kv-channels 128
+    --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
+    --position-embedding-type rope --rotary-base 500000 --use-rope-scaling
+    --normalization RMSNorm --norm-epsilon 1e-5 --swiglu
+    --untie-embeddings-and-output-weights --disable-bias-linear
+    --attention-dropout 0.0 --hidden-dropout 0.0
+    --transformer-impl transformer_engine --bf16
+)
+
+PARALLEL_ARGS=(
+    --tensor-model-parallel-size "$TP" --sequence-parallel
+    --pipeline-model-parallel-size 1
+    --context-parallel-size "$CP" --hierarchical-context-parallel-sizes "$SAP_INNER" "$SAP_OUTER"
+    --cp-comm-type sap
+    --use-distributed-optimizer --overlap-grad-reduce
+)
+
+SAP_ARGS=(
+    --sap-inner-size "$SAP_INNER" --sap-outer-size "$SAP_OUTER"
+    --sap-backend auto --sap-cost-preset "$SAP_COST_PRESET"
+)
+
+DATA_ARGS=(
+    --data-path "$DATA_PATH" --split 100,0,0
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
+    --reset-position-ids --eod-mask-loss --calculate-per-token-loss
+    --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH"
+)
+
+TRAIN_ARGS=(
+    --train-iters "$TRAIN_ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 100
+    --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02
+    --log-interval 1 --eval-iters 0 --eval-interval "$TRAIN_ITERS" --distributed-timeout-minutes 30
+)
+
+SAP_TRAINING_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${SAP_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAIN_ARGS[@]}")

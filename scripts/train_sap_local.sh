@@ -1,0 +1,46 @@
+#!/bin/bash
+# Local SAP training on one machine.
+#
+#   scripts/train_sap_local.sh              # CPU: tiny Megatron-Core GPT, 4 gloo ranks, SAP 2x2
+#   DEVICE=cuda MEGATRON_LM_PATH=... DATA_PATH=... TOKENIZER_MODEL=... scripts/train_sap_local.sh
+#                                           # GPUs: the SLURM job's Megatron-LM training, one node
+#
+# CPU variables: NPROC (4), SAP_INNER (2), SAP_OUTER (NPROC / SAP_INNER), STEPS (20).
+# CUDA variables: those of sap_llama3_8b_flags.sh; NPROC defaults to the visible GPU count.
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "$0")" && pwd)"
+: "${PYTHON:=python}"
+if [ -z "${DEVICE:-}" ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=cuda; else DEVICE=cpu; fi
+fi
+
+case "$DEVICE" in
+    cpu)
+        : "${NPROC:=4}"
+        : "${SAP_INNER:=2}"
+        : "${SAP_OUTER:=$((NPROC / SAP_INNER))}"
+        : "${STEPS:=20}"
+        export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+        exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+            -m megatron_sap.demo_train --inner-size "$SAP_INNER" --outer-size "$SAP_OUTER" --steps "$STEPS"
+        ;;
+    cuda)
+        : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout}"
+        : "${NPROC:=$(nvidia-smi -L | wc -l)}"
+        : "${TP:=1}"
+        : "${SAP_INNER:=$((NPROC / TP))}"
+        : "${SAP_OUTER:=1}"
+        : "${SEQ_LENGTH:=32768}"
+        # shellcheck source=sap_llama3_8b_flags.sh
+        source "$SCRIPT_DIR/sap_llama3_8b_flags.sh"
+        export CUDA_DEVICE_MAX_CONNECTIONS=1
+        export PYTHONPATH="$MEGATRON_LM_PATH${PYTHONPATH:+:$PYTHONPATH}"
+        exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+            -m megatron_sap.launch "$MEGATRON_LM_PATH/pretrain_gpt.py" "${SAP_TRAINING_ARGS[@]}"
+        ;;
+    *)
+        echo "DEVICE must be cpu or cuda, got '$DEVICE'" >&2
+        exit 2
+        ;;
+esac

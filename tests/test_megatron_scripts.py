@@ -1,0 +1,73 @@
+"""The SLURM and local launch scripts: shell syntax, and the flags they pass parse."""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SHELL_SCRIPTS = ["train_sap_slurm.sbatch", "train_sap_local.sh", "sap_llama3_8b_flags.sh"]
+FLAG_ENV = {"DATA_PATH": "/data/llama3_text_document", "TOKENIZER_MODEL": "/models/llama3-tokenizer"}
+
+
+@pytest.mark.parametrize("name", SHELL_SCRIPTS)
+def test_shell_syntax(name: str) -> None:
+    result = subprocess.run(["bash", "-n", str(SCRIPTS / name)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def _training_flags(**env: str) -> list[str]:
+    """SAP_TRAINING_ARGS as the scripts build it, one flag or value per element."""
+    command = f'source "{SCRIPTS / "sap_llama3_8b_flags.sh"}" && printf "%s\\n" "${{SAP_TRAINING_ARGS[@]}}"'
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                            env={**os.environ, **FLAG_ENV, **env})
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def test_flags_file_requires_data_and_tokenizer() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in FLAG_ENV}
+    command = f'source "{SCRIPTS / "sap_llama3_8b_flags.sh"}"'
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env)
+    assert result.returncode != 0 and "DATA_PATH" in result.stderr
+
+
+def test_sap_flags_in_the_scripts_parse() -> None:
+    pytest.importorskip("megatron.core")
+    from megatron_sap.megatron import add_sap_args
+    from megatron_sap.megatron.arguments import sap_settings_from_args
+    from megatron_sap.megatron.options import reset_sap_options
+
+    flags = _training_flags(SAP_INNER="2", SAP_OUTER="8")
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--context-parallel-size", type=int)
+    parser.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int)
+    parser.add_argument("--cp-comm-type", nargs="+")
+    args, _ = add_sap_args(parser).parse_known_args(flags)
+    assert args.cp_comm_type == ["sap"] and args.context_parallel_size == 16
+    try:
+        settings = sap_settings_from_args(args)
+    finally:
+        reset_sap_options()
+    assert (settings.inner_size, settings.outer_size) == (2, 8)
+    assert "--calculate-per-token-loss" in flags and "--reset-position-ids" in flags
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="set MEGATRON_LM_PATH to parse with Megatron-LM's own parser")
+def test_all_script_flags_parse_with_megatron_lm() -> None:
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from megatron.training.arguments import parse_args\n"
+        "from megatron_sap.megatron import add_sap_args\n"
+        "sys.argv = ['pretrain_gpt.py'] + sys.argv[2:]\n"
+        "args = parse_args(add_sap_args)\n"
+        "assert args.cp_comm_type == ['sap'] and args.hierarchical_context_parallel_sizes == [4, 4]\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, os.environ["MEGATRON_LM_PATH"], *_training_flags()],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
