@@ -361,3 +361,26 @@ def test_cli_needs_tokens_with_lengths_from(capsys):
     with pytest.raises(SystemExit):
         plan_cli(["--lengths-from", "stdlib", "--outer-size", "2"])
     assert "--lengths-from needs --tokens" in capsys.readouterr().err
+
+
+# ---- known bugs (fail until fixed in megatron_sap/planning/plan.py) ------------------------------
+@pytest.mark.parametrize("outer", [2.0, True])
+def test_cache_hit_does_not_skip_size_validation(outer):
+    """A size that plan_sequences rejects without a cache must not be served from it:
+    2.0 == 2 and True == 1 as cache-key entries."""
+    cache = PlanCache()
+    for size in (1, 2):
+        sap.plan_sequences([0, 8, 16], outer_size=size, cache=cache)
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        sap.plan_sequences([0, 8, 16], outer_size=outer, cache=cache)
+
+
+@pytest.mark.parametrize("as_numpy", [np.array, lambda cu: [np.int64(x) for x in cu]], ids=["ndarray", "list-of-np.int64"])
+def test_numpy_cu_seqlens_hit_the_cache(as_numpy):
+    """numpy input is valid and must hit the entry it created, like lists and tensors."""
+    cache = PlanCache()
+    cu = [0, 5, 16, 32]
+    first = sap.plan_sequences(as_numpy(cu), outer_size=4, cache=cache)
+    assert sap.plan_sequences(as_numpy(cu), outer_size=4, cache=cache) is first
+    assert sap.plan_sequences(cu, outer_size=4, cache=cache) is first
+    assert (cache.hits, cache.misses) == (2, 1)
