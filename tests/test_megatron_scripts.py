@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-SHELL_SCRIPTS = ["train_sap_slurm.sbatch", "train_sap_local.sh", "sap_llama3_8b_flags.sh"]
+SHELL_SCRIPTS = ["train_sap_slurm.sbatch", "train_sap_local.sh", "sap_llama3_8b_flags.sh", "smoke_train_sap.sh"]
 FLAG_ENV = {"DATA_PATH": "/data/llama3_text_document", "TOKENIZER_MODEL": "/models/llama3-tokenizer"}
 
 
@@ -71,3 +71,12 @@ def test_all_script_flags_parse_with_megatron_lm() -> None:
     result = subprocess.run([sys.executable, "-c", code, os.environ["MEGATRON_LM_PATH"], *_training_flags()],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_gpu_workflow_runs_existing_scripts() -> None:
+    yaml = pytest.importorskip("yaml")
+    workflow = yaml.safe_load((SCRIPTS.parent / ".github" / "workflows" / "gpu.yml").read_text())
+    steps = workflow["jobs"]["cuda"]["steps"]
+    commands = " ".join(step.get("run", "") for step in steps)
+    for script in ("scripts/gpu_check.sh", "scripts/smoke_train_sap.sh"):
+        assert script in commands and (SCRIPTS.parent / script).is_file()

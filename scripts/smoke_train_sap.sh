@@ -1,0 +1,47 @@
+#!/bin/bash
+# A short Megatron-LM training run with SAP on this machine's GPUs: tiny GPT, mock packed data.
+#
+#   MEGATRON_LM_PATH=/path/to/Megatron-LM scripts/smoke_train_sap.sh [extra Megatron flags]
+#
+# CP = all visible GPUs (NPROC), split SAP_INNER x (NPROC / SAP_INNER). Mock documents of random
+# lengths end in EOD; --reset-position-ids makes them separate documents for SAP. Fails unless
+# every logged loss is finite and the last one is below the first.
+set -euo pipefail
+
+: "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout}"
+: "${PYTHON:=python}"
+: "${NPROC:=$(nvidia-smi -L | wc -l)}"
+: "${SAP_INNER:=$(( NPROC >= 2 ? 2 : 1 ))}"
+: "${SEQ_LENGTH:=8192}"
+: "${TRAIN_ITERS:=30}"
+SAP_OUTER=$((NPROC / SAP_INNER))
+LOG="${LOG:-smoke_train_sap.log}"
+
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+export PYTHONPATH="$MEGATRON_LM_PATH${PYTHONPATH:+:$PYTHONPATH}"
+
+"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+    -m megatron_sap.launch "$MEGATRON_LM_PATH/pretrain_gpt.py" \
+    --num-layers 2 --hidden-size 256 --ffn-hidden-size 1024 \
+    --num-attention-heads 8 --group-query-attention --num-query-groups 4 \
+    --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH" \
+    --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
+    --attention-dropout 0.0 --hidden-dropout 0.0 --bf16 --transformer-impl transformer_engine \
+    --context-parallel-size "$NPROC" --cp-comm-type sap --sap-inner-size "$SAP_INNER" --sap-outer-size "$SAP_OUTER" \
+    --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --split 100,0,0 \
+    --reset-position-ids --eod-mask-loss --calculate-per-token-loss \
+    --micro-batch-size 1 --global-batch-size 4 --train-iters "$TRAIN_ITERS" \
+    --lr 1e-3 --lr-warmup-iters 5 --log-interval 1 --eval-iters 0 --eval-interval "$TRAIN_ITERS" \
+    "$@" 2>&1 | tee "$LOG"
+
+"$PYTHON" - "$LOG" <<'PY'
+import math, re, sys
+losses = [float(x) for x in re.findall(r"lm loss: ([-+0-9.eEnaif]+)", open(sys.argv[1]).read())]
+if not losses:
+    sys.exit("smoke run logged no 'lm loss'")
+if not all(math.isfinite(x) for x in losses):
+    sys.exit(f"non-finite loss in {losses}")
+if losses[-1] >= losses[0]:
+    sys.exit(f"loss did not decrease: first {losses[0]}, last {losses[-1]}")
+print(f"SAP smoke training OK: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+PY
