@@ -16,7 +16,15 @@ Built-in checks, for every flash backend present (aten-flash, flash-attn):
   * speed: forward and backward TFLOP/s at Hq=32, Hkv=8, D=128, bf16, for a
     few document-length mixes of 128K tokens (causal FLOPs: pairs * 4 * D * Hq
     forward, 2.5 times that backward);
-and the torch backend's accuracy on the GPU in float32.
+and the torch backend's accuracy on the GPU in float32. Then, for SAP itself:
+  * sap_simulated: every rank's compiled program of a packed batch run in turn on
+    this GPU (bf16, the auto backend) against the float64 reference per document;
+  * sap_no_host_syncs: the sap_attention autograd op (one rank) forward and
+    backward under set_sync_debug_mode("error");
+  * method_kernel_times: each method's attention work per rank (SAP, p2p,
+    all_gather, a2a) on one packed batch of real documents, each rank's calls run
+    in turn; the calibration derived from SAP's ranks is written next to the report
+    (calibration.json, readable by CostModel.from_calibration).
 """
 from __future__ import annotations
 
@@ -256,14 +264,111 @@ def flash_backends_present() -> dict:
     return {"ok": bool(names), "backends": names}
 
 
+def _packed_batch(total: int, seed: int, max_len: int) -> list[int]:
+    """cu_seqlens of one packed row: log-uniform document lengths from 16 to max_len."""
+    lengths = _log_uniform_lengths(16, max_len, total, seed)
+    return [0, *torch.tensor(lengths).cumsum(0).tolist()]
+
+
+def sap_simulated() -> dict:
+    """Every outer rank's program on this GPU (bf16) against the float64 reference, document by document."""
+    import megatron_sap as sap
+    from megatron_sap.simulate import simulate_plan
+
+    errors = {}
+    for outer, total, max_len in ((4, 8192, 4096), (8, 16384, 6000)):
+        cu = _packed_batch(total, seed=outer, max_len=max_len)
+        plan = sap.plan_sequences(cu, outer_size=outer, cost_model=sap.CostModel.preset("h200"))
+        q, k, v, dout = _batch(torch.tensor(cu).diff().tolist(), 8, 2, 128, torch.bfloat16, seed=outer)
+        sim = simulate_plan(q, k, v, plan, dout)
+        refs = [_reference(q[a:b], k[a:b], v[a:b], _cu([b - a]), dout[a:b], True) for a, b in zip(cu, cu[1:]) if b > a]
+        for name, got, i in (("out", sim.out, 0), ("dq", sim.dq, 2), ("dk", sim.dk, 3), ("dv", sim.dv, 4)):
+            want = torch.cat([r[i] for r in refs])
+            errors[f"{name}/R={outer}"] = _error(got, want)
+        errors[f"forward_ms_per_rank/R={outer}"] = [round(t * 1e3, 3) for t in sim.forward_seconds]
+        errors[f"backward_ms_per_rank/R={outer}"] = [round(t * 1e3, 3) for t in sim.backward_seconds]
+    worst = max(v for key, v in errors.items() if not key.startswith(("forward", "backward")))
+    return {"ok": worst <= BF16_TOLERANCE, "tolerance": BF16_TOLERANCE, "max_error": worst, "details": errors}
+
+
+def sap_no_host_syncs() -> dict:
+    """The sap_attention op (P = 1) forward and backward with host syncs turned into errors."""
+    import megatron_sap as sap
+
+    lengths = [5, 0, 300, 1, 2000, 64, 3000]
+    plan = sap.plan_sequences(_cu(lengths).cpu())
+    q, k, v, dout = _batch(lengths, 32, 8, 128, torch.bfloat16, 3)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    sap.sap_attention(q, k, v, plan).backward(dout)  # compiles and caches the program on this device
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sap.sap_attention(q, k, v, plan).backward(dout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return {"ok": True}
+
+
+def method_kernel_times() -> dict:
+    """Per-rank kernel time of each method's work on one packed batch of real documents; calibration."""
+    from megatron_sap.bench.data import document_lengths
+    from megatron_sap.bench.kernel_time import rank_work, time_work
+    from megatron_sap.bench.packing import pack
+    from megatron_sap.planning import CostModel
+
+    heads_q, heads_kv, dim, world = 32, 8, 128, 8
+    model = CostModel.preset("h200")
+    results: dict = {"shape": {"heads_q": heads_q, "heads_kv": heads_kv, "head_dim": dim, "world": world}}
+    flops = seconds_fwd = seconds_bwd = 0.0
+    for corpus, total in (("stdlib", 32768), ("sharegpt", 131072)):
+        cu = pack(document_lengths(corpus), total, 1, seed=0)[0]
+        for method in ("sap", "p2p", "all_gather", "a2a"):
+            fwd, bwd = [], []
+            for work in rank_work(method, cu, world, cost_model=model):
+                f, b = time_work(work, heads_q, heads_kv, dim, device=DEVICE, dtype=torch.bfloat16, repeats=5)
+                fwd.append(f * 1e3)
+                bwd.append(b * 1e3)
+                if method == "sap":
+                    flops += work.pairs * 4 * dim * heads_q * work.head_fraction
+                    seconds_fwd += f
+                    seconds_bwd += b
+            results[f"{corpus}/T={total}/{method}"] = {
+                "forward_ms_per_rank": [round(x, 3) for x in fwd],
+                "backward_ms_per_rank": [round(x, 3) for x in bwd],
+                "max_over_mean": max(f + b for f, b in zip(fwd, bwd)) / (sum(fwd) + sum(bwd)) * world,
+            }
+    calibration = {
+        "cost_model": {
+            "name": "h200",
+            "attention_tflops": flops / seconds_fwd / 1e12,
+            "backward_factor": seconds_bwd / seconds_fwd,
+        },
+        "source": "scripts/gpu_check.py method_kernel_times (SAP ranks, bf16, Hq=32 Hkv=8 D=128)",
+    }
+    results["calibration"] = calibration
+    CALIBRATION_OUT.write_text(json.dumps(calibration, indent=2) + "\n")
+    return {"ok": True, **results}
+
+
+CALIBRATION_OUT = Path("docs/calibration.json")
+
 # Append further checks here (functions returning a dict with "ok").
-CHECKS: list[Callable[[], dict]] = [flash_backends_present, torch_backend_accuracy]
+CHECKS: list[Callable[[], dict]] = [
+    flash_backends_present,
+    torch_backend_accuracy,
+    sap_simulated,
+    sap_no_host_syncs,
+    method_kernel_times,
+]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--out", type=Path, default=Path("docs/gpu_results.json"), help="where to write the JSON report")
     args = parser.parse_args()
+    global CALIBRATION_OUT
+    CALIBRATION_OUT = args.out.with_name("calibration.json")
     if not torch.cuda.is_available():
         print("gpu_check: CUDA is not available on this machine; nothing to check, no report written.")
         return 0
