@@ -88,10 +88,6 @@ class CostModel:
             bytes_per_element=bytes_per_element or self.bytes_per_element,
         )
 
-    def key(self) -> tuple:
-        """Hashable identity, part of the plan-cache key."""
-        return dataclasses.astuple(self)
-
     # ---- compute --------------------------------------------------------------------
     def block_pairs(self, q_len: int, k_len: int, causal: bool) -> int:
         """Tile-rounded (q, k) pairs a kernel spends on one block.

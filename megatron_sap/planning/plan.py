@@ -257,11 +257,19 @@ def _cache_key_values(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[int, ..
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
             return None
         return tuple(cu_seqlens.tolist())
+    if isinstance(cu_seqlens, np.ndarray):
+        if cu_seqlens.ndim != 1 or cu_seqlens.dtype.kind not in "iu":
+            return None
+        return tuple(cu_seqlens.tolist())
     try:
         values = tuple(cu_seqlens)
     except TypeError:
         return None
-    return values if all(type(v) is int for v in values) else None
+    if all(type(v) is int for v in values):
+        return values
+    if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        return tuple(int(v) for v in values)
+    return None
 
 
 def plan_sequences(
@@ -282,18 +290,18 @@ def plan_sequences(
     Plans are cached by (cu_seqlens, sizes, cost model): a repeated batch shape costs a
     dictionary lookup. Pass `cache=None` to bypass the cache.
     """
+    for name, size in (("outer_size", outer_size), ("inner_size", inner_size)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be a positive integer, got {size!r}")
     model = cost_model or CostModel.preset("h100")
     values = _cache_key_values(cu_seqlens)
     key = None
     if cache is not None and values is not None:
-        key = (values, outer_size, inner_size, model.key(), slacks)
+        key = (values, outer_size, inner_size, model, slacks)
         plan = cache.get(key)
         if plan is not None:
             return plan
     cu = cu_seqlens_to_list(cu_seqlens)
-    for name, size in (("outer_size", outer_size), ("inner_size", inner_size)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name} must be a positive integer, got {size!r}")
     total = cu[-1]
     world = outer_size * inner_size
     if total == 0:
@@ -318,6 +326,6 @@ def plan_sequences(
     plan = Plan(tuple(cu), outer_size, inner_size, model, best[0], best[1], considered)
     if cache is not None:
         if key is None:
-            key = (tuple(cu), outer_size, inner_size, model.key(), slacks)
+            key = (tuple(cu), outer_size, inner_size, model, slacks)
         cache.put(key, plan)
     return plan
