@@ -138,7 +138,7 @@ _by_start = attrgetter("start")
 def _finish(capacity: int, per_rank: list[list[Piece]], strategy: str) -> Placement:
     ranks = tuple(tuple(sorted(p, key=_by_start)) for p in per_rank)
     for r, pieces in enumerate(ranks):
-        held = sum(p.length for p in pieces)
+        held = sum([end - start for _, start, end in pieces])
         if held != capacity:
             raise AssertionError(f"placement {strategy} gave rank {r} {held} tokens, expected {capacity}")
     return Placement(capacity, ranks, strategy)
@@ -213,10 +213,10 @@ def greedy(
     room = [capacity] * R
     per_rank: list[list[Piece]] = [[] for _ in range(R)]
 
-    def put(r: int, piece: Piece, piece_load: int) -> None:
-        per_rank[r].append(piece)
-        room[r] -= piece.length
-        load[r] += piece_load
+    def put(r: int, d: int, start: int, end: int, pairs: int) -> None:
+        per_rank[r].append(Piece(d, start, end))
+        room[r] -= end - start
+        load[r] += pairs
 
     order = sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-cost[d], d))
     for d in order:
@@ -226,7 +226,7 @@ def greedy(
         options: list[tuple[int, int, list[int], tuple[tuple[tuple[int, int, int], ...], ...]]] = []
         if whole is not None:
             if load[whole] + cost[d] <= limit:
-                put(whole, Piece(d, start, start + n), cost[d])
+                put(whole, d, start, start + n, cost[d])
                 continue
             options.append((load[whole] + cost[d], 1, [whole], (((0, n, cost[d]),),)))
         for k in _split_degrees(cost[d], [load[r] for r in by_load], limit, min(R, n)):
@@ -255,7 +255,7 @@ def greedy(
             for r, slot in zip(assignment, slots):
                 for off, size, pairs in slot:
                     if size:
-                        put(r, Piece(d, start + off, start + off + size), pairs)
+                        put(r, d, start + off, start + off + size, pairs)
             continue
         # Fragmented room: cut the document over the ranks with the most room.
         pos, end = start, start + n
@@ -264,7 +264,7 @@ def greedy(
                 break
             take = min(room[r], end - pos)
             if take > 0:
-                put(r, Piece(d, pos, pos + take), piece_cost(model, pos - start, take))
+                put(r, d, pos, pos + take, piece_cost(model, pos - start, take))
                 pos += take
     return _finish(capacity, per_rank, f"greedy(slack={slack:g}, {split})")
 
@@ -273,12 +273,11 @@ def _node_local(eligible: list[int], k: int, rank_node: list[int]) -> list[int]:
     """k of the eligible ranks (given least-loaded first) spread over as few nodes as possible."""
     by_node: dict[int, list[int]] = {}
     for r in eligible:
-        by_node.setdefault(rank_node[r], []).append(r)
-    fitting = [ranks for ranks in by_node.values() if len(ranks) >= k]
-    if fitting:
-        position = {r: i for i, r in enumerate(eligible)}
-        # The node whose k-th least-loaded eligible rank is the least loaded.
-        return min(fitting, key=lambda ranks: position[ranks[k - 1]])[:k]
+        ranks = by_node.setdefault(rank_node[r], [])
+        ranks.append(r)
+        if len(ranks) == k:
+            # The first node to gather k eligible ranks: its k-th least-loaded one is the least loaded.
+            return ranks
     chosen: list[int] = []
     for ranks in sorted(by_node.values(), key=len, reverse=True):
         chosen.extend(ranks[: k - len(chosen)])
