@@ -7,7 +7,6 @@ it with q/k/v after the projections and RoPE. Under SAP the local tokens are the
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -65,11 +64,10 @@ class SAPDotProductAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
+        # None: 1/sqrt(head dim of q), as TE does (MLA's q head dim is not kv_channels).
         # apply_query_key_layer_scaling divides the scale by layer_number and multiplies the logits
         # back in the softmax, a numerical trick for fp16 that leaves the result unchanged: ignore it.
-        self.softmax_scale = (
-            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
-        )
+        self.softmax_scale = softmax_scale
         self.groups = sap_groups_from_pg_collection(pg_collection)
 
     def forward(

@@ -8,6 +8,7 @@ loss reduction, pipeline shapes) therefore stays consistent without rewriting an
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
@@ -16,11 +17,30 @@ import megatron_sap as sap
 from megatron.core import parallel_state
 
 
+def _current_hcp(cp_group: dist.ProcessGroup, hcp: Optional[Sequence[Any]]) -> Optional[Sequence[Any]]:
+    """`hcp` if it belongs to this CP group, else None.
+
+    megatron-core 0.16.1's `destroy_model_parallel` does not reset the hierarchical CP groups and a
+    later `initialize_model_parallel` without hierarchical sizes leaves them in place, so stale
+    groups of an earlier initialization can still be returned. Groups whose ranks are not all in
+    the CP group, or whose sizes do not multiply to its size, are such leftovers.
+    """
+    if not hcp:
+        return None
+    cp_ranks = set(dist.get_process_group_ranks(cp_group))
+    sizes = [group.size() for group in hcp]
+    members = [set(dist.get_process_group_ranks(group)) for group in hcp]
+    if math.prod(sizes) != len(cp_ranks) or any(not ranks <= cp_ranks for ranks in members):
+        return None
+    return hcp
+
+
 def _sap_groups(cp_group: Optional[dist.ProcessGroup], hcp: Optional[Sequence[Any]]) -> Optional["sap.SAPGroups"]:
     """SAPGroups over `cp_group` ([inner, outer] from `hcp` when given); None when CP size is 1."""
     if cp_group is None or cp_group.size() == 1:
         return None
-    if not hcp:
+    hcp = _current_hcp(cp_group, hcp)
+    if hcp is None:
         return sap.SAPGroups.from_process_groups(cp_group)
     if len(hcp) != 2:
         raise ValueError(
@@ -28,10 +48,6 @@ def _sap_groups(cp_group: Optional[dist.ProcessGroup], hcp: Optional[Sequence[An
             "(--hierarchical-context-parallel-sizes must have two entries)"
         )
     inner, outer = hcp
-    if inner.size() * outer.size() != cp_group.size():
-        raise ValueError(
-            f"hierarchical CP groups {inner.size()}x{outer.size()} do not tile the CP group of size {cp_group.size()}"
-        )
     return sap.SAPGroups.from_process_groups(cp_group, inner_group=inner, outer_group=outer)
 
 
@@ -78,6 +94,9 @@ def initialize_sap_parallel(
             raise ValueError(f"{name} is derived from inner_size and outer_size; do not pass it")
     cp_size = inner_size * outer_size
     hierarchical = [inner_size, outer_size] if cp_size > 1 else None
+    if not parallel_state.model_parallel_is_initialized():
+        # Drop hierarchical groups a previous initialization left behind (see _current_hcp).
+        parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,

@@ -1,0 +1,86 @@
+"""SAP groups come from Megatron's own (hierarchical) context-parallel groups, TP included."""
+from __future__ import annotations
+
+import pytest
+
+from dist_pool import make_pool_fixture
+
+pytest.importorskip("megatron.core")
+
+pool4 = make_pool_fixture(4, timeout=180)
+
+
+def _ranks(group) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def layout_rank(rank: int, world_size: int, inner: int, outer: int, tp: int) -> dict:
+    """Groups from initialize_sap_parallel beside Megatron's parallel_state and ProcessGroupCollection."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_sap.megatron import initialize_sap_parallel, sap_groups_from_pg_collection
+
+    try:
+        groups = initialize_sap_parallel(inner_size=inner, outer_size=outer, tensor_model_parallel_size=tp)
+        hcp = parallel_state.get_hierarchical_context_parallel_groups()
+        from_collection = sap_groups_from_pg_collection(ProcessGroupCollection.use_mpu_process_groups())
+        return {
+            "sizes": (groups.inner_size, groups.outer_size),
+            "cp_ranks": groups.cp_ranks,
+            "megatron_cp_ranks": tuple(parallel_state.get_context_parallel_global_ranks()),
+            "cp_rank": groups.cp_rank,
+            "megatron_cp_rank": parallel_state.get_context_parallel_rank(),
+            "inner": groups.inner_ranks,
+            "outer": groups.outer_ranks,
+            "megatron_hcp": (_ranks(hcp[0]), _ranks(hcp[1])),
+            "collection": (from_collection.cp_ranks, from_collection.inner_ranks, from_collection.outer_ranks),
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("inner,outer,tp", [(2, 2, 1), (1, 4, 1), (2, 1, 2)], ids=["2x2", "1x4", "tp2-2x1"])
+def test_groups_are_megatrons_hierarchical_cp_groups(pool4, inner: int, outer: int, tp: int) -> None:
+    for r in pool4.run(layout_rank, inner, outer, tp):
+        assert r["sizes"] == (inner, outer)
+        assert r["cp_ranks"] == r["megatron_cp_ranks"] and r["cp_rank"] == r["megatron_cp_rank"]
+        assert (r["inner"], r["outer"]) == r["megatron_hcp"]
+        assert r["collection"] == (r["cp_ranks"], r["inner"], r["outer"])
+        assert r["cp_rank"] == r["outer"].index(r["cp_ranks"][r["cp_rank"]]) * inner + r["inner"].index(
+            r["cp_ranks"][r["cp_rank"]]
+        )
+
+
+def flat_cp_rank(rank: int, world_size: int) -> tuple[int, int]:
+    """Plain --context-parallel-size without hierarchical sizes: one outer ring, inner size 1."""
+    from megatron.core import parallel_state
+
+    from megatron_sap.megatron import sap_groups_from_parallel_state
+
+    try:
+        parallel_state.initialize_model_parallel(context_parallel_size=world_size)
+        groups = sap_groups_from_parallel_state()
+        return groups.inner_size, groups.outer_size
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_flat_cp_is_one_outer_ring(pool4) -> None:
+    assert pool4.run(flat_cp_rank) == [(1, 4)] * 4
+
+
+def bad_levels_rank(rank: int, world_size: int) -> str:
+    from megatron_sap.megatron import initialize_sap_parallel
+
+    with pytest.raises(ValueError, match="derived"):
+        initialize_sap_parallel(inner_size=2, outer_size=2, context_parallel_size=4)
+    with pytest.raises(ValueError, match=">= 1"):
+        initialize_sap_parallel(inner_size=0)
+    return "ok"
+
+
+def test_initialize_rejects_bad_levels(pool4) -> None:
+    assert pool4.run(bad_levels_rank) == ["ok"] * 4
