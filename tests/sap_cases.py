@@ -107,5 +107,5 @@ def run_rank(
     if count_bytes:
         result["p2p_bytes"] = log.total_bytes("p2p")
         result["a2a_bytes"] = log.total_bytes("a2a")
-        result["stats"] = plan.stats()
+        result["stats"] = plan.stats(plan.cost_model.with_shape(heads, kv_heads, dim, ql.element_size()))
     return result

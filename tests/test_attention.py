@@ -140,16 +140,19 @@ def test_no_contamination(pool4):
         assert not torch.equal(base[name][inside], moved[name][inside]), name
 
 
-@pytest.mark.parametrize("inner", [1, 2])
-def test_bytes_sent_match_plan(pool4, inner):
+@pytest.mark.parametrize("inner, kv", [(1, 2), (2, 2), (4, 2), (4, 1)])
+def test_bytes_sent_match_plan(pool4, inner, kv):
     rng = random.Random(13)
     cu = random_cu_seqlens(rng, 4 * 100, "long")
-    heads, kv, dim = 4, 2, 8
+    heads, dim = 4, 8
     results = pool4.run(run_rank, cu, inner, heads, kv, dim, "float64", 1, count_bytes=True)
     stats = results[0]["stats"]
-    per_token = 2 * kv * dim * 8 / inner  # K and V rows of this rank's heads, float64
+    per_token = 2 * max(kv, inner) * dim * 8 / inner  # K and V rows of this rank's heads (replicated), float64
     for r in results:
         outer_rank = r["cp_rank"] // inner
         expected = (stats["sent_tokens_per_outer_rank"][outer_rank] + stats["recv_tokens_per_outer_rank"][outer_rank]) * per_token
         assert r["p2p_bytes"] == expected
-    assert any(r["p2p_bytes"] for r in results)
+        # the inner all-to-all and the P2P steps together: what the plan reports per rank
+        assert r["p2p_bytes"] + r["a2a_bytes"] == pytest.approx(stats["sent_bytes_per_rank"][r["cp_rank"]])
+    assert any(r["p2p_bytes"] for r in results) == (inner < 4)
+    assert all(r["a2a_bytes"] for r in results) == (inner > 1)

@@ -144,7 +144,10 @@ def evaluate(placement: Placement, doc_starts: list[int], inner_size: int, model
     a2a_time = 0.0
     if U > 1:
         tokens = placement.capacity / U
-        per_pass = (U - 1) / U * tokens * (2 * model.q_bytes_per_token + model.kv_bytes_per_token) / U
+        # An inner rank sends (U-1)/U of its tokens' q, k, v (KV heads replicated when
+        # fewer than U) and of its head slice of the group's outputs; backward mirrors it.
+        replicated_kv = model.kv_bytes_per_token * max(model.num_kv_heads, U) / model.num_kv_heads
+        per_pass = (U - 1) / U * tokens * (2 * model.q_bytes_per_token + replicated_kv)
         a2a_bytes = 2 * per_pass
         a2a_time = 2 * (2 * (U - 1) * latency + per_pass / model.bandwidth(LINK_INTRA))
     rank_time = pass_time(1.0) + pass_time(model.backward_factor) + a2a_time
