@@ -67,8 +67,10 @@ def packed_batch(tokens: Tensor, cu_seqlens: list[int]) -> dict[str, Tensor]:
 def build_tiny_gpt(seed: int = 1234, num_layers: int = 2):
     """A 2-layer fp32 GPT (RoPE, GQA 4:2, SwiGLU, RMSNorm) with SAP core attention, built on CPU.
 
-    Needs Megatron's parallel state initialized (e.g. by `initialize_sap_parallel`).
+    Needs Megatron's parallel state initialized (e.g. by `initialize_sap_parallel`); the config
+    carries its CP size and `cp_comm_type="sap"` as Megatron-LM's would.
     """
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -91,6 +93,8 @@ def build_tiny_gpt(seed: int = 1234, num_layers: int = 2):
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        cp_comm_type="sap",
     )
     torch.manual_seed(seed)
     model = GPTModel(

@@ -246,3 +246,10 @@ def test_provider_patch_covers_spec_builders_and_undoes() -> None:
     finally:
         undo()
     assert SAPDotProductAttention not in _core_attentions(get_gpt_layer_local_spec(), [])
+
+
+def test_te_layer_spec_gets_sap_core_attention() -> None:
+    pytest.importorskip("transformer_engine", reason="the TE layer spec needs Transformer Engine")
+    from megatron_sap.megatron import get_gpt_layer_sap_spec
+
+    assert _core_attentions(get_gpt_layer_sap_spec(use_transformer_engine=True), []) == [SAPDotProductAttention]
