@@ -363,7 +363,7 @@ def test_cli_needs_tokens_with_lengths_from(capsys):
     assert "--lengths-from needs --tokens" in capsys.readouterr().err
 
 
-# ---- known bugs (fail until fixed in megatron_sap/planning/plan.py) ------------------------------
+# ---- cache regressions --------------------------------------------------------------------------
 @pytest.mark.parametrize("outer", [2.0, True])
 def test_cache_hit_does_not_skip_size_validation(outer):
     """A size that plan_sequences rejects without a cache must not be served from it:
