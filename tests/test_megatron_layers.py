@@ -253,3 +253,13 @@ def test_te_layer_spec_gets_sap_core_attention() -> None:
     from megatron_sap.megatron import get_gpt_layer_sap_spec
 
     assert _core_attentions(get_gpt_layer_sap_spec(use_transformer_engine=True), []) == [SAPDotProductAttention]
+
+
+def test_layers_reuse_the_split_plan_without_replanning(monkeypatch) -> None:
+    import megatron_sap
+
+    tokens = torch.arange(CU[-1]).unsqueeze(0)
+    _, params = sap_split_batch({"tokens": tokens}, CU)
+    monkeypatch.setattr(megatron_sap, "plan_sequences", lambda *a, **k: pytest.fail("layer re-planned the batch"))
+    q, k, v = _qkv(CU[-1])
+    assert _attention()(q, k, v, None, packed_seq_params=params).shape == (CU[-1], 64)

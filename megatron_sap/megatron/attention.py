@@ -26,6 +26,11 @@ from .plans import plan_for
 _CAUSAL_MASKS = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
 
+def _same_boundaries(other: Optional[Tensor], cu_seqlens: Tensor) -> bool:
+    """`other` is absent, the same tensor (no device sync), or equal to `cu_seqlens`."""
+    return other is None or other is cu_seqlens or torch.equal(other.to(cu_seqlens.device), cu_seqlens)
+
+
 class SAPDotProductAttention(MegatronModule):
     """Core attention for packed (THD) and SBHD inputs with SAP context parallelism.
 
@@ -118,13 +123,10 @@ class SAPDotProductAttention(MegatronModule):
         """THD: the global cu_seqlens of the packed row."""
         if params.cu_seqlens_q is None:
             raise ValueError("packed_seq_params.cu_seqlens_q is required for packed SAP attention")
-        if params.cu_seqlens_kv is not None and not torch.equal(
-            params.cu_seqlens_kv.to(params.cu_seqlens_q.device), params.cu_seqlens_q
-        ):
+        cu = params.cu_seqlens_q
+        if not _same_boundaries(params.cu_seqlens_kv, cu):
             raise ValueError("SAP attention is self-attention: cu_seqlens_q and cu_seqlens_kv must match")
-        if params.cu_seqlens_q_padded is not None and not torch.equal(
-            params.cu_seqlens_q_padded.to(params.cu_seqlens_q.device), params.cu_seqlens_q
-        ):
+        if not _same_boundaries(params.cu_seqlens_q_padded, cu):
             raise ValueError(
                 "SAP needs no per-document padding; pass cu_seqlens_q_padded=None or equal to cu_seqlens_q"
             )
