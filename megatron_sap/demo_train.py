@@ -135,17 +135,17 @@ def train_step(model, optimizer: torch.optim.Optimizer, batch: dict[str, Tensor]
     return per_token.detach(), float(mean)
 
 
-def train_sap(inner: int, outer: int, steps: int, lr: float = 3e-3) -> list[float]:
+def train_sap(inner: int, outer: int, steps: int, lr: float = 3e-3, tensor_parallel: int = 1) -> list[float]:
     """Train the tiny GPT with SAP (CP = inner*outer) in an initialized process group; return the loss curve.
 
-    World size must be a multiple of inner*outer (the rest is data parallelism, every replica
-    training on the same packed row).
+    World size must be a multiple of tensor_parallel*inner*outer (the rest is data parallelism,
+    every replica training on the same packed row).
     """
     from megatron.core import parallel_state
 
     from megatron_sap.megatron import initialize_sap_parallel
 
-    initialize_sap_parallel(inner_size=inner, outer_size=outer)
+    initialize_sap_parallel(inner_size=inner, outer_size=outer, tensor_model_parallel_size=tensor_parallel)
     try:
         model = build_tiny_gpt()
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)

@@ -4,7 +4,8 @@ The real megatron-core GPTModel (local spec with SAP core attention, RoPE, GQA 4
 RMSNorm, 2 layers, fp32, CPU) runs a packed row of real documents (byte-tokenised CPython
 stdlib sources, one of them a single token) once with CP=1 and plain varlen attention, and once
 on 4 gloo ranks with SAP (1x4 and 2x2). Per-token losses, the all-reduced gradients of every
-parameter, and the parameters after three Adam steps must agree to float32 tolerance.
+parameter, and the parameters after three Adam steps must agree to float32 tolerance. With
+tensor parallelism 2 beside SAP (CP 2), the loss curve must match CP=1.
 """
 from __future__ import annotations
 
@@ -97,3 +98,18 @@ def test_gpt_sap_cp4_equals_cp1(pool4, inner: int, outer: int) -> None:
     # Training moved the weights, so the final comparison is not vacuous.
     moved = max((reference["final"][n] - reference["initial"][n]).abs().max() for n in reference["final"])
     assert moved > LR
+
+
+def run_tp_rank(rank: int, world_size: int, inner: int, outer: int) -> tuple[list[float], list[float]]:
+    """Loss curves: CP=1 TP=1 (replicas), then TP=2 with SAP over CP = inner*outer."""
+    from megatron_sap.demo_train import train_sap
+
+    torch.set_num_threads(1)
+    return train_sap(1, 1, STEPS), train_sap(inner, outer, STEPS, tensor_parallel=2)
+
+
+@pytest.mark.parametrize("inner,outer", [(2, 1), (1, 2)], ids=["tp2-2x1", "tp2-1x2"])
+def test_gpt_tp2_with_sap_trains_like_cp1(pool4, inner: int, outer: int) -> None:
+    """Tensor parallelism beside SAP (CPU-initialized shards equal the full weights): same loss curve."""
+    for reference, sap in pool4.run(run_tp_rank, inner, outer):
+        torch.testing.assert_close(torch.tensor(sap), torch.tensor(reference), rtol=1e-5, atol=1e-6)
