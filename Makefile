@@ -19,7 +19,7 @@ test:
 	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_FLAGS) tests
 
 demo:
-	OMP_NUM_THREADS=1 $(PY) -m megatron_sap.demo
+	OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore::UserWarning $(PY) -m megatron_sap.demo
 
 bench:
 	OMP_NUM_THREADS=1 $(PY) -m megatron_sap.bench

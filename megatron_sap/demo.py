@@ -1,7 +1,7 @@
-"""`make demo`: one packed batch of real documents through SAP on 4 gloo ranks.
+"""`make demo`: packed rows of real documents through SAP on 4 gloo ranks.
 
 Runs sap_attention (forward and backward) and the Megatron/TE-style zigzag KV ring on
-the same batch in the same processes, checks SAP against an independent dense float64
+the same rows in the same processes, checks SAP against an independent dense float64
 reference computed per document, and prints agreement and the bytes each method
 really sent. Then, if megatron-core is installed, trains a tiny GPTModel with SAP next
 to CP=1 (`megatron_sap.demo_train`).
@@ -30,7 +30,7 @@ def _inputs(total: int, seed: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, dout
 
 
-def _worker(rank: int, store_path: str, cu: list[int], results) -> None:
+def _worker(rank: int, store_path: str, batches: list[list[int]], results) -> None:
     import megatron_sap as sap
     from megatron_sap.baselines import ring_p2p, shard
     from megatron_sap.comm.traffic import count_traffic
@@ -39,28 +39,30 @@ def _worker(rank: int, store_path: str, cu: list[int], results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
     try:
         groups = sap.init_sap_groups(inner_size=1, outer_size=WORLD)
-        plan = sap.plan_sequences(cu, outer_size=WORLD)
-        q, k, v, dout = _inputs(cu[-1], seed=0)
-        idx = plan.local_indices(groups.cp_rank)
-        ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
-        with count_traffic() as sap_log:
-            out = sap.sap_attention(ql, kl, vl, plan, groups)
-            out.backward(dout[idx])
-        ring = ring_p2p.layout(cu, WORLD)
-        qr, kr, vr = (shard(t, ring, rank).requires_grad_() for t in (q, k, v))
-        with count_traffic() as ring_log:
-            out_ring = ring_p2p.attention(qr, kr, vr, ring, dist.group.WORLD)
-            out_ring.backward(shard(dout, ring, rank))
-        results.put((rank, idx, out.detach(), ql.grad, kl.grad, vl.grad, sap_log.total_bytes(), ring_log.total_bytes(), ring.padding_tokens))
+        for b, cu in enumerate(batches):
+            plan = sap.plan_sequences(cu, outer_size=WORLD)
+            q, k, v, dout = _inputs(cu[-1], seed=b)
+            idx = plan.local_indices(groups.cp_rank)
+            ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
+            with count_traffic() as sap_log:
+                out = sap.sap_attention(ql, kl, vl, plan, groups)
+                out.backward(dout[idx])
+            ring = ring_p2p.layout(cu, WORLD)
+            qr, kr, vr = (shard(t, ring, rank).requires_grad_() for t in (q, k, v))
+            with count_traffic() as ring_log:
+                out_ring = ring_p2p.attention(qr, kr, vr, ring, dist.group.WORLD)
+                out_ring.backward(shard(dout, ring, rank))
+            tensors = (out.detach(), ql.grad, kl.grad, vl.grad)
+            results.put((b, rank, idx, tensors, sap_log.total_bytes(), ring_log.total_bytes(), ring.padding_tokens))
     finally:
         dist.destroy_process_group()
 
 
-def _reference(cu: list[int]) -> dict[str, torch.Tensor]:
+def _reference(cu: list[int], seed: int) -> dict[str, torch.Tensor]:
     """Dense float64 attention, one document at a time (documents never see each other)."""
     from megatron_sap.reference import dense_attention
 
-    q, k, v, dout = _inputs(cu[-1], seed=0)
+    q, k, v, dout = _inputs(cu[-1], seed)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     outs = []
     for a, b in zip(cu, cu[1:]):
@@ -72,55 +74,64 @@ def _reference(cu: list[int]) -> dict[str, torch.Tensor]:
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def attention_demo(total: int = 4096, seed: int = 0) -> None:
-    """The SAP-vs-ring run on one packed batch of CPython standard-library sources."""
-    import megatron_sap as sap
-    from megatron_sap.bench.data import document_lengths
-    from megatron_sap.bench.packing import pack
-
-    cu = pack(document_lengths("stdlib"), total, 1, seed=seed)[0]
-    plan = sap.plan_sequences(cu, outer_size=WORLD)
-    print(f"batch: {total} tokens, {len(cu) - 1} documents (CPython stdlib sources, cl100k tokens)")
-    print(f"longest document {max(b - a for a, b in zip(cu, cu[1:]))} tokens; plan: {plan.strategy}")
-    for r in range(WORLD):
-        pieces = ", ".join(f"d{d}[{s - cu[d]}:{e - cu[d]}]" for d, s, e in plan.pieces(r))
-        print(f"  rank {r}: {pieces}")
+def _run_workers(batches: list[list[int]]) -> list[tuple]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, os.path.join(tmp, "store"), cu, results)) for r in range(WORLD)]
+        procs = [ctx.Process(target=_worker, args=(r, os.path.join(tmp, "store"), batches, results)) for r in range(WORLD)]
         for p in procs:
             p.start()
-        got = [results.get(timeout=300) for _ in range(WORLD)]
+        got = [results.get(timeout=600) for _ in range(WORLD * len(batches))]
         for p in procs:
             p.join(timeout=60)
             if p.exitcode != 0:
                 raise RuntimeError(f"demo worker exited with {p.exitcode}")
-    ref = _reference(cu)
-    full = {name: torch.zeros_like(ref[name]) for name in ref}
-    for rank, idx, *tensors, _, _, _ in got:
-        for name, t in zip(("out", "dq", "dk", "dv"), tensors):
-            full[name][idx] = t
-    print("SAP vs dense float64 reference (max abs error):")
-    print("  " + ", ".join(f"{n} {float((full[n] - ref[n]).abs().max()):.2e}" for n in full))
-    got.sort(key=lambda g: g[0])
-    sap_bytes = [g[-3] for g in got]
-    ring_bytes = [g[-2] for g in got]
-    stats = plan.stats(plan.cost_model.with_shape(HEADS, KV_HEADS, HEAD_DIM, 8))
-    print(f"bytes sent per rank, forward+backward (float64, {HEADS} heads / {KV_HEADS} KV heads, dim {HEAD_DIM}):")
-    print(f"  SAP      measured {sap_bytes}  plan {[int(b) for b in stats['sent_bytes_per_rank']]}")
-    print(f"  KV ring  measured {ring_bytes}  (padding {got[0][-1]} tokens)")
-    print(f"  SAP moved {sum(sap_bytes) / max(1, sum(ring_bytes)):.1%} of the ring's bytes; "
-          f"attention-pair imbalance {stats['imbalance']:.3f}")
+    return got
+
+
+def attention_demo(total: int = 8192, num_batches: int = 3, seed: int = 0, corpus: str = "sharegpt") -> None:
+    """SAP and the KV ring on consecutive packed rows of a real corpus (`sharegpt` chats or `stdlib` code)."""
+    import megatron_sap as sap
+    from megatron_sap.bench.data import document_lengths
+    from megatron_sap.bench.packing import pack
+
+    batches = pack(document_lengths(corpus), total, num_batches, seed=seed)
+    got = _run_workers(batches)
+    shape = sap.CostModel.preset("h100").with_shape(HEADS, KV_HEADS, HEAD_DIM, 8)
+    print(f"{WORLD} gloo ranks, {corpus} corpus (cl100k tokens), rows of {total} tokens; "
+          f"float64, {HEADS} query / {KV_HEADS} KV heads, head dim {HEAD_DIM}")
+    for b, cu in enumerate(batches):
+        plan = sap.plan_sequences(cu, outer_size=WORLD)
+        lengths = [e - s for s, e in zip(cu, cu[1:])]
+        print(f"\nrow {b}: {len(lengths)} documents, longest {max(lengths)} tokens; placement {plan.strategy}")
+        for r in range(WORLD):
+            pieces = ", ".join(f"d{d}[{s - cu[d]}:{e - cu[d]}]" for d, s, e in plan.pieces(r))
+            print(f"  rank {r}: {pieces}")
+        ref = _reference(cu, seed=b)
+        full = {name: torch.zeros_like(ref[name]) for name in ref}
+        row = sorted((g for g in got if g[0] == b), key=lambda g: g[1])
+        for _, _, idx, tensors, *_ in row:
+            for name, t in zip(("out", "dq", "dk", "dv"), tensors):
+                full[name][idx] = t
+        print("  SAP vs dense float64 reference, max abs error: "
+              + ", ".join(f"{n} {float((full[n] - ref[n]).abs().max()):.1e}" for n in full))
+        sap_bytes, ring_bytes = [g[4] for g in row], [g[5] for g in row]
+        stats = plan.stats(shape)
+        print(f"  bytes sent per rank (forward + backward): SAP {sap_bytes} (plan {[int(x) for x in stats['sent_bytes_per_rank']]})")
+        print(f"  KV ring {ring_bytes} with {row[0][6]} padding tokens")
+        print(f"  SAP moved {sum(sap_bytes) / max(1, sum(ring_bytes)):.1%} of the ring's bytes; "
+              f"attention-pair imbalance {stats['imbalance']:.3f}")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corpus", choices=("sharegpt", "stdlib"), default="sharegpt")
     parser.add_argument("--skip-training", action="store_true")
     args = parser.parse_args(argv)
-    attention_demo(args.tokens, args.seed)
+    attention_demo(args.tokens, args.batches, args.seed, args.corpus)
     if not args.skip_training:
         from megatron_sap.demo_train import run_demo_training
 
