@@ -84,3 +84,30 @@ def bad_levels_rank(rank: int, world_size: int) -> str:
 
 def test_initialize_rejects_bad_levels(pool4) -> None:
     assert pool4.run(bad_levels_rank) == ["ok"] * 4
+
+
+def unpacked_at_cp4_rank(rank: int, world_size: int) -> str:
+    """Without packed params a CP > 1 layer cannot know the token layout: it must refuse."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_sap.megatron import SAPDotProductAttention, initialize_sap_parallel
+
+    try:
+        initialize_sap_parallel(inner_size=2, outer_size=2)
+        config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, attention_dropout=0.0,
+                                   use_cpu_initialization=True, context_parallel_size=4, cp_comm_type="sap")
+        attention = SAPDotProductAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                           attention_type="self", cp_comm_type="sap")
+        q = torch.zeros(4, 1, 2, 16)
+        with pytest.raises(ValueError, match="packed batches"):
+            attention(q, q, q, None)
+        return "ok"
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_unpacked_input_with_cp_is_refused(pool4) -> None:
+    assert pool4.run(unpacked_at_cp4_rank) == ["ok"] * 4
