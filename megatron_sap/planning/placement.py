@@ -104,10 +104,10 @@ class _Split(NamedTuple):
     need: int  # tokens of the largest slot
 
 
-@lru_cache(maxsize=1 << 14)
+@lru_cache(maxsize=1024)  # about 6 MB; a 128K-token batch weighs about 500 splits
 def _split(length: int, k: int, split: str, tile: int) -> _Split:
     """`split_slots(length, k, split)` with tile-rounded costs; memoised, because the greedy
-    weighs the same splits at every slack and on every batch."""
+    weighs the same splits at every slack (and lengths recur across batches)."""
     slots, costs, need = [], [], 0
     for slot in split_slots(length, k, split):
         pieces = tuple((off, size, _tile_pairs(tile, off, size)) for off, size in slot)
