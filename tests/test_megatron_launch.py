@@ -28,6 +28,7 @@ from megatron_sap.megatron.hooks import (  # noqa: E402
     wrap_get_thd_batch_on_this_cp_rank,
     wrap_initialize_model_parallel,
     wrap_pretrain,
+    wrap_spec_builder,
 )
 from megatron_sap.megatron.options import reset_sap_options  # noqa: E402
 from megatron_sap.megatron.rope import uninstall_sap_rope  # noqa: E402
@@ -206,6 +207,18 @@ def test_batch_hooks_defer_to_megatron_without_sap() -> None:
     assert split({}, None, None, None) == "megatron"
 
 
+def test_spec_builder_hook_swaps_only_with_sap() -> None:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    def core_attention(spec):
+        return spec.submodules.self_attention.submodules.core_attention
+
+    args = SimpleNamespace(cp_comm_type=["sap"])
+    assert core_attention(wrap_spec_builder(get_gpt_layer_local_spec, get_args=lambda: args)()) is SAPDotProductAttention
+    args.cp_comm_type = ["p2p"]
+    assert core_attention(wrap_spec_builder(get_gpt_layer_local_spec, get_args=lambda: args)()) is not SAPDotProductAttention
+
+
 def test_launcher_rejects_a_missing_script() -> None:
     result = subprocess.run([sys.executable, "-m", "megatron_sap.launch", "/nonexistent/pretrain_gpt.py"],
                             capture_output=True, text=True, timeout=120)
@@ -236,8 +249,10 @@ def test_hooks_patch_the_names_pretrain_gpt_imports() -> None:
         "install_training_hooks()\n"
         "import pretrain_gpt\n"
         "from megatron.core import parallel_state\n"
+        "import gpt_builders\n"
         "for f in (pretrain_gpt.pretrain, pretrain_gpt.get_thd_batch_on_this_cp_rank,\n"
-        "          pretrain_gpt.get_batch_on_this_tp_rank, parallel_state.initialize_model_parallel):\n"
+        "          pretrain_gpt.get_batch_on_this_tp_rank, parallel_state.initialize_model_parallel,\n"
+        "          gpt_builders.get_gpt_heterogeneous_layer_spec):\n"
         "    assert f.__code__.co_filename.endswith('megatron_sap/megatron/hooks.py'), f\n"
         "from megatron.training.arguments import parse_args\n"
         "from megatron_sap.megatron import add_sap_args\n"

@@ -12,6 +12,8 @@
   one (documents from `--reset-position-ids` restarts, else the whole row) so that
   `pretrain_gpt.get_batch` takes its THD path.
 * `megatron.core.utils.get_thd_batch_on_this_cp_rank`: the THD split becomes `sap_split_batch`.
+* `gpt_builders.get_gpt_heterogeneous_layer_spec` (Megatron-LM's root module): heterogeneous
+  specs name their core attention directly, bypassing the providers, so it is swapped afterwards.
 
 Every hook defers to Megatron's original unless the parsed args ask for SAP.
 """
@@ -27,7 +29,7 @@ import torch
 from .arguments import add_sap_args, chain_args_providers, sap_settings_from_args
 from .batch import cu_seqlens_from_position_ids, sap_split_batch
 from .rope import install_sap_rope
-from .specs import use_sap_core_attention
+from .specs import swap_core_attention, use_sap_core_attention
 
 _INSTALLED = False
 
@@ -152,6 +154,17 @@ def wrap_get_thd_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], A
     return sap_thd_split
 
 
+def wrap_spec_builder(build: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
+    """A spec builder whose specs get SAP core attention when SAP is on."""
+
+    @functools.wraps(build)
+    def build_with_sap(*args: Any, **kwargs: Any) -> Any:
+        spec = build(*args, **kwargs)
+        return swap_core_attention(spec) if sap_requested(get_args()) else spec
+
+    return build_with_sap
+
+
 def install_training_hooks() -> None:
     """Patch Megatron-LM's training entry points for SAP (idempotent); run before the script imports them."""
     global _INSTALLED
@@ -166,4 +179,10 @@ def install_training_hooks() -> None:
     parallel_state.initialize_model_parallel = wrap_initialize_model_parallel(parallel_state.initialize_model_parallel)
     training_utils.get_batch_on_this_tp_rank = wrap_get_batch_on_this_tp_rank(training_utils.get_batch_on_this_tp_rank)
     core_utils.get_thd_batch_on_this_cp_rank = wrap_get_thd_batch_on_this_cp_rank(core_utils.get_thd_batch_on_this_cp_rank)
+    try:
+        import gpt_builders  # Megatron-LM's root directory, on sys.path when a script runs from it
+    except ImportError:
+        pass
+    else:
+        gpt_builders.get_gpt_heterogeneous_layer_spec = wrap_spec_builder(gpt_builders.get_gpt_heterogeneous_layer_spec)
     _INSTALLED = True
