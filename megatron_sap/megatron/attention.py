@@ -3,7 +3,7 @@
 Megatron builds it through a layer spec with the same keywords as its own core attention and calls
 it with q/k/v after the projections and RoPE. Under SAP the local tokens are the ones
 `plan.local_indices(cp_rank)` names (see `sap_split_batch`), so the layer only needs the global
-`cu_seqlens` from `packed_seq_params` to look the plan up (a cache hit after the first layer).
+`cu_seqlens` from `packed_seq_params` to find the plan (the batch split's own, without a host sync).
 """
 from __future__ import annotations
 
