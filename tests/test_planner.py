@@ -126,6 +126,29 @@ def test_pieces_partition_the_documents(batch):
         assert got == plan.group_indices(outer_rank).tolist()
 
 
+@SETTINGS
+@given(batches(max_world=32))
+def test_every_candidate_is_a_placement(batch):
+    """Not only the winner: every candidate holds each token once, T / R per rank, in
+    non-empty single-document pieces sorted by position."""
+    cu, outer, inner = batch
+    model = CostModel.preset("h100")
+    rank_node = [model.node_of(r * inner) for r in range(outer)]
+    capacity = cu[-1] // outer
+    placements = candidates(cu[:-1], np.diff(cu).tolist(), outer, capacity, model, DEFAULT_SLACKS, rank_node)
+    assert len({p.strategy for p in placements}) == len(placements)
+    for placement in placements:
+        assert placement.capacity == capacity and placement.num_ranks == outer
+        covered = np.zeros(cu[-1], dtype=np.int64)
+        for pieces in placement.ranks:
+            assert sum(p.end - p.start for p in pieces) == capacity, placement.strategy
+            assert [p.start for p in pieces] == sorted(p.start for p in pieces)
+            for p in pieces:
+                assert cu[p.doc] <= p.start < p.end <= cu[p.doc + 1], (placement.strategy, p)
+                covered[p.start : p.end] += 1
+        assert (covered == 1).all(), placement.strategy
+
+
 # ---- input validation -------------------------------------------------------------------------
 @settings(max_examples=40, deadline=None)
 @given(layouts(), st.integers(1, 2000))
