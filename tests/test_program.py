@@ -15,7 +15,7 @@ from megatron_sap.planning.placement import candidates
 from megatron_sap.planning.plan import DEFAULT_SLACKS
 from test_planner import cu_seqlens_for, expected_mask
 
-SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
