@@ -203,14 +203,20 @@ def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def _check_agreement(plan: Plan, groups) -> None:
-    """Every rank of the CP group must have planned the same batch and layout.
+    """`verify_plan_agreement` once per (plan, group): on plan-cache misses."""
+    if id(groups.cp_group) not in plan.__dict__.get("_agreed_groups", ()):
+        verify_plan_agreement(plan, groups)
 
-    Runs once per (plan, group): on plan-cache misses. Raises on every rank, with
-    both hashes, instead of deadlocking in P2P or computing garbage.
+
+def verify_plan_agreement(plan: Plan, groups) -> None:
+    """Check now that every rank of the CP group planned the same batch and layout.
+
+    One all-reduce of a 64-bit plan hash (and one host sync). Raises on every rank,
+    with both hashes, instead of deadlocking in P2P or computing garbage. A batch
+    splitter calls it once per micro-batch, which also catches a rank that reuses a
+    cached plan while another plans a new batch; `sap_attention` calls it on the first
+    use of a plan with a group.
     """
-    seen = plan.__dict__.setdefault("_agreed_groups", set())
-    if id(groups.cp_group) in seen:
-        return
     mine = int(plan.signature(), 16) & ((1 << 62) - 1)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(groups.cp_group) == "nccl" else torch.device("cpu")
     values = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
@@ -228,7 +234,7 @@ def _check_agreement(plan: Plan, groups) -> None:
             f"({plan.total_tokens} tokens, {len(plan.cu_seqlens) - 1} documents, layout "
             f"{plan.inner_size}x{plan.outer_size}), the group has hashes from {low:x} to {high:x}"
         )
-    seen.add(id(groups.cp_group))
+    plan.__dict__.setdefault("_agreed_groups", set()).add(id(groups.cp_group))
 
 
 def _inner_all_to_all(fn, name: str, x: torch.Tensor, groups, *args) -> torch.Tensor:

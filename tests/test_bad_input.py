@@ -289,11 +289,14 @@ def _split(cu: list[int], batch: dict[str, torch.Tensor] | None = None, groups: 
 @pytest.mark.parametrize(
     ("cu", "pattern"),
     [
-        ([1, 4, 8], r"must run from 0 to the batch length 8, got 1\.\.8"),
-        ([0, 4, 7], r"must run from 0 to the batch length 8, got 0\.\.7"),
-        ([0, 4, 9], r"must run from 0 to the batch length 8, got 0\.\.9"),
-        ([0, 5, 3, 8], r"cu_seqlens must be non-decreasing"),
-        ([0], r"cu_seqlens needs at least two entries, got \[0\]"),
+        ([1, 4, 8], r"cu_seqlens must start at 0, got 1"),
+        ([0, 4, 7], r"must end at the batch length 8, got 7"),
+        ([0, 4, 9], r"must end at the batch length 8, got 9"),
+        ([0, 5, 3, 8], r"cu_seqlens must be non-decreasing, but cu_seqlens\[2\]=3 < cu_seqlens\[1\]=5"),
+        ([0], r"must end at the batch length 8, got 0"),
+        (torch.tensor([0.0, 4.7, 8.0]), r"cu_seqlens must have an integer dtype, got torch.float32"),
+        ([0, 4.7, 8], r"cu_seqlens must hold integers, got 4.7"),
+        (torch.tensor([[0, 4], [4, 8]]), r"cu_seqlens must be 1-D, got shape \(2, 2\)"),
     ],
 )
 def test_batch_splitter_rejects_bad_cu_seqlens(cu: list[int], pattern: str) -> None:

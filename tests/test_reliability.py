@@ -262,3 +262,25 @@ def test_fuzz_matches_dense_reference(pool4: WorkerPool, layout: tuple[list[int]
     for r in results:
         for name, want in expected.items():
             assert torch.allclose(r[name], want[r["idx"]], atol=1e-10, rtol=0), (name, r["idx"][:8])
+
+
+def stale_plan_job(rank: int, world: int) -> str:
+    """Both ranks split batch A; then rank 0 splits A again (a cached, already-checked plan)
+    while rank 1 splits a new batch B. The splitter checks every micro-batch."""
+    import megatron_sap as sap
+    from megatron_sap.megatron import sap_split_batch
+
+    groups = sap.init_sap_groups(inner_size=1, outer_size=world)
+    row = torch.arange(16).unsqueeze(0)
+    batch_a, batch_b = [0, 5, 16], [0, 9, 16]
+    sap_split_batch({"tokens": row}, batch_a, groups)
+    try:
+        sap_split_batch({"tokens": row}, batch_a if rank == 0 else batch_b, groups)
+    except RuntimeError as exc:
+        return str(exc)
+    return "ok"
+
+
+def test_batch_splitter_catches_a_stale_cached_plan(pool2: WorkerPool) -> None:
+    messages = pool2.run(stale_plan_job)
+    assert all("CP ranks disagree" in m for m in messages), messages

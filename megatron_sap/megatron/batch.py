@@ -17,7 +17,11 @@ import megatron_sap as sap
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_sap.attention import verify_plan_agreement
+from megatron_sap.validation import cu_seqlens_to_list
+
 from .groups import _sap_groups, sap_groups_from_parallel_state
+from .options import get_sap_options
 from .plans import plan_for
 from .rope import install_sap_rope, register_token_positions
 
@@ -58,15 +62,13 @@ def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
 
 
 def _as_cu_seqlens(cu_seqlens: Union[Tensor, list[int]], total_tokens: int, device: torch.device) -> Tensor:
-    """A 1-D int32 tensor on `device`, checked against the batch length."""
-    cu = torch.as_tensor(cu_seqlens).flatten().to(device=device, dtype=torch.int32)
-    if cu.numel() < 2:
-        raise ValueError(f"cu_seqlens needs at least two entries, got {cu.tolist()}")
-    if int(cu[0]) != 0 or int(cu[-1]) != total_tokens:
-        raise ValueError(f"cu_seqlens must run from 0 to the batch length {total_tokens}, got {int(cu[0])}..{int(cu[-1])}")
-    if bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError("cu_seqlens must be non-decreasing")
-    return cu
+    """A validated 1-D int32 tensor on `device`; a [1, n] row (Megatron's data loaders) is accepted."""
+    if isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 2 and cu_seqlens.size(0) == 1:
+        cu_seqlens = cu_seqlens[0]
+    values = cu_seqlens_to_list(cu_seqlens)
+    if values[-1] != total_tokens:
+        raise ValueError(f"cu_seqlens must end at the batch length {total_tokens}, got {values[-1]}")
+    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 def sap_split_batch(
@@ -101,6 +103,8 @@ def sap_split_batch(
         raise ValueError(f"packed length {total_tokens} is not divisible by the CP size {world}; pad the batch")
 
     plan = plan_for(cu, groups)
+    if groups is not None and get_sap_options().check_agreement:
+        verify_plan_agreement(plan, groups)  # every micro-batch: cheap, and it also catches stale cached plans
     cp_rank = 0 if groups is None else groups.cp_rank
     indices = plan.local_indices(cp_rank).to(device)
     positions = plan.position_ids(cp_rank).to(device)
