@@ -17,6 +17,7 @@ from .placement import Placement, candidates
 from .program import RankProgram, _Layout, compile_program
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
+DEFAULT_COST_MODEL = CostModel.preset("h100")
 TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on bytes moved
 
 
@@ -293,7 +294,7 @@ def plan_sequences(
     for name, size in (("outer_size", outer_size), ("inner_size", inner_size)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"{name} must be a positive integer, got {size!r}")
-    model = cost_model or CostModel.preset("h100")
+    model = cost_model or DEFAULT_COST_MODEL
     values = _cache_key_values(cu_seqlens)
     key = None
     if cache is not None and values is not None:
@@ -314,10 +315,13 @@ def plan_sequences(
     evaluated: list[tuple[Placement, Evaluation]] = []
     considered: dict[str, float] = {}
     rank_node = [model.node_of(r * inner_size) for r in range(outer_size)]
+    by_layout: dict[tuple, Evaluation] = {}  # greedy passes at nearby slacks often agree
     for placement in candidates(doc_starts, lengths, outer_size, capacity, model, slacks, rank_node):
-        ev = evaluate(placement, doc_starts, inner_size, model)
+        ev = by_layout.get(placement.ranks)
+        if ev is None:
+            ev = by_layout[placement.ranks] = evaluate(placement, doc_starts, inner_size, model)
+            evaluated.append((placement, ev))
         considered[placement.strategy] = ev.makespan_s
-        evaluated.append((placement, ev))
     # The fastest candidate; among those within TIME_TOLERANCE of it, the one that moves
     # the fewest bytes (less contention with other traffic for the same modelled time).
     fastest = min(ev.makespan_s for _, ev in evaluated)
