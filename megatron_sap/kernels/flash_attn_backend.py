@@ -104,7 +104,7 @@ def backward(
     fn = _interface()._flash_attn_varlen_backward
     options = _accepted(
         fn, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size=(-1, -1), window_size_left=-1,
-        window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None,
+        window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=True, rng_state=None,
     )
     fn(
         dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse_k, dq, dk, dv,
