@@ -69,6 +69,26 @@ def test_thd_matches_dense_reference_with_gqa() -> None:
     torch.testing.assert_close(out, expected.float().flatten(1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qk_dim, v_dim", [(24, 16), (16, 24)], ids=["mla-values-smaller", "values-larger"])
+def test_value_head_dim_may_differ(qk_dim: int, v_dim: int) -> None:
+    """MLA: values have their own head dim; output and gradients match the dense reference."""
+    gen = torch.Generator().manual_seed(5)
+    total = CU[-1]
+    q = torch.randn(total, 4, qk_dim, generator=gen, requires_grad=True)
+    k = torch.randn(total, 4, qk_dim, generator=gen, requires_grad=True)
+    v = torch.randn(total, 4, v_dim, generator=gen, requires_grad=True)
+    out = _attention()(q, k, v, None, packed_seq_params=_params(CU))
+    assert out.shape == (total, 4 * v_dim)
+    grad = torch.randn(out.shape, generator=gen)
+    out.backward(grad)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected, _ = dense_attention(*leaves, torch.tensor(CU))
+    expected.flatten(1).backward(grad.double())
+    torch.testing.assert_close(out, expected.float().flatten(1), rtol=1e-5, atol=1e-5)
+    for got, leaf in zip((q.grad, k.grad, v.grad), leaves):
+        torch.testing.assert_close(got, leaf.grad.float(), rtol=1e-5, atol=1e-5)
+
+
 def test_sbhd_rows_are_separate_sequences() -> None:
     s, b = 8, 3
     q, k, v = (t.reshape(b, s, *t.shape[1:]).transpose(0, 1) for t in _qkv(s * b, seed=1))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 import megatron_sap as sap
@@ -104,20 +105,33 @@ class SAPDotProductAttention(MegatronModule):
         return self._rows(query, key, value)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> Tensor:
-        """One packed row of local tokens in plan order through `sap_attention`."""
+        """One packed row of local tokens in plan order through `sap_attention`.
+
+        MLA gives values a smaller head dim than queries and keys: the values are padded
+        with zero columns to the query head dim and the output cut back, which leaves the
+        result unchanged (zero value columns give zero output columns, and their
+        gradients are dropped). A larger value head dim pads q and k instead.
+        """
         plan = plan_for(cu_seqlens, self.groups)
         options = get_sap_options()
-        return sap.sap_attention(
+        qk_dim, v_dim = q.shape[-1], v.shape[-1]
+        scale = self.softmax_scale if self.softmax_scale is not None else qk_dim**-0.5
+        if v_dim < qk_dim:
+            v = F.pad(v, (0, qk_dim - v_dim))
+        elif v_dim > qk_dim:
+            q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
+        out = sap.sap_attention(
             q,
             k,
             v,
             plan,
             self.groups,
             causal=True,
-            softmax_scale=self.softmax_scale,
+            softmax_scale=scale,
             backend=options.backend,
             check_agreement=options.check_agreement,
         )
+        return out[..., :v_dim]
 
     def _packed(self, q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams) -> Tensor:
         """THD: the global cu_seqlens of the packed row."""
