@@ -4,13 +4,14 @@ The executor's program runs, on each outer rank, its local blocks first and then
 step per peer, the next step's transfer in flight while the current step computes.
 Per rank and pass (forward, then backward at `backward_factor` times the compute):
 
-    T = C                                   if the rank receives nothing
-    T = max(C, C_local + X + C_remote / m)  otherwise
+    T = C                                                if the rank receives nothing
+    T = max(C_local, x) + (m - 1) * max(r, x) + r        otherwise, x = X / m, r = C_remote / m
 
-with C the kernel time of all its blocks, C_local that of blocks whose keys are local,
-X the transfer time (max of its send and receive sides, each message paying the
-latency), and m the number of messages it receives (the last step's compute cannot
-overlap anything). The backward pass returns dK/dV over the same links with the same
+a pipeline of m steps: the first transfer overlaps the local blocks, each later one the
+previous step's compute, and the last step's compute overlaps nothing. C is the kernel
+time of all the rank's blocks, C_local that of blocks whose keys are local, C_remote =
+C - C_local, X the transfer time (max of its send and receive sides, each message
+paying the latency) and m the number of messages it receives. The backward pass returns dK/dV over the same links with the same
 bytes. With an inner (Ulysses) group of U ranks every outer quantity is split over U
 head slices and the all-to-all of q, k, v, out (and their gradients) is added, not
 overlapped. The layer time is the largest rank time (the makespan).
@@ -137,8 +138,10 @@ def evaluate(placement: Placement, doc_starts: list[int], inner_size: int, model
 
     def pass_time(scale: float) -> np.ndarray:
         c, cl = comp * scale, local * scale
-        overlapped = cl + xfer + (c - cl) / np.maximum(messages, 1)
-        return np.where(messages > 0, np.maximum(c, overlapped), c)
+        m = np.maximum(messages, 1)
+        x, r = xfer / m, (c - cl) / m
+        pipelined = np.maximum(cl, x) + (m - 1) * np.maximum(r, x) + r
+        return np.where(messages > 0, pipelined, c)
 
     a2a_bytes = 0.0
     a2a_time = 0.0
