@@ -58,6 +58,7 @@ def _post_kv(program: RankProgram, index: int, kv: torch.Tensor, outer: _Outer, 
 
 
 def _forward_calls(calls, q, kv_source, acc_out, acc_lse, all_rows, scale, backend) -> None:
+    """Run kernel calls on `kv_source` rows ([n, 2, Hkv, D]) and merge their (out, lse) into the accumulators."""
     for call in calls:
         q_part = q if call.q_rows is None else q.index_select(0, call.q_rows)
         kv = kv_source if call.k_rows is None else kv_source.index_select(0, call.k_rows)
@@ -69,6 +70,7 @@ def _forward_calls(calls, q, kv_source, acc_out, acc_lse, all_rows, scale, backe
 
 
 def _backward_calls(calls, dout, q, out, lse, kv_source, dq, dkv, scale, backend) -> None:
+    """Gradients of kernel calls against the final out/lse: into dq, and into dkv at the source rows."""
     for call in calls:
         rows = call.q_rows
         pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))

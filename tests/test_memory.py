@@ -14,7 +14,6 @@ HEADS, KV_HEADS, DIM = 8, 2, 32
 
 
 def measure(rank: int, world: int, cu: list[int], inner: int, recompute_kv: bool) -> dict:
-    import torch
 
     import megatron_sap as sap
     from megatron_sap.memory import track_peak_memory

@@ -183,8 +183,8 @@ def measured_points(repeats: int) -> list[Measured]:
 def measured_table(rows: list[Measured]) -> str:
     """Wall time relative to the fastest baseline, measured vs modelled bytes, peak memory."""
     lines = [
-        f"| corpus | method | U x R | wall ms (median of fwd+bwd) | vs best baseline | KiB sent/rank measured "
-        f"(intra + inter) | modelled (intra + inter) | peak MiB measured (max rank) | modelled peak op MiB |",
+        "| corpus | method | U x R | wall ms (median of fwd+bwd) | vs best baseline | KiB sent/rank measured "
+        "(intra + inter) | modelled (intra + inter) | peak MiB measured (max rank) | modelled peak op MiB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     KiB = 1024.0

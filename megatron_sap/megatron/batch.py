@@ -7,7 +7,7 @@ looks up, so the batch split and the layers always agree.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Union
+from typing import Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
