@@ -13,12 +13,21 @@ pool4 = make_pool_fixture(4, timeout=180)
 HEADS, KV_HEADS, DIM = 8, 2, 32
 
 
+def small_kernel_chunks() -> None:
+    """Shrink the torch kernel's score chunks so that, at test sizes, the op's buffers and
+    not the kernel's scratch space dominate the peak."""
+    from megatron_sap.kernels import torch_backend
+
+    torch_backend.CHUNK_SCORES = 1 << 14
+
+
 def measure(rank: int, world: int, cu: list[int], inner: int, recompute_kv: bool) -> dict:
 
     import megatron_sap as sap
     from megatron_sap.memory import track_peak_memory
     from sap_cases import groups_for, make_inputs
 
+    small_kernel_chunks()
     groups = groups_for(inner, world // inner)
     plan = sap.plan_sequences(cu, outer_size=world // inner, inner_size=inner)
     q, k, v, dout = (t.float() for t in make_inputs(cu, HEADS, KV_HEADS, DIM, seed=0))
@@ -99,3 +108,46 @@ def measure_between_passes(rank: int, world: int, cu: list[int], recompute_kv: b
     out.backward(dout[idx])
     model = plan.memory_bytes(groups.outer_rank, plan.cost_model.with_shape(HEADS, KV_HEADS, DIM, 4))
     return {"held": held, "received_kv": model["received_kv"]}
+
+
+def measure_ring(rank: int, world: int, cu: list[int]) -> dict:
+    """Peak memory of the zigzag KV ring's forward + backward on one rank, and its formula."""
+    import torch.distributed as dist
+
+    from megatron_sap.baselines import ring_p2p, shard
+    from megatron_sap.memory import track_peak_memory
+    from megatron_sap.planning import CostModel
+    from sap_cases import make_inputs
+
+    small_kernel_chunks()
+    q, k, v, dout = (t.float() for t in make_inputs(cu, HEADS, KV_HEADS, DIM, seed=0))
+    lay = ring_p2p.layout(cu, world)
+    ql, kl, vl = (shard(t, lay, rank).requires_grad_() for t in (q, k, v))
+    grad = shard(dout, lay, rank)
+    ring_p2p.attention(ql, kl, vl, lay, dist.group.WORLD).backward(grad)  # warm-up
+    ql.grad = kl.grad = vl.grad = None
+    with track_peak_memory() as peak:
+        out = ring_p2p.attention(ql, kl, vl, lay, dist.group.WORLD)
+        out.backward(grad)
+        del out
+    model = CostModel.preset("cpu").with_shape(HEADS, KV_HEADS, DIM, 4)
+    io = (2 * ql.numel() + kl.numel() + vl.numel()) * 4  # output, dq, dk, dv
+    # Kernel scratch: one full n x n call bounds every step's call on the rank's n rows.
+    import torch
+
+    from megatron_sap.kernels import varlen_backward, varlen_forward
+
+    n = lay.local_tokens
+    cu_full = torch.tensor([0, n], dtype=torch.int32)
+    with track_peak_memory() as scratch:
+        o, lse = varlen_forward(ql.detach(), kl.detach(), vl.detach(), cu_full, cu_full, n, n, causal=False)
+        varlen_backward(torch.ones_like(o), ql.detach(), kl.detach(), vl.detach(), o, lse, cu_full, cu_full, n, n, causal=False)
+    formula = ring_p2p.peak_extra_bytes(n, model)
+    return {"peak": peak.peak_bytes, "formula": formula, "io": io, "kernel": scratch.peak_bytes}
+
+
+def test_ring_peak_memory_matches_its_formula(pool4):
+    """The KV ring's formula (the benchmark's comparison point) bounds what it really allocates."""
+    cu = random_cu_seqlens(random.Random(3), 4 * 512, "long")
+    for r in pool4.run(measure_ring, cu):
+        assert r["formula"] <= r["peak"] <= r["formula"] + r["io"] + r["kernel"], r

@@ -298,4 +298,23 @@ def model_stats(cu_seqlens: Tensor | Sequence[int], world_size: int, cost_model:
     diagonal, off_diagonal = ring_step_pairs(cost_model, lay.chunk_sizes)
     pairs = [causal_pairs(p, lay.cu_seqlens) for p in lay.positions]
     time_s = ring_seconds(cost_model, world_size, diagonal, off_diagonal, transfer_s)
-    return summarize(cost_model, lay.cu_seqlens, [lay.local_tokens] * world_size, pairs, sent, time_s)
+    stats = summarize(cost_model, lay.cu_seqlens, [lay.local_tokens] * world_size, pairs, sent, time_s)
+    stats["peak_extra_bytes_per_rank"] = [float(peak_extra_bytes(lay.local_tokens, cost_model))] * world_size
+    return stats
+
+
+def peak_extra_bytes(rows: int, cost_model: CostModel) -> int:
+    """Modelled extra memory of the op on one rank, beyond q, k, v and the output.
+
+    Forward: the stacked K/V and the incoming K/V of the next step, fp32 output and lse
+    accumulators. Backward: the same two K/V buffers, the fp32 dq accumulator, the fp32
+    gradient of the rank's own K/V, the dK/dV buffer being built (fp32) with its send
+    copy and the one arriving (input dtype), and the saved fp32 lse.
+    """
+    a, b = 4, cost_model.bytes_per_element
+    kv = rows * 2 * cost_model.num_kv_heads * cost_model.head_dim
+    q = rows * cost_model.num_heads * cost_model.head_dim
+    lse = rows * cost_model.num_heads
+    forward = 2 * kv * b + (q + lse) * a
+    backward = 2 * kv * b + q * a + kv * (2 * a + 2 * b) + lse * a
+    return max(forward, backward)

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
              f"{shape['num_heads']} query / {shape['num_kv_heads']} KV heads, head dim {shape['head_dim']}, float32",
              f"Node = {measured.MEASURED_NODE} ranks for the link classes. Wall time: median of {args.repeats} forward + "
              "backward runs on rank 0 between barriers; bytes: `count_traffic` at every send site; peak: "
-             "`track_peak_memory` (storages allocated during forward + backward).\n\n" + measured.measured_table(rows)
+             "`track_peak_memory` (storages allocated during forward + backward, less input copies, output and gradients; includes kernel scratch).\n\n" + measured.measured_table(rows)
              + f"\n\n({time.perf_counter() - t0:.0f} s)")
 
     t0 = time.perf_counter()
