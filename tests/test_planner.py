@@ -135,7 +135,7 @@ def test_every_candidate_is_a_placement(batch):
     model = CostModel.preset("h100")
     rank_node = [model.node_of(r * inner) for r in range(outer)]
     capacity = cu[-1] // outer
-    placements = candidates(cu[:-1], np.diff(cu).tolist(), outer, capacity, model, DEFAULT_SLACKS, rank_node)
+    placements = list(candidates(cu[:-1], np.diff(cu).tolist(), outer, capacity, model, DEFAULT_SLACKS, rank_node))
     assert len({p.strategy for p in placements}) == len(placements)
     for placement in placements:
         assert placement.capacity == capacity and placement.num_ranks == outer
@@ -246,18 +246,30 @@ def test_default_cache_is_used_without_argument():
 @SETTINGS
 @given(batches())
 def test_chosen_candidate_is_the_fastest(batch):
-    """The plan is the fastest candidate or, within TIME_TOLERANCE of it, the one moving fewest bytes."""
+    """Candidates are weighed in order until one is within TIME_TOLERANCE of the lower bound
+    (no communication, all compute spread evenly); the plan is the fastest weighed or, within
+    TIME_TOLERANCE of it, the one moving fewest bytes."""
     cu, outer, inner = batch
     plan = plan_of(cu, outer, inner)
     considered = plan.considered
-    expected = {f"greedy(slack={s:g}, {split})" for s in DEFAULT_SLACKS for split in ("zigzag", "contiguous")}
-    if outer > 1:
-        expected.add("contiguous")
-    assert expected <= set(considered) <= expected | {"zigzag"}
+    order = [p.strategy for p in candidates_of(cu, outer, inner)]
+    assert list(considered) == order[: len(considered)]
+    model = CostModel.preset("h100")
+    whole = sum(model.block_pairs(b - a, b - a, True) for a, b in zip(cu, cu[1:]))
+    bound = (1 + model.backward_factor) * model.compute_seconds(whole) / (outer * inner)
+    assert min(considered.values()) >= bound * (1 - 1e-9)  # it is a lower bound
+    if len(considered) < len(order):  # stopped early: the last one weighed reached the bound
+        assert list(considered.values())[-1] <= bound * (1 + TIME_TOLERANCE)
     assert considered[plan.strategy] == plan.evaluation.makespan_s
     fastest = min(considered.values())
     assert plan.evaluation.makespan_s <= fastest * (1 + TIME_TOLERANCE) + 1e-15
     assert plan.stats()["candidates_modelled_time_s"] == considered
+
+
+def candidates_of(cu: list[int], outer: int, inner: int) -> list:
+    model = CostModel.preset("h100")
+    rank_node = [model.node_of(r * inner) for r in range(outer)]
+    return list(candidates(cu[:-1], np.diff(cu).tolist(), outer, cu[-1] // outer, model, DEFAULT_SLACKS, rank_node))
 
 
 @SETTINGS
@@ -330,16 +342,16 @@ def pinned_batch(name: str) -> list[int]:
 
 
 PINNED = {
-    ('one-and-ones', 16, 4): 'c390b31b49f66e51',
-    ('ones', 64, 1): '83a5fb95f27dd391',
-    ('realistic:131072:20', 64, 1): '970edd911943f982',
-    ('realistic:131072:3', 64, 1): 'b1b212ebdf58ad2f',
-    ('realistic:131072:4', 32, 2): '25a3a706058a4453',
-    ('realistic:131072:6', 64, 1): '62a1eda0a44a3e64',
-    ('realistic:131072:7', 16, 4): '4780e6348d032e1a',
-    ('realistic:16384:0', 8, 1): 'ed774460a2d36697',
-    ('realistic:16384:1', 4, 2): '7cb44587ad213c7a',
-    ('realistic:65536:2', 16, 4): '3d2e7a45e12743b2',
+    ('one-and-ones', 16, 4): '69575d1a67f30b8f',
+    ('ones', 64, 1): 'ae947b81323e376c',
+    ('realistic:131072:20', 64, 1): 'c6df1e8df8582f6a',
+    ('realistic:131072:3', 64, 1): '044c78272bce7191',
+    ('realistic:131072:4', 32, 2): '0af2304bf3e4173a',
+    ('realistic:131072:6', 64, 1): '2c118fd82de983d0',
+    ('realistic:131072:7', 16, 4): 'c73d6f3c2c5217d9',
+    ('realistic:16384:0', 8, 1): 'ff39e9b7c56fb27f',
+    ('realistic:16384:1', 4, 2): '9f9efdb79c5ef2c4',
+    ('realistic:65536:2', 16, 4): '3d706fe240d5e858',
 }
 
 

@@ -138,7 +138,7 @@ def test_every_candidate_compiles_correctly(seed):
     outer, total = 8, 512
     cu = [0, *np.sort(rng.integers(0, total, size=12)).tolist(), total]
     model = CostModel.preset("h100")
-    placements = candidates(cu[:-1], np.diff(cu).tolist(), outer, total // outer, model, DEFAULT_SLACKS)
+    placements = list(candidates(cu[:-1], np.diff(cu).tolist(), outer, total // outer, model, DEFAULT_SLACKS))
     assert {p.strategy for p in placements} >= {"zigzag", "contiguous"}
     for placement in placements:
         evaluation = evaluate(placement, cu[:-1], 1, model)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from operator import add, attrgetter
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 from .cost_model import CostModel
 
@@ -308,16 +308,15 @@ def candidates(
     model: CostModel,
     slacks: tuple[float, ...],
     rank_node: list[int] | None = None,
-) -> list[Placement]:
-    """Every placement the planner weighs, sequence-aware ones first."""
-    out = [
-        greedy(doc_starts, lengths, num_ranks, capacity, model, s, rank_node, split)
-        for split in ("zigzag", "contiguous")
-        for s in slacks
-    ]
+) -> Iterator[Placement]:
+    """Every placement the planner weighs, built lazily in the order it weighs them:
+    sequence-aware ones from the tightest slack (the most balanced) up, the split mode
+    that moves fewer bytes first, then the zigzag and contiguous layouts."""
+    for s in slacks:
+        for split in ("contiguous", "zigzag"):
+            yield greedy(doc_starts, lengths, num_ranks, capacity, model, s, rank_node, split)
     if num_ranks > 1:
         z = zigzag(doc_starts, lengths, num_ranks, capacity)
         if z is not None:
-            out.append(z)
-        out.append(contiguous(doc_starts, lengths, num_ranks, capacity))
-    return out
+            yield z
+        yield contiguous(doc_starts, lengths, num_ranks, capacity)

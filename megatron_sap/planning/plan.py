@@ -13,7 +13,7 @@ import torch
 from ..validation import check_divisible, cu_seqlens_to_list
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate
-from .placement import Placement, candidates
+from .placement import Placement, candidates, piece_cost
 from .program import RankProgram, _Layout, compile_program
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -287,7 +287,9 @@ def plan_sequences(
     Every rank holds exactly T / P tokens. Candidate placements (sequence-aware greedy
     at several load slacks, zigzag over all ranks, contiguous) are evaluated with the
     cost model; the one with the lowest modelled forward+backward layer time wins
-    (within 1%, the one that moves fewer bytes).
+    (within 1%, the one that moves fewer bytes). The search stops at the first
+    candidate within 1% of the lower bound (all compute spread evenly, no
+    communication), which no other candidate could beat by more than that.
     Plans are cached by (cu_seqlens, sizes, cost model): a repeated batch shape costs a
     dictionary lookup. Pass `cache=None` to bypass the cache.
     """
@@ -315,6 +317,12 @@ def plan_sequences(
     evaluated: list[tuple[Placement, Evaluation]] = []
     considered: dict[str, float] = {}
     rank_node = [model.node_of(r * inner_size) for r in range(outer_size)]
+    # No placement beats every document computed whole, spread evenly, with no
+    # communication (splitting only adds tile rounding): once a candidate is within
+    # TIME_TOLERANCE of that bound, the rest cannot be meaningfully faster.
+    bound = (1.0 + model.backward_factor) * model.compute_seconds(
+        float(sum(piece_cost(model, 0, n) for n in lengths))
+    ) / world
     by_layout: dict[tuple, Evaluation] = {}  # greedy passes at nearby slacks often agree
     for placement in candidates(doc_starts, lengths, outer_size, capacity, model, slacks, rank_node):
         ev = by_layout.get(placement.ranks)
@@ -322,6 +330,8 @@ def plan_sequences(
             ev = by_layout[placement.ranks] = evaluate(placement, doc_starts, inner_size, model)
             evaluated.append((placement, ev))
         considered[placement.strategy] = ev.makespan_s
+        if ev.makespan_s <= bound * (1 + TIME_TOLERANCE):
+            break
     # The fastest candidate; among those within TIME_TOLERANCE of it, the one that moves
     # the fewest bytes (less contention with other traffic for the same modelled time).
     fastest = min(ev.makespan_s for _, ev in evaluated)
