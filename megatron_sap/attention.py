@@ -33,11 +33,10 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 class _Outer:
     """What the outer-level executor needs from the groups: ranks and the group."""
 
-    def __init__(self, groups, plan: Plan):
+    def __init__(self, groups):
         self.rank = 0 if groups is None else groups.outer_rank
         self.group = None if groups is None else groups.outer_group
         self.peer = (lambda r: r) if groups is None else groups.outer_peer
-        self.num_ranks = plan.outer_size
 
 
 def _post_kv(program: RankProgram, index: int, kv: torch.Tensor, outer: _Outer, tag: int) -> tuple[PendingExchange, torch.Tensor]:
@@ -277,7 +276,7 @@ def sap_attention(
     if groups is not None and groups.world_size > 1 and check_agreement:
         _check_agreement(plan, groups)
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    outer = _Outer(groups, plan)
+    outer = _Outer(groups)
     U = 1 if groups is None else groups.inner_size
     if U == 1:
         return _SAPOuterAttention.apply(q, k, v, plan, outer, scale, backend, recompute_kv)
