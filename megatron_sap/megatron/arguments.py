@@ -45,6 +45,10 @@ def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--sap-check-agreement", action=argparse.BooleanOptionalAction, default=True,
         help="check once per micro-batch that all CP ranks hold the same cu_seqlens",
     )
+    group.add_argument(
+        "--sap-recompute-kv", action="store_true",
+        help="fetch remote K/V again in backward instead of keeping it from forward (less memory, more traffic)",
+    )
     return parser
 
 
@@ -104,5 +108,6 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
         calibration_file=args.sap_calibration_file,
         plan_cache_size=args.sap_plan_cache_size,
         check_agreement=args.sap_check_agreement,
+        recompute_kv=args.sap_recompute_kv,
     )
     return SAPSettings(inner_size=inner, outer_size=outer, options=options)

@@ -130,6 +130,7 @@ class SAPDotProductAttention(MegatronModule):
             softmax_scale=scale,
             backend=options.backend,
             check_agreement=options.check_agreement,
+            recompute_kv=options.recompute_kv,
         )
         return out[..., :v_dim]
 

@@ -20,8 +20,10 @@ class SAPOptions:
     backend: kernel choice handed to `sap_attention`.
     cost_preset / calibration_file: cost model the planner balances against (None: planner default).
     plan_cache_size: plans kept per process (None: planner default).
-    check_agreement: verify once per new plan that every CP rank planned the same batch (one small
-        all-reduce in `sap_attention`); a mismatch would otherwise deadlock or corrupt attention.
+    check_agreement: verify every micro-batch (in the batch split) and on a plan's first use in a
+        layer that all CP ranks planned the same batch (one small all-reduce); a mismatch would
+        otherwise deadlock or corrupt attention.
+    recompute_kv: fetch remote K/V again in backward instead of keeping it from forward.
     """
 
     backend: str = "auto"
@@ -29,6 +31,7 @@ class SAPOptions:
     calibration_file: Optional[str] = None
     plan_cache_size: Optional[int] = None
     check_agreement: bool = True
+    recompute_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
