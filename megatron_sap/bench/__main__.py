@@ -24,7 +24,7 @@ import numpy as np
 
 from megatron_sap.planning.cost_model import CostModel
 
-from . import measured, plots, scale
+from . import measured, planning_time, plots, scale
 from .data import CORPORA, describe, document_lengths
 from .measured import MAX_BYTES_VS_RING
 from .packing import pack
@@ -197,6 +197,13 @@ def main(argv: list[str] | None = None) -> None:
              "backward runs on rank 0 between barriers; bytes: `count_traffic` at every send site; peak: "
              "`track_peak_memory` (storages allocated during forward + backward, less input copies, output and gradients; includes kernel scratch).\n\n" + measured.measured_table(rows)
              + f"\n\n({time.perf_counter() - t0:.0f} s)")
+
+    t0 = time.perf_counter()
+    planning = planning_time.measure()
+    targets += planning_time.targets(planning)
+    emit("Planning time (CPU, one thread, this machine)",
+         "A fresh plan (`cache=None`) of packed 128K-token rows, and a cache hit of the same row.\n\n"
+         + planning_time.table(planning) + f"\n\n({time.perf_counter() - t0:.0f} s)")
 
     t0 = time.perf_counter()
     scale_points = scale.project(num_batches=args.scale_batches)

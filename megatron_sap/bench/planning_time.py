@@ -1,0 +1,73 @@
+"""Planning time: a fresh plan and a cache hit for real packed rows.
+
+The planner runs once per micro-batch on every rank; its targets are a fresh plan of a
+128K-token row at P = 64 in under 5 ms (median) and a cache hit in under 50 us.
+Times are wall-clock on this machine (CPU, one thread), so they move with its load.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import megatron_sap as sap
+from megatron_sap.planning import PlanCache
+
+from .data import CORPORA, document_lengths
+from .packing import pack
+from .scale import Target
+
+TOKENS = 128 * 1024
+LAYOUTS = ((1, 8), (8, 8), (1, 64))  # (inner U, outer R): one node, two-level P = 64, flat P = 64
+FRESH_TARGET_S = 5e-3
+HIT_TARGET_S = 50e-6
+
+
+def measure(num_batches: int = 8) -> list[tuple[str, int, int, float, float, float]]:
+    """(corpus, U, R, fresh median s, fresh min s, hit median s) per corpus and layout."""
+    rows = []
+    for corpus in CORPORA:
+        batches = pack(document_lengths(corpus), TOKENS, num_batches, seed=5)
+        for inner, outer in LAYOUTS:
+            fresh = []
+            for cu in batches:
+                start = time.perf_counter()
+                sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
+                fresh.append(time.perf_counter() - start)
+            cache = PlanCache()
+            sap.plan_sequences(batches[0], outer_size=outer, inner_size=inner, cache=cache)
+            hits = []
+            for _ in range(200):
+                start = time.perf_counter()
+                sap.plan_sequences(batches[0], outer_size=outer, inner_size=inner, cache=cache)
+                hits.append(time.perf_counter() - start)
+            rows.append((corpus, inner, outer, statistics.median(fresh), min(fresh), statistics.median(hits)))
+    return rows
+
+
+def table(rows: list[tuple[str, int, int, float, float, float]]) -> str:
+    lines = [
+        "| corpus | U x R | fresh plan ms (median) | fresh plan ms (min) | cache hit us (median) |",
+        "|---|---|---|---|---|",
+    ]
+    for corpus, inner, outer, median, best, hit in rows:
+        lines.append(f"| {corpus} | {inner}x{outer} | {median * 1e3:.1f} | {best * 1e3:.1f} | {hit * 1e6:.0f} |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[tuple[str, int, int, float, float, float]]) -> list[Target]:
+    at_64 = [r for r in rows if r[1] * r[2] == 64]
+    worst_fresh = max(at_64, key=lambda r: r[3])
+    worst_hit = max(rows, key=lambda r: r[5])
+    return [
+        Target(
+            "planning a fresh 128K-token row at P=64 takes under 5 ms (median)",
+            all(r[3] < FRESH_TARGET_S for r in at_64),
+            "; ".join(f"{r[0]} {r[1]}x{r[2]}: {r[3] * 1e3:.1f} ms" for r in at_64)
+            + f" (worst {worst_fresh[0]} {worst_fresh[1]}x{worst_fresh[2]})",
+        ),
+        Target(
+            "a plan-cache hit takes under 50 us (median)",
+            all(r[5] < HIT_TARGET_S for r in rows),
+            f"worst {worst_hit[5] * 1e6:.0f} us ({worst_hit[0]} {worst_hit[1]}x{worst_hit[2]})",
+        ),
+    ]
