@@ -253,6 +253,90 @@ def test_long_segment_memory_is_bounded():
     assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
 
 
+def _exact_reference(q, k, v, cu, dout, *, causal, scale):
+    """Float64 (out, lse, dq, dk, dv), row by row over exactly the keys each row sees.
+
+    No product with a hidden key is ever formed (as in the flash kernels), so a NaN
+    or Inf reaches exactly the results that depend on it. Shared boundaries cu.
+    """
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    q64, k64, v64 = leaves
+    groups = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for doc in range(cu.numel() - 1):
+        start, end = int(cu[doc]), int(cu[doc + 1])
+        for row in range(start, end):
+            stop = row + 1 if causal else end
+            keys, values = (t[start:stop].repeat_interleave(groups, 1) for t in (k64, v64))
+            scores = torch.einsum("hd,nhd->hn", q64[row], keys) * scale
+            outs.append(torch.einsum("hn,nhd->hd", torch.softmax(scores, -1), values))
+            lses.append(torch.logsumexp(scores, -1))
+    out, lse = torch.stack(outs), torch.stack(lses, 1)
+    grads = torch.autograd.grad(out, leaves, dout.double())
+    return (out.detach(), lse.detach(), *grads)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", ["q", "k", "v", "dout"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_nonfinite_values_stay_in_their_document(causal, where, value):
+    """A NaN/Inf in one document: other documents' out, lse, dq, dk, dv are bitwise those of a clean run.
+
+    Tiles span documents and 0 * NaN is NaN, so without care one bad token would
+    spoil every row sharing a tile. Inside the bad document, results are
+    non-finite at least where the row-by-row float64 reference is, and every
+    finite one is bitwise the clean run's. Forward rows go non-finite exactly
+    when they see the bad key (or hold the bad query).
+    """
+    heads_q, heads_kv, dim, scale = 4, 2, 8, 0.3
+    for batch, dtype in enumerate((torch.float32, torch.float64)):
+        gen = torch.Generator().manual_seed(1000 * batch + 100 * causal + 10 * "qkvd".index(where[0]) + int(value > 0))
+        lengths = torch.randint(0, 30, (9,), generator=gen)
+        lengths[torch.randint(0, 9, (2,), generator=gen)] = 0  # a few empty documents
+        lengths[0] = max(int(lengths[0]), 1)
+        cu, total = _cu(lengths.tolist()), int(lengths.sum())
+        clean = {
+            "q": _random(total, heads_q, dim, dtype, gen),
+            "k": _random(total, heads_kv, dim, dtype, gen),
+            "v": _random(total, heads_kv, dim, dtype, gen),
+            "dout": _random(total, heads_q, dim, dtype, gen),
+        }
+        nonempty = torch.nonzero(lengths).flatten()
+        doc = int(nonempty[torch.randint(0, len(nonempty), (), generator=gen)])
+        row = int(cu[doc]) + int(torch.randint(0, int(lengths[doc]), (), generator=gen))
+        head = int(torch.randint(0, clean[where].shape[1], (), generator=gen))
+        col = int(torch.randint(0, dim, (), generator=gen))
+        bad = dict(clean, **{where: clean[where].clone()})
+        bad[where][row, head, col] = value
+
+        def run(t):
+            out, lse = varlen_forward(t["q"], t["k"], t["v"], cu, cu, 30, 30, causal=causal, softmax_scale=scale)
+            grads = varlen_backward(
+                t["dout"], t["q"], t["k"], t["v"], out, lse, cu, cu, 30, 30, causal=causal, softmax_scale=scale
+            )
+            return {"out": out, "lse": lse.T, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+
+        want, got = run(clean), run(bad)
+        ref = dict(zip(("out", "lse", "dq", "dk", "dv"), _exact_reference(**bad, cu=cu, causal=causal, scale=scale)))
+        ref["lse"] = ref["lse"].T
+        inside = torch.zeros(total, dtype=torch.bool)
+        inside[int(cu[doc]) : int(cu[doc + 1])] = True
+        for name, result in got.items():  # every tensor is [tokens, heads(, dim)]; q and k share cu
+            what = f"{dtype} batch {batch}: {name}"
+            assert torch.equal(result[~inside], want[name][~inside]), f"{what} changed outside the bad document"
+            finite = torch.isfinite(result)
+            assert torch.equal(result[finite], want[name][finite]), f"{what}: finite results differ from the clean run"
+            assert not (finite & ~torch.isfinite(ref[name])).any(), f"{what}: finite where the reference is not"
+
+        # Forward rows that are non-finite: those that see the bad key, or the bad query row itself.
+        position = torch.arange(total)
+        sees = inside & (position >= row if causal else inside)
+        expected = {"q": position == row, "k": sees, "v": sees, "dout": torch.zeros(total, dtype=torch.bool)}[where]
+        assert torch.equal(~torch.isfinite(got["out"]).all(-1).all(-1), expected), f"{dtype} batch {batch}: out rows"
+        lse_expected = expected if where in ("q", "k") else torch.zeros(total, dtype=torch.bool)
+        assert torch.equal(~torch.isfinite(got["lse"]).all(-1), lse_expected), f"{dtype} batch {batch}: lse rows"
+
+
 def test_backward_is_deterministic_on_cpu():
     gen = torch.Generator().manual_seed(17)
     lengths = [200, 3, 1, 90]

@@ -22,6 +22,25 @@ key/value head without repeating K or V.
 
 Arithmetic is float32 (float64 for float64 inputs, exact to ~1e-12). On the
 CPU the backward is deterministic (index_add_ runs sequentially there).
+
+Non-finite inputs stay inside their document, as with the flash kernels. Tiles
+span documents and a hidden key gets probability 0, but 0 * NaN is NaN, so a
+NaN or Inf in one document's q, k or v (or the backward's dout, out, lse) would
+reach every row sharing a tile. Each call therefore first sums its inputs (one
+cheap reduction per tensor); only when the total is not finite does it take the
+exact path: compute on copies with NaN/Inf replaced by 0, which leaves every
+result that does not depend on a bad value bitwise as it would be with any
+finite value there, then set to NaN the results that do depend on one (found
+from the per-row key intervals with prefix sums): in the forward, the out and
+lse of rows that hold a bad q or see a bad key, and out[:, d] of rows that see
+a bad v[:, d]; in the backward, likewise through dS and P (_backward_poison).
+That is where flash gives NaN or Inf, except that a row whose score with an
+Inf key is -inf, which flash treats as a hidden key, is marked NaN too. Finite
+inputs never take that path and give the same results, bitwise, as without it.
+
+On a GPU that check is a host sync, like the plan lookup (which reads
+cu_seqlens on the host): this backend is a fallback there, the flash backends
+are the fast path.
 """
 from __future__ import annotations
 
@@ -69,6 +88,8 @@ class _TilePlan:
     n_k_tiles: int
     order: Tensor  # [n_q_tiles] int64: q tile at each compute position
     inverse: Tensor  # [n_q_tiles] int64: compute position of each q tile
+    lo: Tensor  # [total_q] int64: first key row each query row sees
+    hi: Tensor  # [total_q] int64: end (exclusive) of that key interval
     row_lo: Tensor  # [n_q_tiles, block_q] int64, compute order: first key row each query row sees
     row_hi: Tensor  # [n_q_tiles, block_q] int64, compute order: end (exclusive) of that key interval
     table: Tensor  # [n_q_tiles, n_steps] int64, compute order: k tiles of each q tile
@@ -96,6 +117,7 @@ def _build_plan(cu_q: Tensor, cu_k: Tensor, causal: bool, total_q: int, total_k:
     n_q_tiles = -(-total_q // block_q)
     n_k_tiles = -(-total_k // block_k)
     padding = torch.full((n_q_tiles * block_q - total_q,), total_k, dtype=torch.int64)
+    rows_lo, rows_hi = lo, hi
     lo, hi = torch.cat([lo, padding]), torch.cat([hi, padding])
 
     # Candidate pairs: every k tile overlapping the key span of the q tile.
@@ -127,6 +149,8 @@ def _build_plan(cu_q: Tensor, cu_k: Tensor, causal: bool, total_q: int, total_k:
         n_k_tiles=n_k_tiles,
         order=order.to(device),
         inverse=inverse.to(device),
+        lo=rows_lo.to(device),
+        hi=rows_hi.to(device),
         row_lo=lo.view(n_q_tiles, block_q)[order].to(device),
         row_hi=hi.view(n_q_tiles, block_q)[order].to(device),
         table=table.to(device),
@@ -245,6 +269,74 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _any_nonfinite(dtype: torch.dtype, *tensors: Tensor) -> Tensor:
+    """0-dim bool: whether the tensors hold a NaN or Inf, from their sums (a finite total may
+    overflow only if the values are huge; the exact path then runs needlessly, still correct)."""
+    return ~torch.isfinite(torch.stack([t.sum(dtype=dtype) for t in tensors]).sum())
+
+
+def _sanitise_(*tensors: Tensor) -> None:
+    """Replace NaN and +-Inf by 0 in place (the exact path's operand copies)."""
+    for t in tensors:
+        t.nan_to_num_(0.0, 0.0, 0.0)
+
+
+def _nonfinite_rows(x: Tensor) -> Tensor:
+    """[T, H, D] -> [T, H] bool: the row holds a NaN or Inf."""
+    return ~torch.isfinite(x).all(-1)
+
+
+def _sees(plan: _TilePlan, keys: Tensor, heads_q: int) -> Tensor:
+    """Flags per key [Tk, Hkv, *rest] -> [Tq, Hq, *rest]: the query row sees a flagged key of its head."""
+    counts = torch.cat([keys.new_zeros((1, *keys.shape[1:]), dtype=torch.int64), keys.cumsum(0)])
+    seen = counts[plan.hi] > counts[plan.lo]
+    return seen.repeat_interleave(heads_q // keys.shape[1], dim=1)
+
+
+def _seen_by(plan: _TilePlan, rows: Tensor, total_k: int, heads_kv: int) -> Tensor:
+    """Flags per query row [Tq, Hq, *rest] -> [Tk, Hkv, *rest]: a flagged row of the head's group sees the key."""
+    total_q, heads_q, *rest = rows.shape
+    flags = rows.reshape(total_q, heads_kv, heads_q // heads_kv, *rest).any(2).long()
+    edges = flags.new_zeros((total_k + 1, heads_kv, *rest))
+    edges.index_add_(0, plan.lo, flags).index_add_(0, plan.hi, -flags)
+    return edges.cumsum(0)[:total_k] > 0
+
+
+def _forward_poison(plan: _TilePlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Which forward results depend on a NaN or Inf: (rows [Tq, Hq] for out and lse, elements [Tq, Hq, D] of out).
+
+    A bad q row or a bad key spoils the row's scores, hence its whole output and
+    lse (a row without keys computes nothing); a bad v element only that column.
+    """
+    heads_q = q.shape[1]
+    rows = (_nonfinite_rows(q) & (plan.hi > plan.lo)[:, None]) | _sees(plan, _nonfinite_rows(k), heads_q)
+    return rows, rows[..., None] | _sees(plan, ~torch.isfinite(v), heads_q)
+
+
+def _backward_poison(
+    plan: _TilePlan, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, delta: Tensor, lse_nan: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Which gradients depend on a NaN or Inf: dq rows [Tq, Hq], dk rows [Tk, Hkv], dv elements [Tk, Hkv, D].
+
+    With P = exp(S - lse), dS = P * (dout @ V^T - delta) over the visible pairs:
+    P[i, j] is bad where row i's q or lse is, or key j is; dS[i, j] also where
+    row i's dout or delta is, or v row j is. dq[i] sums dS[i, :] @ K, dk[j] sums
+    dS[:, j] @ Q (a bad element of either makes its dS bad anyway), and
+    dv[j, d] sums P[:, j] * dout[:, d].
+    """
+    total_k, heads_kv, _ = k.shape
+    heads_q = q.shape[1]
+    bad_k, bad_v, bad_dout = _nonfinite_rows(k), _nonfinite_rows(v), ~torch.isfinite(dout)
+    sees_keys = (plan.hi > plan.lo)[:, None]
+    rows_p = (_nonfinite_rows(q) | lse_nan) & sees_keys
+    rows_ds = rows_p | ((bad_dout.any(-1) | ~torch.isfinite(delta)) & sees_keys)
+    seen = _seen_by(plan, sees_keys, total_k, 1)  # [Tk, 1]: some query row sees the key
+    dq = rows_ds | _sees(plan, bad_k | bad_v, heads_q)
+    dk = _seen_by(plan, rows_ds, total_k, heads_kv) | (seen & (bad_k | bad_v))
+    dv = (_seen_by(plan, rows_p, total_k, heads_kv) | (seen & bad_k))[..., None]
+    return dq, dk, dv | _seen_by(plan, bad_dout, total_k, heads_kv)
+
+
 def forward(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, causal: bool, softmax_scale: float
 ) -> tuple[Tensor, Tensor]:
@@ -253,9 +345,12 @@ def forward(
     heads_kv = k.shape[1]
     dtype = _compute_dtype(q.dtype)
     plan = _plan(cu_seqlens_q, cu_seqlens_k, causal, total_q, k.shape[0], q.device)
+    exact = bool(_any_nonfinite(dtype, q, k, v))
 
     q_t = _q_tiles(q, plan, heads_kv, dtype).mul_(softmax_scale)
     k_t, v_t = _k_tiles(k, plan, dtype), _k_tiles(v, plan, dtype)
+    if exact:
+        _sanitise_(q_t, k_t, v_t)
     row_max = torch.full(q_t.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
     row_sum = torch.zeros_like(row_max)
     acc = torch.zeros_like(q_t)
@@ -274,7 +369,12 @@ def forward(
     seen = row_sum > 0
     lse = torch.where(seen, row_max + torch.log(row_sum), float("-inf"))
     out = acc.div_(torch.where(seen, row_sum, 1.0).unsqueeze(-1))
-    return _q_rows(out, plan, total_q, heads_q).to(q.dtype), _q_rows(lse, plan, total_q, heads_q).T.contiguous()
+    out, lse = _q_rows(out, plan, total_q, heads_q).to(q.dtype), _q_rows(lse, plan, total_q, heads_q).T.contiguous()
+    if exact:
+        bad_rows, bad_out = _forward_poison(plan, q, k, v)
+        out.masked_fill_(bad_out, float("nan"))
+        lse.masked_fill_(bad_rows.T, float("nan"))
+    return out, lse
 
 
 def backward(
@@ -296,13 +396,23 @@ def backward(
     dtype = _compute_dtype(q.dtype)
     plan = _plan(cu_seqlens_q, cu_seqlens_k, causal, total_q, total_k, q.device)
 
+    delta = (dout.to(dtype) * out.to(dtype)).sum(-1)  # not finite wherever dout or out is not
+    lse_nan = torch.isnan(lse.T)
+    exact = bool(_any_nonfinite(dtype, q, k, v, delta) | lse_nan.any())
+    if exact:
+        poison = _backward_poison(plan, q, k, v, dout, delta, lse_nan)
+        delta = torch.where(torch.isfinite(delta), delta, 0.0)
+
     q_t = _q_tiles(q, plan, heads_kv, dtype).mul_(softmax_scale)  # scaled q also gives dk its scale
     dout_t = _q_tiles(dout, plan, heads_kv, dtype)
-    delta_t = _q_tiles((dout.to(dtype) * out.to(dtype)).sum(-1), plan, heads_kv, dtype)
-    # A row that saw no keys has lse = -inf; +inf makes its probabilities exp(s - inf) = 0.
-    lse = torch.where(lse == float("-inf"), float("inf"), lse.to(dtype))
+    delta_t = _q_tiles(delta, plan, heads_kv, dtype)
+    # A row that saw no keys has lse = -inf; +inf makes its probabilities exp(s - inf) = 0. So does a NaN lse
+    # (exact path only), whose row's gradients are set to NaN at the end.
+    lse = torch.where((lse == float("-inf")) | torch.isnan(lse), float("inf"), lse.to(dtype))
     lse_t = _q_tiles(lse.T, plan, heads_kv, dtype, fill=float("inf"))
     k_t, v_t = _k_tiles(k, plan, dtype), _k_tiles(v, plan, dtype)
+    if exact:
+        _sanitise_(q_t, dout_t, k_t, v_t)
     dq_t, dk_t, dv_t = torch.zeros_like(q_t), torch.zeros_like(k_t), torch.zeros_like(v_t)
 
     for start, end, k_idx in _chunks(plan, heads_q):
@@ -317,4 +427,8 @@ def backward(
         _scatter_keys(dk_t, k_idx, torch.matmul(dscores.transpose(-1, -2), q_c))
 
     dq = _q_rows(dq_t.mul_(softmax_scale), plan, total_q, heads_q).to(q.dtype)
-    return dq, _k_rows(dk_t, total_k).to(k.dtype), _k_rows(dv_t, total_k).to(v.dtype)
+    dk, dv = _k_rows(dk_t, total_k).to(k.dtype), _k_rows(dv_t, total_k).to(v.dtype)
+    if exact:
+        for grad, bad in zip((dq, dk, dv), poison):
+            grad.masked_fill_(bad if bad.dim() == 3 else bad[..., None], float("nan"))
+    return dq, dk, dv
