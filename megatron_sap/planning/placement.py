@@ -15,9 +15,11 @@ The planner evaluates every candidate with the cost model and keeps the fastest.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
-from operator import add, attrgetter
+from itertools import accumulate, chain
+from operator import add, attrgetter, itemgetter
 from typing import Iterator, NamedTuple
 
 from .cost_model import CostModel
@@ -96,26 +98,35 @@ def split_slots(length: int, k: int, split: str) -> list[list[tuple[int, int]]]:
 
 
 class _Split(NamedTuple):
-    """A document of one length cut over k ranks, with the costs the greedy weighs."""
+    """A document of one length cut over k ranks (`split_slots`), slots heaviest first
+    (stable), with the costs the greedy weighs."""
 
-    slots: tuple[tuple[tuple[int, int, int], ...], ...]  # per slot: (offset, size, pairs) of its pieces
-    heavy_first: tuple[int, ...]  # slot indices, heaviest first (stable)
-    heavy_costs: tuple[int, ...]  # their tile-rounded pairs
+    heavy_first: tuple[int, ...]  # slot indices of split_slots, heaviest first
+    sizes: tuple[int, ...]  # their tokens
+    costs: tuple[int, ...]  # their tile-rounded pairs (non-increasing)
     need: int  # tokens of the largest slot
 
 
-@lru_cache(maxsize=1024)  # about 6 MB; a 128K-token batch weighs about 500 splits
+@lru_cache(maxsize=4096)  # a 128K-token batch weighs about 500 splits (lengths recur across batches)
 def _split(length: int, k: int, split: str, tile: int) -> _Split:
-    """`split_slots(length, k, split)` with tile-rounded costs; memoised, because the greedy
-    weighs the same splits at every slack (and lengths recur across batches)."""
-    slots, costs, need = [], [], 0
-    for slot in split_slots(length, k, split):
-        pieces = tuple((off, size, _tile_pairs(tile, off, size)) for off, size in slot)
-        slots.append(pieces)
-        costs.append(sum([c for _, _, c in pieces]))
-        need = max(need, sum([size for _, size in slot]))
-    heavy_first = tuple(sorted(range(k), key=costs.__getitem__, reverse=True))
-    return _Split(tuple(slots), heavy_first, tuple([costs[i] for i in heavy_first]), need)
+    """Sizes and tile-rounded costs of `split_slots(length, k, split)`, computed without
+    building the slots; memoised, because the greedy weighs the same splits at every slack."""
+    if split == "contiguous":
+        bounds = [length * i // k for i in range(k + 1)]
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        costs = [_tile_pairs(tile, a, n) for a, n in zip(bounds, sizes)]
+    elif split == "zigzag":
+        chunks = chunk_sizes(length, k)
+        offsets = list(accumulate(chunks, initial=0))
+        pairs = list(zip(range(k), range(2 * k - 1, k - 1, -1)))  # slot i: chunks i and 2k-1-i
+        sizes = [chunks[i] + chunks[j] for i, j in pairs]
+        costs = [_tile_pairs(tile, offsets[i], chunks[i]) + _tile_pairs(tile, offsets[j], chunks[j]) for i, j in pairs]
+    else:
+        raise ValueError(f"unknown split {split!r}; expected 'zigzag' or 'contiguous'")
+    heavy_first = sorted(range(k), key=costs.__getitem__, reverse=True)
+    return _Split(
+        tuple(heavy_first), tuple([sizes[i] for i in heavy_first]), tuple([costs[i] for i in heavy_first]), max(sizes)
+    )
 
 
 def _zigzag_pieces(doc: int, start: int, sizes: list[int]) -> list[list[Piece]]:
@@ -174,11 +185,11 @@ def zigzag(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: 
             continue
         sizes = chunk_sizes(lengths[d], num_ranks)
         # Pair i of chunk_sizes is the largest for small i: give it to the emptiest rank.
-        ranks_by_room = sorted(range(num_ranks), key=lambda r: (held[r], r))
+        ranks_by_room = sorted(range(num_ranks), key=held.__getitem__)  # stable: ties by rank
         for i, pair in enumerate(_zigzag_pieces(d, doc_starts[d], sizes)):
             r = ranks_by_room[i]
             per_rank[r].extend(pair)
-            held[r] += sum(p.length for p in pair)
+            held[r] += sizes[i] + sizes[2 * num_ranks - 1 - i]
     need = [capacity - h for h in held]
     if min(need) < 0:
         return None
@@ -205,72 +216,115 @@ def greedy(
     overload a rank over as few ranks as possible, preferring ranks of one node
     (see module docstring). `rank_node[r]` is the node of rank r; `split` is how a
     document is cut over k ranks (see `split_slots`)."""
-    R = num_ranks
-    rank_node = rank_node or [0] * R
-    cost = [piece_cost(model, 0, n) for n in lengths]
-    limit = (1.0 + slack) * sum(cost) / R
-    load = [0] * R
-    room = [capacity] * R
-    per_rank: list[list[Piece]] = [[] for _ in range(R)]
-
-    def put(r: int, d: int, start: int, end: int, pairs: int) -> None:
-        per_rank[r].append(Piece(d, start, end))
-        room[r] -= end - start
-        load[r] += pairs
-
-    order = sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-cost[d], d))
-    for d in order:
-        n, start = lengths[d], doc_starts[d]
-        by_load = sorted(range(R), key=load.__getitem__)
-        whole = next((r for r in by_load if room[r] >= n), None)
-        options: list[tuple[int, int, list[int], tuple[tuple[tuple[int, int, int], ...], ...]]] = []
-        if whole is not None:
-            if load[whole] + cost[d] <= limit:
-                put(whole, d, start, start + n, cost[d])
-                continue
-            options.append((load[whole] + cost[d], 1, [whole], (((0, n, cost[d]),),)))
-        for k in _split_degrees(cost[d], [load[r] for r in by_load], limit, min(R, n)):
-            cut = _split(n, k, split, model.tile)
-            eligible = [r for r in by_load if room[r] >= cut.need]
-            if len(eligible) < k:
-                continue
-            best_here = None
-            near = _node_local(eligible, k, rank_node)
-            for chosen in (near, eligible[:k]) if near != eligible[:k] else (near,):
-                # The heaviest slot goes to the least-loaded chosen rank.
-                chosen = sorted(chosen, key=load.__getitem__)
-                peak = max(map(add, map(load.__getitem__, chosen), cut.heavy_costs))
-                if best_here is None or (best_here[0] > limit and peak < best_here[0]):
-                    assignment = [0] * k
-                    for place, i in enumerate(cut.heavy_first):
-                        assignment[i] = chosen[place]
-                    best_here = (peak, k, assignment, cut.slots)
-            options.append(best_here)
-            if best_here[0] <= limit:
-                break
-        if options:
-            # The loop stops at the first k within the limit; else take the lowest peak.
-            best = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
-            _, _, assignment, slots = best
-            for r, slot in zip(assignment, slots):
-                for off, size, pairs in slot:
-                    if size:
-                        put(r, d, start + off, start + off + size, pairs)
-            continue
-        # Fragmented room: cut the document over the ranks with the most room.
-        pos, end = start, start + n
-        for r in sorted(range(R), key=lambda r: (-room[r], load[r], r)):
-            if pos == end:
-                break
-            take = min(room[r], end - pos)
-            if take > 0:
-                put(r, d, pos, pos + take, piece_cost(model, pos - start, take))
-                pos += take
-    return _finish(capacity, per_rank, f"greedy(slack={slack:g}, {split})")
+    return _Greedy(doc_starts, lengths, num_ranks, capacity, model, rank_node).place(slack, split)
 
 
-def _node_local(eligible: list[int], k: int, rank_node: list[int]) -> list[int]:
-    """k of the eligible ranks (given least-loaded first) spread over as few nodes as possible."""
+_Held = tuple[int, tuple[Piece, ...]]  # a document's pieces on one rank, keyed by their first start
+
+
+class _Greedy:
+    """The greedy passes over one batch: costs, the document order and the pieces of
+    every placed cut are computed once and shared by the passes at every slack."""
+
+    def __init__(
+        self,
+        doc_starts: list[int],
+        lengths: list[int],
+        num_ranks: int,
+        capacity: int,
+        model: CostModel,
+        rank_node: list[int] | None,
+    ):
+        self.starts, self.lengths, self.R, self.capacity, self.tile = doc_starts, lengths, num_ranks, capacity, model.tile
+        self.rank_node = rank_node or [0] * num_ranks
+        ranks_per_node = Counter(self.rank_node)
+        # With one node, or one rank per node, the node-local choice is the least-loaded ranks.
+        self.node_aware = 1 < len(ranks_per_node) < num_ranks
+        self.cost = [_tile_pairs(self.tile, 0, n) for n in lengths]
+        self.total = sum(self.cost)
+        self.order = sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-self.cost[d], d))
+        self._entries: dict[tuple[int, int, str], tuple[_Held, ...]] = {}  # (doc, k, split) -> per slot
+
+    def _put(self, d: int, split: str, option: tuple, load: list[int], room: list[int], held: list[list[_Held]]) -> None:
+        """Place document d as `option` = (peak, k, ranks, cut): slot i of the cut (the whole
+        document when k = 1) on the i-th rank. The pieces are built once per batch."""
+        _, k, chosen, cut = option
+        entries = self._entries.get((d, k, split))
+        if entries is None:
+            start, n = self.starts[d], self.lengths[d]
+            if cut is None:
+                slots = [[(0, n)]]
+            else:
+                slots = split_slots(n, k, split)
+                slots = [[(o, size) for o, size in slots[i] if size] for i in cut.heavy_first]
+            entries = tuple([(start + slot[0][0], tuple([Piece(d, start + o, start + o + size) for o, size in slot])) for slot in slots])
+            self._entries[d, k, split] = entries
+        sizes, costs = ((self.lengths[d],), (self.cost[d],)) if cut is None else (cut.sizes, cut.costs)
+        for r, size, pairs, entry in zip(chosen, sizes, costs, entries):
+            room[r] -= size
+            load[r] += pairs
+            held[r].append(entry)
+
+    def place(self, slack: float, split: str) -> Placement:
+        """One greedy pass at `slack` (see `greedy`)."""
+        R, lengths, cost = self.R, self.lengths, self.cost
+        limit = (1.0 + slack) * self.total / R
+        strategy = f"greedy(slack={slack:g}, {split})"
+        load, room = [0] * R, [self.capacity] * R
+        held: list[list[_Held]] = [[] for _ in range(R)]
+        for d in self.order:
+            n, c = lengths[d], cost[d]
+            by_load = sorted(range(R), key=load.__getitem__)
+            whole = next((r for r in by_load if room[r] >= n), None)
+            options: list[tuple[int, int, list[int], _Split | None]] = []  # (peak, k, ranks, cut)
+            if whole is not None:
+                options.append((load[whole] + c, 1, [whole], None))
+                if options[0][0] <= limit:
+                    self._put(d, split, options[0], load, room, held)
+                    continue
+            for k in _split_degrees(c, [load[r] for r in by_load], limit, min(R, n)):
+                cut = _split(n, k, split, self.tile)
+                eligible = [r for r in by_load if room[r] >= cut.need]
+                if len(eligible) < k:
+                    continue
+                first = eligible[:k]
+                near = _node_local(eligible, k, self.rank_node, load) if self.node_aware else first
+                best_here = None
+                for chosen in (near, first) if near != first else (near,):
+                    # The heaviest slot goes to the least-loaded chosen rank.
+                    peak = max(map(add, map(load.__getitem__, chosen), cut.costs))
+                    if best_here is None or (best_here[0] > limit and peak < best_here[0]):
+                        best_here = (peak, k, chosen, cut)
+                options.append(best_here)
+                if best_here[0] <= limit:
+                    break
+            if options:
+                # The loop stops at the first k within the limit; else take the lowest peak.
+                best = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
+                self._put(d, split, best, load, room, held)
+            else:
+                # Fragmented room: cut the document over the ranks with the most room.
+                start = self.starts[d]
+                pos, end = start, start + n
+                for r in sorted(range(R), key=lambda r: (-room[r], load[r], r)):
+                    if pos == end:
+                        break
+                    take = min(room[r], end - pos)
+                    if take > 0:
+                        held[r].append((pos, (Piece(d, pos, pos + take),)))
+                        room[r] -= take
+                        load[r] += _tile_pairs(self.tile, pos - start, take)
+                        pos += take
+        for r in range(R):
+            if room[r]:
+                raise AssertionError(f"placement {strategy} gave rank {r} {self.capacity - room[r]} tokens, expected {self.capacity}")
+        ranks = tuple([tuple(chain.from_iterable(map(itemgetter(1), sorted(h)))) for h in held])
+        return Placement(self.capacity, ranks, strategy)
+
+
+def _node_local(eligible: list[int], k: int, rank_node: list[int], load: list[int]) -> list[int]:
+    """k of the eligible ranks (given least-loaded first) spread over as few nodes as
+    possible, least-loaded first."""
     by_node: dict[int, list[int]] = {}
     for r in eligible:
         ranks = by_node.setdefault(rank_node[r], [])
@@ -283,7 +337,7 @@ def _node_local(eligible: list[int], k: int, rank_node: list[int]) -> list[int]:
         chosen.extend(ranks[: k - len(chosen)])
         if len(chosen) == k:
             break
-    return chosen
+    return sorted(chosen, key=load.__getitem__)
 
 
 def _split_degrees(doc_cost: int, sorted_loads: list[int], limit: float, max_k: int) -> list[int]:
@@ -312,9 +366,10 @@ def candidates(
     """Every placement the planner weighs, built lazily in the order it weighs them:
     sequence-aware ones from the tightest slack (the most balanced) up, the split mode
     that moves fewer bytes first, then the zigzag and contiguous layouts."""
+    passes = _Greedy(doc_starts, lengths, num_ranks, capacity, model, rank_node)
     for s in slacks:
         for split in ("contiguous", "zigzag"):
-            yield greedy(doc_starts, lengths, num_ranks, capacity, model, s, rank_node, split)
+            yield passes.place(s, split)
     if num_ranks > 1:
         z = zigzag(doc_starts, lengths, num_ranks, capacity)
         if z is not None:
