@@ -21,6 +21,8 @@ and the torch backend's accuracy on the GPU in float32. Then, for SAP itself:
     this GPU (bf16, the auto backend) against the float64 reference per document;
   * sap_no_host_syncs: the sap_attention autograd op (one rank) forward and
     backward under set_sync_debug_mode("error");
+  * rank_memory: every rank's peak memory for SAP and the KV ring (each rank run
+    alone with local exchanges), beside the formulas;
   * method_kernel_times: each method's attention work per rank (SAP, p2p,
     all_gather, a2a) on one packed batch of real documents, each rank's calls run
     in turn; the calibration derived from SAP's ranks is written next to the report
@@ -351,6 +353,32 @@ def method_kernel_times() -> dict:
     return {"ok": True, **results}
 
 
+def rank_memory() -> dict:
+    """Every rank's peak memory (torch.cuda.max_memory_allocated), SAP and the KV ring, beside the formulas.
+
+    Each rank runs alone with local exchanges (megatron_sap.bench.rank_memory): one GPU
+    measures what every rank of an 8-rank job allocates.
+    """
+    from megatron_sap.bench.data import document_lengths
+    from megatron_sap.bench.packing import pack
+    from megatron_sap.bench.rank_memory import ring_rank_memory, sap_rank_memory
+    from megatron_sap.planning import CostModel
+
+    heads_q, heads_kv, dim, world = 32, 8, 128, 8
+    results = {}
+    for corpus, total in (("stdlib", 32768), ("sharegpt", 131072)):
+        cu = pack(document_lengths(corpus), total, 1, seed=0)[0]
+        for name, measure in (("sap", sap_rank_memory), ("p2p", ring_rank_memory)):
+            kwargs = {"cost_model": CostModel.preset("h200")} if name == "sap" else {}
+            rows = [measure(cu, world, r, heads_q, heads_kv, dim, device=DEVICE, dtype=torch.bfloat16, **kwargs)
+                    for r in range(world)]
+            results[f"{corpus}/T={total}/{name}"] = {
+                "peak_MiB_per_rank": [round(m.measured / 2**20, 1) for m in rows],
+                "formula_plus_output_and_grads_MiB": [round((m.formula + m.output_and_grads) / 2**20, 1) for m in rows],
+            }
+    return {"ok": True, **results}
+
+
 CALIBRATION_OUT = Path("docs/calibration.json")
 
 # Append further checks here (functions returning a dict with "ok").
@@ -360,6 +388,7 @@ CHECKS: list[Callable[[], dict]] = [
     sap_simulated,
     sap_no_host_syncs,
     method_kernel_times,
+    rank_memory,
 ]
 
 

@@ -151,3 +151,21 @@ def test_ring_peak_memory_matches_its_formula(pool4):
     cu = random_cu_seqlens(random.Random(3), 4 * 512, "long")
     for r in pool4.run(measure_ring, cu):
         assert r["formula"] <= r["peak"] <= r["formula"] + r["io"] + r["kernel"], r
+
+
+def test_single_process_rank_memory_equals_the_distributed_run(pool4):
+    """A rank run alone with local exchanges (how one GPU measures every rank's peak)
+    allocates what the same rank allocates in the real 4-process run."""
+    from megatron_sap.bench.rank_memory import ring_rank_memory, sap_rank_memory
+
+    small_kernel_chunks()
+    cu = random_cu_seqlens(random.Random(3), 4 * 512, "long")
+    sap_runs = pool4.run(measure, cu, 1, False)
+    ring_runs = pool4.run(measure_ring, cu)
+    for rank in range(4):
+        alone = sap_rank_memory(cu, 4, rank, HEADS, KV_HEADS, DIM)
+        together = sap_runs[rank]["peak"]
+        assert abs(alone.measured - together) <= 0.02 * together, (rank, alone, together)
+        ring_alone = ring_rank_memory(cu, 4, rank, HEADS, KV_HEADS, DIM)
+        ring_together = ring_runs[rank]["peak"]
+        assert abs(ring_alone.measured - ring_together) <= 0.02 * ring_together, (rank, ring_alone, ring_together)

@@ -39,7 +39,7 @@ from megatron_sap.baselines.common import (
     summarize,
     zero_padding_rows,
 )
-from megatron_sap.comm.traffic import record_send
+from megatron_sap.comm.p2p import post_exchange
 from megatron_sap.kernels import merge_into, merge_partials, varlen_backward, varlen_forward
 from megatron_sap.planning.cost_model import CostModel
 
@@ -135,16 +135,10 @@ class _Shift:
 
     def __init__(self, send: Tensor, ring: Ring) -> None:
         self.recv = torch.empty_like(send)
-        record_send(send, ring.next_peer, "p2p")
-        self.works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, send, ring.next_peer, ring.group),
-            dist.P2POp(dist.irecv, self.recv, ring.prev_peer, ring.group),
-        ])
-        self.send = send  # kept alive until the send completes
+        self.pending = post_exchange(send, ring.next_peer, self.recv, ring.prev_peer, ring.group, 0, "ring step")
 
     def wait(self) -> Tensor:
-        for work in self.works:
-            work.wait()
+        self.pending.wait()
         return self.recv
 
 

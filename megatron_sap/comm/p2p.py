@@ -4,10 +4,17 @@ One step of the program sends one contiguous buffer to one peer and receives one
 from another, posted together with `batch_isend_irecv` so NCCL and gloo can run them
 while the caller computes. Posting and `wait` turn a failure (a dead peer, a timeout)
 into an error naming the step and the peers.
+
+Inside `local_exchanges()` nothing is sent and every receive buffer is zero-filled:
+one rank of a multi-rank op then runs alone in this process with exactly the buffers
+it would allocate, which is how per-rank memory and kernel time are measured on a
+single device.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,15 +48,35 @@ def post_exchange(
     what: str,
 ) -> PendingExchange:
     """Post a send of `send` to global rank `send_peer` and a receive into `recv` from `recv_peer`."""
+    description = f"{what} (send to rank {send_peer}, receive from rank {recv_peer}, tag {tag})"
+    if _local_depth:
+        if send is not None and send.numel():
+            record_send(send, send_peer, "p2p")
+        if recv is not None:
+            recv.zero_()
+        return PendingExchange([], description, (send, recv))
     ops = []
     if send is not None and send.numel():
         record_send(send, send_peer, "p2p")
         ops.append(dist.P2POp(dist.isend, send, send_peer, group=group, tag=tag))
     if recv is not None and recv.numel():
         ops.append(dist.P2POp(dist.irecv, recv, recv_peer, group=group, tag=tag))
-    description = f"{what} (send to rank {send_peer}, receive from rank {recv_peer}, tag {tag})"
     try:
         works = dist.batch_isend_irecv(ops) if ops else []
     except Exception as exc:  # gloo raises while posting when a peer's connection is already closed
         raise RuntimeError(f"SAP {description} failed: {exc}") from exc
     return PendingExchange(works, description, (send, recv))
+
+
+_local_depth = 0
+
+
+@contextlib.contextmanager
+def local_exchanges() -> Iterator[None]:
+    """Exchanges inside the block send nothing and receive zeros (single-process measurements)."""
+    global _local_depth
+    _local_depth += 1
+    try:
+        yield
+    finally:
+        _local_depth -= 1

@@ -1,0 +1,92 @@
+"""Peak memory of one rank's attention op, measured alone in this process.
+
+Inside `local_exchanges()` the op's point-to-point steps send nothing and receive
+zeros, so one rank of a P-rank SAP plan (or of the zigzag KV ring) runs with exactly
+the buffers it allocates in a real job: a single GPU measures every rank's peak with
+`torch.cuda.max_memory_allocated` (CPU: tracked storages). Values are zeros where
+data would have arrived, so only sizes and time are meaningful, not outputs. Flat
+layouts only (the inner all-to-all is a collective).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+import megatron_sap as sap
+from megatron_sap.baselines import ring_p2p
+from megatron_sap.comm.p2p import local_exchanges
+from megatron_sap.memory import track_peak_memory
+from megatron_sap.planning import CostModel
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Peak bytes allocated by one rank's forward + backward (its output and input gradients
+    included, the inputs not), and the formula's extra buffers (output and gradients not included)."""
+
+    rank: int
+    measured: int
+    formula: float
+    output_and_grads: int
+
+
+def _inputs(rows: int, heads: int, kv_heads: int, dim: int, device, dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(rows)
+    shapes = ((rows, heads, dim), (rows, kv_heads, dim), (rows, kv_heads, dim), (rows, heads, dim))
+    return [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
+
+
+def _peak(step, local: list[torch.Tensor], device) -> tuple[int, int]:
+    """(peak of forward + backward, bytes of the output and the input gradients)."""
+    q, k, v = (t.clone().requires_grad_() for t in local[:3])
+    with local_exchanges():
+        step(q, k, v).backward(local[3])  # warm-up: programs, kernel plans and probes cached
+        q.grad = k.grad = v.grad = None
+        with track_peak_memory(device) as peak:
+            out = step(q, k, v)
+            out.backward(local[3])
+            del out
+    q_bytes, k_bytes, v_bytes = (t.numel() * t.element_size() for t in local[:3])
+    return peak.peak_bytes, 2 * q_bytes + k_bytes + v_bytes
+
+
+def sap_rank_memory(cu_seqlens: list[int], world_size: int, rank: int, heads: int, kv_heads: int, dim: int, *,
+                    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                    cost_model: CostModel | None = None) -> RankMemory:
+    """One rank of a flat SAP plan over `world_size` ranks."""
+    device = torch.device(device)
+    plan = sap.plan_sequences(cu_seqlens, outer_size=world_size, cost_model=cost_model)
+    groups = SimpleNamespace(world_size=world_size, inner_size=1, outer_rank=rank, cp_rank=rank,
+                             outer_group=None, outer_peer=lambda r: r)
+    local = _inputs(plan.local_tokens, heads, kv_heads, dim, device, dtype)
+
+    def step(q, k, v):
+        return sap.sap_attention(q, k, v, plan, groups, check_agreement=False)
+
+    shape = plan.cost_model.with_shape(heads, kv_heads, dim, torch.empty((), dtype=dtype).element_size())
+    formula = plan.memory_bytes(rank, shape)
+    return RankMemory(rank, *_peak_and_formula(step, local, device, max(formula["forward"], formula["backward"])))
+
+
+def ring_rank_memory(cu_seqlens: list[int], world_size: int, rank: int, heads: int, kv_heads: int, dim: int, *,
+                     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> RankMemory:
+    """One rank of the zigzag KV ring (Megatron/TE `p2p`) over `world_size` ranks."""
+    device = torch.device(device)
+    layout = ring_p2p.layout(cu_seqlens, world_size)
+    ring = ring_p2p.Ring(None, rank, world_size, (rank + 1) % world_size, (rank - 1) % world_size)
+    shape = ring_p2p.RingShape.from_chunks(layout.chunk_sizes, device)
+    local = _inputs(layout.local_tokens, heads, kv_heads, dim, device, dtype)
+
+    def step(q, k, v):  # ring_p2p.attention, with the ring given instead of read from a process group
+        out = ring_p2p.ZigzagRingAttention.apply(q, k, v, shape, ring, None, "auto")
+        return ring_p2p.zero_padding_rows(out, layout.positions[rank])
+
+    model = CostModel.preset("h100").with_shape(heads, kv_heads, dim, torch.empty((), dtype=dtype).element_size())
+    return RankMemory(rank, *_peak_and_formula(step, local, device, float(ring_p2p.peak_extra_bytes(layout.local_tokens, model))))
+
+
+def _peak_and_formula(step, local: list[torch.Tensor], device, formula: float) -> tuple[int, float, int]:
+    measured, output_and_grads = _peak(step, local, device)
+    return measured, formula, output_and_grads
