@@ -79,52 +79,52 @@ def _padded_lse(device: torch.device) -> bool:
     return _kernel_forward(x, x, x, cu, cu, 2, 1, False, 1.0)[1].dim() == 3
 
 
-def forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    causal: bool,
-    softmax_scale: float,
-) -> tuple[Tensor, Tensor]:
-    """Returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32)."""
+def run_forward(kernel, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
+    """A flash varlen forward `kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, kernel lse)`
+    in this package's conventions: (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32)."""
     check_head_dim(q.shape[2])
     cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
-    out, lse = _kernel_forward(
+    out, lse = kernel(
         q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k,
         kernel_max_seqlen_q(max_seqlen_q), int(max_seqlen_k), causal, softmax_scale,
     )
     return out, lse_rows(lse, cu_q, q.shape[0])
 
 
-def backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    causal: bool,
-    softmax_scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients against the given out/lse (the kernel recomputes D = rowsum(dout * out) from them)."""
+def run_backward(kernel, padded_lse: bool, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                 softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """A flash varlen backward `kernel(dout, q, k, v, out, kernel lse, cu_q, cu_k, max_q, max_k, causal, scale)
+    -> (dq, dk, dv)` against the given out/lse (the kernel recomputes D = rowsum(dout * out) from them)."""
     check_head_dim(q.shape[2])
     cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
     max_q = kernel_max_seqlen_q(max_seqlen_q)
-    lse_k = lse_for_kernel(lse, cu_q, max_q, _padded_lse(q.device))
+    return kernel(
+        dout.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.to(q.dtype).contiguous(),
+        lse_for_kernel(lse, cu_q, max_q, padded_lse), cu_q, cu_k, max_q, int(max_seqlen_k), causal, softmax_scale,
+    )
+
+
+def _kernel_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
+                     cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float):
     unused_rng = torch.zeros(2, dtype=torch.int64, device=q.device)  # read only with dropout
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        dout.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-        out.to(q.dtype).contiguous(), lse_k, cu_q, cu_k, max_q, int(max_seqlen_k),
-        0.0, causal, unused_rng, unused_rng, scale=softmax_scale,
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, unused_rng, unused_rng, scale=scale
     )
     return dq, dk, dv
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+            max_seqlen_k: int, *, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
+    """Returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32)."""
+    return run_forward(_kernel_forward, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                       softmax_scale)
+
+
+def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+             cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool,
+             softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients against the given out/lse."""
+    return run_backward(_kernel_backward, _padded_lse(q.device), dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                        max_seqlen_q, max_seqlen_k, causal, softmax_scale)

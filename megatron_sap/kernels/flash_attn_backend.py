@@ -16,7 +16,7 @@ import inspect
 import torch
 from torch import Tensor
 
-from .aten_flash import check_head_dim, kernel_max_seqlen_q, lse_for_kernel, lse_rows
+from .aten_flash import run_backward, run_forward
 
 
 def _interface():
@@ -57,57 +57,29 @@ def _padded_lse(device: torch.device) -> bool:
     return _kernel_forward(x, x, x, cu, cu, 2, 1, False, 1.0)[1].dim() == 3
 
 
-def forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    causal: bool,
-    softmax_scale: float,
-) -> tuple[Tensor, Tensor]:
-    """Returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32)."""
-    check_head_dim(q.shape[2])
-    cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
-    out, lse = _kernel_forward(
-        q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k,
-        kernel_max_seqlen_q(max_seqlen_q), int(max_seqlen_k), causal, softmax_scale,
-    )
-    return out, lse_rows(lse, cu_q, q.shape[0])
-
-
-def backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    causal: bool,
-    softmax_scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients against the given out/lse; the kernel writes them into dq, dk, dv in place."""
-    check_head_dim(q.shape[2])
-    cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
-    max_q = kernel_max_seqlen_q(max_seqlen_q)
-    lse_k = lse_for_kernel(lse, cu_q, max_q, _padded_lse(q.device))
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+def _kernel_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
+                     cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float):
+    """The kernel writes dq, dk, dv into buffers we allocate."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     fn = _interface()._flash_attn_varlen_backward
     options = _accepted(
-        fn, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size=(-1, -1), window_size_left=-1,
+        fn, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=(-1, -1), window_size_left=-1,
         window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=True, rng_state=None,
     )
-    fn(
-        dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse_k, dq, dk, dv,
-        cu_q, cu_k, max_q, int(max_seqlen_k), **options,
-    )
+    fn(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, **options)
     return dq, dk, dv
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+            max_seqlen_k: int, *, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
+    """Returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32)."""
+    return run_forward(_kernel_forward, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                       softmax_scale)
+
+
+def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+             cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool,
+             softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients against the given out/lse."""
+    return run_backward(_kernel_backward, _padded_lse(q.device), dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                        max_seqlen_q, max_seqlen_k, causal, softmax_scale)
