@@ -238,17 +238,6 @@ def verify_plan_agreement(plan: Plan, groups) -> None:
     plan.__dict__.setdefault("_agreed_groups", set()).add(id(groups.cp_group))
 
 
-def _inner_all_to_all(fn, name: str, x: torch.Tensor, groups, *args) -> torch.Tensor:
-    """One forward Ulysses all-to-all; a failure (a dead or stuck peer) names the step and the inner group."""
-    try:
-        return fn(x, groups.inner_group, groups.inner_size, *args)
-    except Exception as exc:  # the backend's own error type varies (gloo, NCCL)
-        raise RuntimeError(
-            f"SAP inner all-to-all of {name} ({fn.__name__}) over inner group ranks {list(groups.inner_ranks)}, "
-            f"from inner rank {groups.inner_rank}, failed: {exc}"
-        ) from exc
-
-
 def sap_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -281,8 +270,8 @@ def sap_attention(
     if U == 1:
         return _SAPOuterAttention.apply(q, k, v, plan, outer, scale, backend, recompute_kv)
     replicate = check_heads(q.shape[1], k.shape[1], U)
-    q_h = _inner_all_to_all(seq_to_head, "q", q, groups)
-    k_h = _inner_all_to_all(seq_to_head, "k", k, groups, replicate)
-    v_h = _inner_all_to_all(seq_to_head, "v", v, groups, replicate)
+    q_h = seq_to_head(q, groups.inner_group, U)
+    k_h = seq_to_head(k, groups.inner_group, U, replicate)
+    v_h = seq_to_head(v, groups.inner_group, U, replicate)
     out_h = _SAPOuterAttention.apply(q_h, k_h, v_h, plan, outer, scale, backend, recompute_kv)
-    return _inner_all_to_all(head_to_seq, "out", out_h, groups)
+    return head_to_seq(out_h, groups.inner_group, U)

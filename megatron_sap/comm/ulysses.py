@@ -23,7 +23,12 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     for j, peer in enumerate(ranks):
         if j != me:
             record_send(chunk, peer, "a2a")
-    dist.all_to_all_single(out, x, group=group)
+    try:
+        dist.all_to_all_single(out, x, group=group)
+    except Exception as exc:  # a dead or stuck peer: the backend's own error type varies (gloo, NCCL)
+        raise RuntimeError(
+            f"SAP inner all-to-all over inner group ranks {ranks}, from inner rank {me}, failed: {exc}"
+        ) from exc
     return out
 
 
