@@ -16,16 +16,12 @@ import torch
 
 @dataclass
 class TrafficLog:
-    """Bytes and messages sent by this process, keyed by (kind, peer global rank)."""
+    """Bytes sent by this process, keyed by (kind, peer global rank)."""
 
     sent_bytes: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
-    messages: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
 
     def total_bytes(self, kind: str | None = None) -> int:
         return sum(b for (k, _), b in self.sent_bytes.items() if kind is None or k == kind)
-
-    def total_messages(self, kind: str | None = None) -> int:
-        return sum(m for (k, _), m in self.messages.items() if kind is None or k == kind)
 
     def bytes_by_peer(self) -> dict[int, int]:
         out: dict[int, int] = defaultdict(int)
@@ -44,7 +40,6 @@ def record_send(tensor: torch.Tensor, peer: int, kind: str = "p2p") -> None:
     nbytes = tensor.numel() * tensor.element_size()
     for log in _active:
         log.sent_bytes[(kind, peer)] += nbytes
-        log.messages[(kind, peer)] += 1
 
 
 @contextlib.contextmanager
