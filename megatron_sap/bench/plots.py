@@ -40,6 +40,15 @@ def _plotted_ts(points: list[MethodPoint]) -> list[int]:
     return Ts if len(Ts) <= 2 else [Ts[1], Ts[-1]]
 
 
+def _method_lines(ax, points: list[MethodPoint], corpus: str, preset: str, T: int, value) -> None:
+    """One line per method (SAP at its best layout) of `value(point)` against P."""
+    for method in (SAP,) + BASELINES:
+        s = _series(points, corpus, preset, T, method)
+        if s:
+            ax.plot([p.P for p in s], [value(p) for p in s], "o-", color=COLORS[method],
+                    label=method if method != SAP else "sap (best layout)")
+
+
 def bytes_vs_p(points: list[MethodPoint], path: Path, preset: str = "h100") -> Path:
     """Mean bytes sent per rank per layer (fwd+bwd) against P, one panel per corpus x T."""
     Ts = _plotted_ts(points)
@@ -47,11 +56,7 @@ def bytes_vs_p(points: list[MethodPoint], path: Path, preset: str = "h100") -> P
     for i, corpus in enumerate(corpora):
         for j, T in enumerate(Ts):
             ax = axes[i][j]
-            for method in (SAP,) + BASELINES:
-                s = _series(points, corpus, preset, T, method)
-                if s:
-                    ax.plot([p.P for p in s], [p.sent_bytes_mean / MiB for p in s], "o-", color=COLORS[method],
-                            label=method if method != SAP else "sap (best layout)")
+            _method_lines(ax, points, corpus, preset, T, lambda p: p.sent_bytes_mean / MiB)
             ax.set_xscale("log", base=2)
             ax.set_yscale("symlog", linthresh=1.0)
             ax.set_title(f"{corpus}, T={fmt_tokens(T)}")
@@ -73,11 +78,7 @@ def time_vs_p(points: list[MethodPoint], path: Path, preset: str) -> Path:
     for i, corpus in enumerate(corpora):
         for j, T in enumerate(Ts):
             ax = axes[i][j]
-            for method in (SAP,) + BASELINES:
-                s = _series(points, corpus, preset, T, method)
-                if s:
-                    ax.plot([p.P for p in s], [p.time_s * 1e3 for p in s], "o-", color=COLORS[method],
-                            label=method if method != SAP else "sap (best layout)")
+            _method_lines(ax, points, corpus, preset, T, lambda p: p.time_s * 1e3)
             s = _series(points, corpus, preset, T, SAP)
             if s:
                 ax.plot([p.P for p in s], [p.ideal_s * 1e3 for p in s], "k--", lw=1, label="ideal (work / P)")
