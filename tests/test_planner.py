@@ -14,7 +14,7 @@ import megatron_sap as sap
 from megatron_sap.plan import main as plan_cli
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
 from megatron_sap.planning.evaluate import evaluate
-from megatron_sap.planning.placement import candidates
+from megatron_sap.planning.placement import candidates, greedy
 from megatron_sap.planning.plan import DEFAULT_SLACKS, TIME_TOLERANCE
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -306,6 +306,25 @@ def test_single_rank_holds_the_batch_in_order():
         plan.local_indices(1)
 
 
+def test_spread_pass_splits_a_dominant_document_over_every_rank():
+    """One document holds half the work of a one-node batch: the fewest-ranks greedy
+    splits it over 5 of 8 ranks and leaves the others short of work; the spread pass
+    puts it on all 8 and balances the pairs."""
+    model = CostModel.preset("h100")
+    lengths = [21611, 8728, 6729, 6007, 5197, 5190, 4620, 3722, 3592, 3454, 3245, 3176]
+    rest = 131072 - sum(lengths)
+    lengths += [500] * (rest // 500) + [rest % 500]
+    starts = np.cumsum([0] + lengths[:-1]).tolist()
+    results = {}
+    for spread in (False, True):
+        placement = greedy(starts, lengths, 8, 131072 // 8, model, 0.0, split="zigzag", spread=spread)
+        holders = {r for r, pieces in enumerate(placement.ranks) for p in pieces if p.doc == 0}
+        pairs = evaluate(placement, starts, 1, model).tile_pairs
+        results[spread] = (len(holders), pairs.max() / pairs.mean())
+    assert results[False][0] < 8 and results[True][0] == 8
+    assert results[True][1] < results[False][1] and results[True][1] < 1.03
+
+
 # ---- pinned placements (guards speed work on placement.py / evaluate.py) ---------------------
 def realistic_cu_seqlens(total: int, seed: int) -> list[int]:
     """One packed row: lognormal body (median 1K) plus a 3% Pareto tail from 8K, cut at `total`."""
@@ -342,16 +361,16 @@ def pinned_batch(name: str) -> list[int]:
 
 
 PINNED = {
-    ('one-and-ones', 16, 4): '69575d1a67f30b8f',
-    ('ones', 64, 1): 'ae947b81323e376c',
-    ('realistic:131072:20', 64, 1): 'c6df1e8df8582f6a',
-    ('realistic:131072:3', 64, 1): '044c78272bce7191',
-    ('realistic:131072:4', 32, 2): '0af2304bf3e4173a',
-    ('realistic:131072:6', 64, 1): '2c118fd82de983d0',
-    ('realistic:131072:7', 16, 4): 'c73d6f3c2c5217d9',
-    ('realistic:16384:0', 8, 1): 'ff39e9b7c56fb27f',
-    ('realistic:16384:1', 4, 2): '9f9efdb79c5ef2c4',
-    ('realistic:65536:2', 16, 4): '3d706fe240d5e858',
+    ('one-and-ones', 16, 4): '3090ed310f21856b',
+    ('ones', 64, 1): '7d39e0112e1e0db6',
+    ('realistic:131072:20', 64, 1): '1d50a5f2b696f948',
+    ('realistic:131072:3', 64, 1): '7d540a9e49a580a7',
+    ('realistic:131072:4', 32, 2): 'e4bed6c4e724e804',
+    ('realistic:131072:6', 64, 1): '82f1d78357c9bd58',
+    ('realistic:131072:7', 16, 4): '0fd23f7f25834adc',
+    ('realistic:16384:0', 8, 1): 'c664f11c2735eeb4',
+    ('realistic:16384:1', 4, 2): '58023e808f7c1b99',
+    ('realistic:65536:2', 16, 4): 'd4ef93409d794860',
 }
 
 

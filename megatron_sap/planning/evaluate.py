@@ -107,6 +107,24 @@ def _tokens_before(placement: Placement, doc_starts: list[int]) -> tuple[np.ndar
     return length, offset, rank, own_before, traffic
 
 
+def ulysses_cost(model: CostModel, group_tokens: float, inner_size: int) -> tuple[float, float]:
+    """Bytes each inner rank sends in the Ulysses all-to-alls of one layer (forward +
+    backward) and their time, for an inner group holding `group_tokens` tokens.
+
+    An inner rank sends (U-1)/U of its tokens' q, k, v (KV heads replicated when fewer
+    than U) and of its head slice of the group's outputs; backward mirrors it. Two
+    all-to-alls per pass, each of U-1 messages; not overlapped with compute.
+    """
+    U = inner_size
+    if U <= 1:
+        return 0.0, 0.0
+    tokens = group_tokens / U
+    replicated_kv = model.kv_bytes_per_token * max(model.num_kv_heads, U) / model.num_kv_heads
+    per_pass = (U - 1) / U * tokens * (2 * model.q_bytes_per_token + replicated_kv)
+    latency = model.message_latency_us * 1e-6
+    return 2 * per_pass, 2 * (2 * (U - 1) * latency + per_pass / model.bandwidth(LINK_INTRA))
+
+
 def evaluate(placement: Placement, doc_starts: list[int], inner_size: int, model: CostModel) -> Evaluation:
     """Model one attention layer (forward + backward) for `placement`."""
     R, U, t = placement.num_ranks, inner_size, model.tile
@@ -143,16 +161,7 @@ def evaluate(placement: Placement, doc_starts: list[int], inner_size: int, model
         pipelined = np.maximum(cl, x) + (m - 1) * np.maximum(r, x) + r
         return np.where(messages > 0, pipelined, c)
 
-    a2a_bytes = 0.0
-    a2a_time = 0.0
-    if U > 1:
-        tokens = placement.capacity / U
-        # An inner rank sends (U-1)/U of its tokens' q, k, v (KV heads replicated when
-        # fewer than U) and of its head slice of the group's outputs; backward mirrors it.
-        replicated_kv = model.kv_bytes_per_token * max(model.num_kv_heads, U) / model.num_kv_heads
-        per_pass = (U - 1) / U * tokens * (2 * model.q_bytes_per_token + replicated_kv)
-        a2a_bytes = 2 * per_pass
-        a2a_time = 2 * (2 * (U - 1) * latency + per_pass / model.bandwidth(LINK_INTRA))
+    a2a_bytes, a2a_time = ulysses_cost(model, placement.capacity, U)
     rank_time = pass_time(1.0) + pass_time(model.backward_factor) + a2a_time
     ideal = (1.0 + model.backward_factor) * model.compute_seconds(float(tile_pairs.sum())) / (R * U)
     return Evaluation(

@@ -211,12 +211,14 @@ def greedy(
     slack: float,
     rank_node: list[int] | None = None,
     split: str = "zigzag",
+    spread: bool = False,
 ) -> Placement:
     """Sequence-aware placement: keep documents whole, split the ones that would
     overload a rank over as few ranks as possible, preferring ranks of one node
     (see module docstring). `rank_node[r]` is the node of rank r; `split` is how a
-    document is cut over k ranks (see `split_slots`)."""
-    return _Greedy(doc_starts, lengths, num_ranks, capacity, model, rank_node).place(slack, split)
+    document is cut over k ranks (see `split_slots`); with `spread`, a document that is
+    split goes over every rank that has room instead of the fewest."""
+    return _Greedy(doc_starts, lengths, num_ranks, capacity, model, rank_node).place(slack, split, spread)
 
 
 _Held = tuple[int, tuple[Piece, ...]]  # a document's pieces on one rank, keyed by their first start
@@ -265,11 +267,12 @@ class _Greedy:
             load[r] += pairs
             held[r].append(entry)
 
-    def place(self, slack: float, split: str) -> Placement:
+    def place(self, slack: float, split: str, spread: bool = False) -> Placement:
         """One greedy pass at `slack` (see `greedy`)."""
         R, lengths, cost = self.R, self.lengths, self.cost
-        limit = (1.0 + slack) * self.total / R
-        strategy = f"greedy(slack={slack:g}, {split})"
+        share = self.total / R
+        limit = (1.0 + slack) * share
+        strategy = f"greedy(slack={slack:g}, {split}{', spread' if spread else ''})"
         load, room = [0] * R, [self.capacity] * R
         held: list[list[_Held]] = [[] for _ in range(R)]
         for d in self.order:
@@ -282,7 +285,14 @@ class _Greedy:
                 if options[0][0] <= limit:
                     self._put(d, split, options[0], load, room, held)
                     continue
-            for k in _split_degrees(c, [load[r] for r in by_load], limit, min(R, n)):
+            degrees = _split_degrees(c, [load[r] for r in by_load], limit, min(R, n))
+            if spread and degrees and c > share:
+                # A document heavier than a rank's share: as wide as chunks of at least a
+                # tile and the ranks' room allow; the usual degrees as fallback.
+                widest = min(n // (2 * self.tile), sum(1 for r in by_load if room[r] >= -(-n // R)))
+                if widest > degrees[0]:
+                    degrees = [widest] + degrees
+            for k in degrees:
                 cut = _split(n, k, split, self.tile)
                 eligible = [r for r in by_load if room[r] >= cut.need]
                 if len(eligible) < k:
@@ -365,12 +375,15 @@ def candidates(
 ) -> Iterator[Placement]:
     """Every placement the planner weighs, built lazily in the order it weighs them:
     sequence-aware ones from the tightest slack (the most balanced) up, the split mode
-    that moves fewer bytes first, then the zigzag and contiguous layouts."""
+    that moves fewer bytes first; then one that spreads every split document over all
+    ranks with room (balance when one document dominates the work, where intra-node
+    links make the traffic cheap); then the zigzag and contiguous layouts."""
     passes = _Greedy(doc_starts, lengths, num_ranks, capacity, model, rank_node)
     for s in slacks:
         for split in ("contiguous", "zigzag"):
             yield passes.place(s, split)
     if num_ranks > 1:
+        yield passes.place(min(slacks), "zigzag", spread=True)
         z = zigzag(doc_starts, lengths, num_ranks, capacity)
         if z is not None:
             yield z
