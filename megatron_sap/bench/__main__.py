@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     figures += plots.scale_plots(scale_points, img_dir)
     emit(f"Scale model (cost model only), mean of {args.scale_batches} packed batches per point",
          "SAP at its fastest layout against the fastest applicable baseline; `bound` says whether that "
-         "baseline's busiest rank needs longer to move its bytes than to compute.\n\n"
+         "baseline's busiest rank needs longer to move its bytes than to compute; `ceiling` is that "
+         "baseline's time over the lower bound on any SAP plan (`scale.sap_bound_s`).\n\n"
          + scale.scale_table(scale_rows) + f"\n\n({time.perf_counter() - t0:.0f} s)")
 
     report = Path(args.report)
