@@ -6,7 +6,8 @@ Every rank holds exactly `capacity` tokens. Candidate strategies:
   least-loaded rank that has room when that keeps the rank within `(1 + slack)` of the
   ideal load, otherwise it is split over the fewest ranks `k` that do, as `2k` chunks
   paired head-to-tail (rank i holds chunks i and 2k-1-i) so causal work balances.
-  What no longer fits whole is cut over the ranks with the most room.
+  What no longer fits whole is cut over the ranks with the most room. With `spread`, a
+  document heavier than one rank's share of the work goes over as many ranks as it can.
 - ``zigzag``: every document split over all ranks in 2R paired chunks (the ring layout
   without padding).
 - ``contiguous``: the packed row cut into R equal contiguous slices (all-gather layout).
@@ -216,8 +217,9 @@ def greedy(
     """Sequence-aware placement: keep documents whole, split the ones that would
     overload a rank over as few ranks as possible, preferring ranks of one node
     (see module docstring). `rank_node[r]` is the node of rank r; `split` is how a
-    document is cut over k ranks (see `split_slots`); with `spread`, a document that is
-    split goes over every rank that has room instead of the fewest."""
+    document is cut over k ranks (see `split_slots`); with `spread`, a document heavier
+    than one rank's share of the work is split as wide as the ranks' room and chunks of
+    at least one tile allow, instead of over the fewest ranks."""
     return _Greedy(doc_starts, lengths, num_ranks, capacity, model, rank_node).place(slack, split, spread)
 
 
@@ -375,9 +377,9 @@ def candidates(
 ) -> Iterator[Placement]:
     """Every placement the planner weighs, built lazily in the order it weighs them:
     sequence-aware ones from the tightest slack (the most balanced) up, the split mode
-    that moves fewer bytes first; then one that spreads every split document over all
-    ranks with room (balance when one document dominates the work, where intra-node
-    links make the traffic cheap); then the zigzag and contiguous layouts."""
+    that moves fewer bytes first; then one that spreads each document heavier than a
+    rank's share over as many ranks as it can (balance when one document dominates the
+    work, worth its traffic where links are fast); then the zigzag and contiguous layouts."""
     passes = _Greedy(doc_starts, lengths, num_ranks, capacity, model, rank_node)
     for s in slacks:
         for split in ("contiguous", "zigzag"):
