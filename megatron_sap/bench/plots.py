@@ -18,7 +18,7 @@ MiB = float(1 << 20)
 
 
 def _series(points: list[MethodPoint], corpus: str, preset: str, T: int, method: str) -> list[MethodPoint]:
-    """Points of one method along P (for SAP the fastest layout at each P), sorted by P."""
+    """Points of one method along P (its fastest layout at each P), sorted by P."""
     pool = [p for p in points if (p.corpus, p.preset, p.T, p.method) == (corpus, preset, T, method)]
     by_p: dict[int, MethodPoint] = {}
     for p in pool:

@@ -171,13 +171,28 @@ def evaluate_method(
                        candidate=common, **mean)
 
 
-def sap_layouts(P: int, model: CostModel) -> list[int]:
-    """Inner sizes U that SAP is evaluated with at P ranks: flat (U=1, up to
-    MAX_FLAT_SAP_RANKS) and, across nodes, one node's head-parallel group
-    (U = min(gpus per node, KV heads))."""
+def node_inner_sizes(P: int, model: CostModel) -> list[int]:
+    """Head-parallel degrees U > 1 a two-level layout can use across nodes at P ranks:
+    powers of two up to one node's worth, capped by the KV heads, dividing P."""
     node = min(model.gpus_per_node, model.num_kv_heads)
-    flat = [1] if P <= MAX_FLAT_SAP_RANKS else []
-    return flat if P <= model.gpus_per_node or P % node else flat + [node]
+    sizes = [1 << i for i in range(1, node.bit_length()) if (1 << i) <= node]
+    return [U for U in sizes if P % U == 0] if P > model.gpus_per_node else []
+
+
+def sap_layouts(P: int, model: CostModel) -> list[int]:
+    """Inner sizes U that SAP is evaluated with at P ranks: flat (U=1) and, across
+    nodes, every `node_inner_sizes` degree; both with at most MAX_FLAT_SAP_RANKS outer
+    ranks, except one node's worth, which is always weighed."""
+    node = min(model.gpus_per_node, model.num_kv_heads)
+    return [U for U in [1, *node_inner_sizes(P, model)] if P // U <= MAX_FLAT_SAP_RANKS or U == node]
+
+
+def baseline_layouts(method: str, P: int, model: CostModel) -> list[int]:
+    """Inner sizes U a baseline is evaluated with in the projection: its default
+    (`baseline_inner`) and, for ``a2a+p2p``, every `node_inner_sizes` degree."""
+    if method == "a2a+p2p":
+        return node_inner_sizes(P, model) or [baseline_inner(method, P, model)]
+    return [baseline_inner(method, P, model)]
 
 
 def project(
@@ -189,7 +204,8 @@ def project(
     seed: int = 0,
 ) -> list[MethodPoint]:
     """Every method at every (corpus, preset, T, P) point with at least
-    MIN_TOKENS_PER_RANK tokens per rank; SAP once per layout from `sap_layouts`."""
+    MIN_TOKENS_PER_RANK tokens per rank, once per layout: SAP's from `sap_layouts`,
+    the baselines' from `baseline_layouts`."""
     points: list[MethodPoint] = []
     for corpus in corpora:
         lengths = document_lengths(corpus)
@@ -205,10 +221,10 @@ def project(
                         if point is not None:
                             points.append(point)
                     for method in BASELINES:
-                        point = evaluate_method(method, batches, P, baseline_inner(method, P, model), model,
-                                                corpus, preset)
-                        if point is not None:
-                            points.append(point)
+                        for U in baseline_layouts(method, P, model):
+                            point = evaluate_method(method, batches, P, U, model, corpus, preset)
+                            if point is not None:
+                                points.append(point)
     return points
 
 
