@@ -169,3 +169,26 @@ def test_report_keeps_hand_written_header(tmp_path):
     text = path.read_text()
     assert text.startswith("# Title\n\nmethodology") and "old table" not in text and text.endswith("table\n")
     assert text.count(MARKER) == 1
+
+
+def _point(method: str, inner: int, time_s: float, sent: float = 1.0, imbalance: float = 1.0):
+    from megatron_sap.bench.scale import MethodPoint
+
+    return MethodPoint(corpus="c", preset="h100", T=32_768, P=32, inner=inner, method=method, time_s=time_s,
+                       ideal_s=time_s / 2, compute_s=time_s, comm_s=0.0, sent_bytes_mean=sent, sent_bytes_max=sent,
+                       intra_bytes_mean=sent, inter_bytes_mean=0.0, pairs_max=1.0, pairs_mean=1.0,
+                       imbalance=imbalance, padding_tokens=0.0, peak_extra_bytes=0.0, candidate=method)
+
+
+def test_modelled_targets_judge_sap_at_its_fastest_layout():
+    from megatron_sap.bench.__main__ import modelled_targets
+
+    baselines = [_point("p2p", 1, 2.0, sent=10.0), _point("a2a+p2p", 8, 1.5, sent=8.0)]
+    flat, two_level = _point("sap", 1, 1.8, sent=6.0, imbalance=1.5), _point("sap", 8, 1.2, sent=2.0)
+    targets = {t.name.split()[1]: t for t in modelled_targets(baselines + [flat, two_level])}
+    assert targets["has"].met and targets["has"].detail == "1/1 points"
+    assert targets["moves"].met  # 2 of the ring's 10 bytes
+    assert targets["attention-pair"].met  # the flat layout's 1.5 is not the one judged
+    slower = {t.name.split()[1]: t for t in modelled_targets(baselines + [_point("sap", 8, 1.6, sent=4.0)])}
+    assert not slower["has"].met and "8x4: 1.07x of a2a+p2p" in slower["has"].detail
+    assert not slower["moves"].met and "40.0%" in slower["moves"].detail
