@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 
 from .comm.p2p import PendingExchange, post_exchange
-from .comm.ulysses import check_heads, head_to_seq, seq_to_head
+from .comm.ulysses import GatherHeads, ScatterHeads, check_heads
 from .kernels import merge_into, varlen_backward, varlen_forward
 from .planning import Plan, RankProgram
 
 _BACKWARD_TAG = 1 << 20
 _REFETCH_TAG = 2 << 20
+INNER_STEP = "SAP inner all-to-all"  # names the collective when a peer fails
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -270,8 +271,9 @@ def sap_attention(
     if U == 1:
         return _SAPOuterAttention.apply(q, k, v, plan, outer, scale, backend, recompute_kv)
     replicate = check_heads(q.shape[1], k.shape[1], U)
-    q_h = seq_to_head(q, groups.inner_group, U)
-    k_h = seq_to_head(k, groups.inner_group, U, replicate)
-    v_h = seq_to_head(v, groups.inner_group, U, replicate)
+    if replicate > 1:  # gradients of the copies sum back through autograd
+        k, v = k.repeat_interleave(replicate, dim=1), v.repeat_interleave(replicate, dim=1)
+    q_h, k_h, v_h = ScatterHeads.apply(groups.inner_group, INNER_STEP, q, k, v)
     out_h = _SAPOuterAttention.apply(q_h, k_h, v_h, plan, outer, scale, backend, recompute_kv)
-    return head_to_seq(out_h, groups.inner_group, U)
+    (out,) = GatherHeads.apply(groups.inner_group, INNER_STEP, out_h)
+    return out

@@ -24,12 +24,12 @@ from megatron_sap.baselines.common import (
     collective_seconds,
     contiguous_layout,
     cu_tensor,
-    global_ranks,
     padded_segments,
     reduce_scatter_single,
     summarize,
     zero_padding_rows,
 )
+from megatron_sap.comm.groups import group_ranks
 from megatron_sap.comm.traffic import record_send
 from megatron_sap.kernels import varlen_backward, varlen_forward
 from megatron_sap.planning.cost_model import CostModel
@@ -88,7 +88,7 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, segments: Segments, group: dist.ProcessGroup | None,
                 softmax_scale: float | None, backend: str) -> Tensor:
-        ranks = global_ranks(group)
+        ranks = group_ranks(group)
         kv = _gather_kv(k, v, group, ranks)[segments.key_start:segments.key_end]
         cu_q, cu_k = cu_tensor(segments.q_lengths, q.device), cu_tensor(segments.k_lengths, q.device)
         args = (cu_q, cu_k, max(segments.q_lengths), max(segments.k_lengths))

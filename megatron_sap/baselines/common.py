@@ -140,11 +140,6 @@ def cu_tensor(lengths: Sequence[int] | Tensor, device: torch.device) -> Tensor:
     return cu.to(device=device, dtype=torch.int32)
 
 
-def global_ranks(group: dist.ProcessGroup | None) -> list[int]:
-    """Global rank of every member of `group`, in group order."""
-    return [dist.get_global_rank(group, r) if group is not None else r for r in range(dist.get_world_size(group))]
-
-
 # ---- cost-model bookkeeping -------------------------------------------------------
 
 def causal_pairs(positions: Tensor, cu_seqlens: Tensor) -> int:

@@ -25,16 +25,12 @@ from megatron_sap.baselines.ring_p2p import (
     ring_step_pairs,
     zigzag_layout,
 )
-from megatron_sap.baselines.ulysses import (
-    GatherHeads,
-    ScatterHeads,
-    exchange_bytes,
-    kv_heads_per_rank,
-    replicate_kv_heads,
-)
+from megatron_sap.baselines.ulysses import exchange_bytes, kv_heads_per_rank, replicate_kv_heads
+from megatron_sap.comm.ulysses import GatherHeads, ScatterHeads
 from megatron_sap.planning.cost_model import CostModel
 
 NAME = "a2a+p2p"
+STEP = "a2a+p2p inner all-to-all"  # names the collective when a peer fails
 
 
 def layout(cu_seqlens: Tensor | Sequence[int], world_size: int, inner_size: int = 1) -> ZigzagLayout:
@@ -78,12 +74,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout,
     if size != layout.inner_size:
         raise ValueError(f"inner group has {size} ranks but the layout was made for {layout.inner_size}")
     k, v = replicate_kv_heads(k, v, q.shape[1], size)
-    q_h, k_h, v_h = ScatterHeads.apply(inner, q, k, v)
+    q_h, k_h, v_h = ScatterHeads.apply(inner, STEP, q, k, v)
     order = outer_order(layout.chunk_sizes, size, q.device)
     shape = RingShape.from_chunks([size * c for c in layout.chunk_sizes], q.device)
     ring = Ring.of(outer)
     out_z = ZigzagRingAttention.apply(q_h[order], k_h[order], v_h[order], shape, ring, softmax_scale, backend)
-    (out,) = GatherHeads.apply(inner, out_z[torch.argsort(order)])
+    (out,) = GatherHeads.apply(inner, STEP, out_z[torch.argsort(order)])
     return zero_padding_rows(out, layout.positions[ring.rank * size + dist.get_rank(inner)])
 
 

@@ -35,10 +35,10 @@ from megatron_sap.baselines.common import (
     causal_pairs,
     check_world_size,
     cu_tensor,
-    global_ranks,
     summarize,
     zero_padding_rows,
 )
+from megatron_sap.comm.groups import group_ranks
 from megatron_sap.comm.p2p import post_exchange
 from megatron_sap.kernels import merge_into, merge_partials, varlen_backward, varlen_forward
 from megatron_sap.planning.cost_model import CostModel
@@ -125,7 +125,7 @@ class Ring:
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None) -> "Ring":
-        members = global_ranks(group)
+        members = group_ranks(group)
         rank, size = dist.get_rank(group), len(members)
         return cls(group, rank, size, members[(rank + 1) % size], members[(rank - 1) % size])
 

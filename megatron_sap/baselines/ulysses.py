@@ -22,17 +22,17 @@ from megatron_sap.baselines.common import (
     BaselineLayout,
     contiguous_layout,
     collective_seconds,
-    global_ranks,
     padded_segments,
     summarize,
     total_causal_pairs,
     zero_padding_rows,
 )
-from megatron_sap.comm.traffic import record_send
+from megatron_sap.comm.ulysses import GatherHeads, ScatterHeads
 from megatron_sap.kernels import varlen_backward, varlen_forward
 from megatron_sap.planning.cost_model import CostModel
 
 NAME = "a2a"
+STEP = "a2a all-to-all"  # names the collective when a peer fails
 
 
 def layout(cu_seqlens: Tensor | Sequence[int], world_size: int) -> BaselineLayout:
@@ -70,66 +70,6 @@ def replicate_kv_heads(k: Tensor, v: Tensor, num_heads: int, size: int) -> tuple
     return k.index_select(1, index), v.index_select(1, index)
 
 
-def _all_to_all(send: Tensor, group: dist.ProcessGroup | None, ranks: list[int]) -> Tensor:
-    """send[j] goes to group rank j; the result's [j] came from group rank j."""
-    me = dist.get_rank(group)
-    for j, peer in enumerate(ranks):
-        if j != me:
-            record_send(send[j], peer, "a2a")
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv
-
-
-def scatter_heads(tensors: Sequence[Tensor], group: dist.ProcessGroup | None) -> list[Tensor]:
-    """Sequence-sharded [n, H_i, D] tensors to head-sharded [P*n, H_i/P, D], in one all-to-all.
-
-    Rows of the result are the group's token shards in rank order.
-    """
-    ranks = global_ranks(group)
-    size, rows = len(ranks), tensors[0].shape[0]
-    heads = [t.shape[1] // size for t in tensors]
-    send = torch.cat([t.reshape(rows, size, h, *t.shape[2:]) for t, h in zip(tensors, heads)], dim=2)
-    recv = _all_to_all(send.transpose(0, 1).contiguous(), group, ranks)
-    return list(recv.flatten(0, 1).split(heads, dim=1))
-
-
-def gather_heads(tensors: Sequence[Tensor], group: dist.ProcessGroup | None) -> list[Tensor]:
-    """Inverse of `scatter_heads`: head-sharded [P*n, h_i, D] to sequence-sharded [n, P*h_i, D]."""
-    ranks = global_ranks(group)
-    heads = [t.shape[1] for t in tensors]
-    send = torch.cat(list(tensors), dim=1)
-    send = send.reshape(len(ranks), -1, *send.shape[1:])
-    recv = _all_to_all(send, group, ranks).transpose(0, 1)
-    return [x.flatten(1, 2) for x in recv.split(heads, dim=2)]
-
-
-class ScatterHeads(torch.autograd.Function):
-    """`scatter_heads`, whose backward is `gather_heads` of the gradients."""
-
-    @staticmethod
-    def forward(ctx, group: dist.ProcessGroup | None, *tensors: Tensor) -> tuple[Tensor, ...]:
-        ctx.group = group
-        return tuple(scatter_heads(tensors, group))
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        return (None, *gather_heads(grads, ctx.group))
-
-
-class GatherHeads(torch.autograd.Function):
-    """`gather_heads`, whose backward is `scatter_heads` of the gradients."""
-
-    @staticmethod
-    def forward(ctx, group: dist.ProcessGroup | None, *tensors: Tensor) -> tuple[Tensor, ...]:
-        ctx.group = group
-        return tuple(gather_heads(tensors, group))
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        return (None, *scatter_heads(grads, ctx.group))
-
-
 class VarlenAttention(torch.autograd.Function):
     """Causal varlen attention of head-sharded tokens on one rank."""
 
@@ -155,11 +95,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: BaselineLayout, group: di
     """`a2a` attention of this rank's contiguous rows; padding rows come back zero."""
     size = dist.get_world_size(group)
     k, v = replicate_kv_heads(k, v, q.shape[1], size)
-    q_h, k_h, v_h = ScatterHeads.apply(group, q, k, v)
+    q_h, k_h, v_h = ScatterHeads.apply(group, STEP, q, k, v)
     segments = padded_segments(layout)
     cu = segments.to(device=q.device, dtype=torch.int32)
     out_h = VarlenAttention.apply(q_h, k_h, v_h, cu, int(torch.diff(segments).max()), softmax_scale, backend)
-    (out,) = GatherHeads.apply(group, out_h)
+    (out,) = GatherHeads.apply(group, STEP, out_h)
     return zero_padding_rows(out, layout.positions[dist.get_rank(group)])
 
 

@@ -267,3 +267,8 @@ def _group_timeout(group: ProcessGroup) -> datetime.timedelta:
     """The timeout an existing group was created with (torch's new_group does not inherit it)."""
     device = next(iter(group._device_types))
     return group._get_backend(device).options._timeout
+
+
+def group_ranks(group: ProcessGroup | None) -> list[int]:
+    """Global rank of every member of `group` (None: the default group), in group order."""
+    return [dist.get_global_rank(group, r) if group is not None else r for r in range(dist.get_world_size(group))]

@@ -1,70 +1,86 @@
-"""Inner-level all-to-all (Ulysses): sequence sharding <-> head sharding.
+"""Ulysses all-to-all: sequence sharding <-> head sharding.
 
-Inside an inner group of U ranks, rank u holds n consecutive tokens of the group's
-order with all heads. `seq_to_head` gives every rank all U*n tokens for H/U heads
-(rank j's tokens at rows [j*n, (j+1)*n)); `head_to_seq` is its inverse. Both are
-autograd functions whose backward is the other one.
+Inside a group of U ranks, rank u holds n consecutive tokens with all heads.
+`ScatterHeads` gives every rank all U*n tokens for H/U heads (rank j's tokens at rows
+[j*n, (j+1)*n)) of several tensors in one all-to-all; `GatherHeads` is its inverse.
+Each is an autograd function whose backward is the other one, so one layer costs two
+all-to-alls forward (q, k, v; the output) and two backward. SAP's inner level and the
+`a2a` and `a2a+p2p` baselines share them.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from .groups import group_ranks
 from .traffic import record_send
 
 
-def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """all_to_all_single over the first dimension of a [U, ...] tensor."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    ranks = dist.get_process_group_ranks(group)
+def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup | None, step: str) -> torch.Tensor:
+    """send[j] goes to group rank j; the result's [j] came from group rank j. A failure
+    (a dead or stuck peer) is raised naming `step`, the group and this rank."""
+    send = send.contiguous()
+    ranks = group_ranks(group)
     me = dist.get_rank(group)
-    chunk = x[0]
     for j, peer in enumerate(ranks):
         if j != me:
-            record_send(chunk, peer, "a2a")
+            record_send(send[j], peer, "a2a")
+    recv = torch.empty_like(send)
     try:
-        dist.all_to_all_single(out, x, group=group)
-    except Exception as exc:  # a dead or stuck peer: the backend's own error type varies (gloo, NCCL)
-        raise RuntimeError(
-            f"SAP inner all-to-all over inner group ranks {ranks}, from inner rank {me}, failed: {exc}"
-        ) from exc
-    return out
+        dist.all_to_all_single(recv, send, group=group)
+    except Exception as exc:  # the backend's own error type varies (gloo, NCCL)
+        raise RuntimeError(f"{step} over group ranks {ranks}, from group rank {me}, failed: {exc}") from exc
+    return recv
 
 
-def _seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-    n, h, d = x.shape
-    parts = x.view(n, size, h // size, d).transpose(0, 1)  # [U, n, H/U, D]
-    return _all_to_all(parts, group).reshape(size * n, h // size, d)
+def scatter_heads(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, step: str) -> list[torch.Tensor]:
+    """Sequence-sharded [n, H_i, D] tensors to head-sharded [U*n, H_i/U, D], all in one
+    all-to-all: group rank j gets heads [j*H_i/U, (j+1)*H_i/U) of every tensor, and the
+    rows of the result are the group's token shards in rank order."""
+    size, rows = dist.get_world_size(group), tensors[0].shape[0]
+    heads = [t.shape[1] // size for t in tensors]
+    send = torch.cat([t.reshape(rows, size, h, *t.shape[2:]) for t, h in zip(tensors, heads)], dim=2)
+    recv = _all_to_all(send.transpose(0, 1), group, step)
+    return list(recv.flatten(0, 1).split(heads, dim=1))
 
 
-def _head_to_seq(y: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-    m, h, d = y.shape
-    n = m // size
-    got = _all_to_all(y.view(size, n, h, d), group)  # [U, n, H/U, D] from each rank's heads
-    return got.transpose(0, 1).reshape(n, size * h, d)
+def gather_heads(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, step: str) -> list[torch.Tensor]:
+    """Inverse of `scatter_heads`: head-sharded [U*n, h_i, D] to sequence-sharded [n, U*h_i, D]."""
+    heads = [t.shape[1] for t in tensors]
+    send = torch.cat(list(tensors), dim=1)
+    send = send.reshape(dist.get_world_size(group), -1, *send.shape[1:])
+    recv = _all_to_all(send, group, step).transpose(0, 1)
+    return [x.flatten(1, 2) for x in recv.split(heads, dim=2)]
 
 
-class _SeqToHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        return _seq_to_head(x, group, size)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _head_to_seq(grad, ctx.group, ctx.size), None, None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        return _head_to_seq(y, group, size)
+class ScatterHeads(torch.autograd.Function):
+    """`scatter_heads`, whose backward is `gather_heads` of the gradients (one
+    all-to-all each way): `ScatterHeads.apply(group, step, *tensors)`."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _seq_to_head(grad, ctx.group, ctx.size), None, None
+    def forward(ctx, group: dist.ProcessGroup | None, step: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group, ctx.step = group, step
+        return tuple(scatter_heads(tensors, group, step))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, None, *gather_heads(grads, ctx.group, f"{ctx.step} (backward)"))
+
+
+class GatherHeads(torch.autograd.Function):
+    """`gather_heads`, whose backward is `scatter_heads` of the gradients:
+    `GatherHeads.apply(group, step, *tensors)`."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup | None, step: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group, ctx.step = group, step
+        return tuple(gather_heads(tensors, group, step))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, None, *scatter_heads(grads, ctx.group, f"{ctx.step} (backward)"))
 
 
 def check_heads(num_heads: int, num_kv_heads: int, inner_size: int) -> int:
@@ -89,15 +105,3 @@ def check_heads(num_heads: int, num_kv_heads: int, inner_size: int) -> int:
             f"so they can be replicated"
         )
     return inner_size // num_kv_heads
-
-
-def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, size: int, replicate: int = 1) -> torch.Tensor:
-    """Scatter heads, gather the inner group's tokens; heads are first repeated `replicate` times."""
-    if replicate > 1:
-        x = x.repeat_interleave(replicate, dim=1)  # gradients of the copies sum back through autograd
-    return _SeqToHead.apply(x, group, size)
-
-
-def head_to_seq(y: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-    """Scatter tokens back to their owners, gather all heads."""
-    return _HeadToSeq.apply(y, group, size)
