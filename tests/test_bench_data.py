@@ -131,21 +131,19 @@ def test_sap_bound_is_never_beaten(preset):
     import megatron_sap as sap
     from megatron_sap.bench import scale
     from megatron_sap.planning import CostModel
-    from megatron_sap.planning.evaluate import ulysses_cost
-    from megatron_sap.planning.placement import piece_cost
+    from megatron_sap.planning.evaluate import ulysses_cost, whole_documents_s
 
     model = CostModel.preset(preset)
     batches = [pack(data.synthetic_lengths("longtail", 300, seed=s), 32_768, 1, seed=s)[0] for s in range(3)]
     batches += [[0, 30_000, 30_500, 32_768], [0, 32_768]]
     transfer_bound = 0
     for cu in batches:
-        work = sum(piece_cost(model, 0, b - a) for a, b in zip(cu, cu[1:]))
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
         for P, U in ((8, 1), (16, 1), (16, 8), (32, 8), (64, 8), (64, 1)):
             plan = sap.plan_sequences(cu, outer_size=P // U, inner_size=U, cost_model=model, cache=None)
             bound = scale.sap_bound_s(cu, P, U, model)
             assert bound <= plan.evaluation.makespan_s * (1 + 1e-9), (cu[:4], P, U)
-            compute_and_a2a = (1 + model.backward_factor) * model.compute_seconds(float(work)) / P + ulysses_cost(
-                model, cu[-1] / (P // U), U)[1]
+            compute_and_a2a = whole_documents_s(lengths, P, model) + ulysses_cost(model, cu[-1] / (P // U), U)[1]
             transfer_bound += bound > compute_and_a2a * (1 + 1e-9)
     assert transfer_bound > 0
 

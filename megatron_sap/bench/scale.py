@@ -20,8 +20,7 @@ import numpy as np
 
 from megatron_sap import baselines
 from megatron_sap.planning.cost_model import LINK_INTER, LINK_INTRA, CostModel
-from megatron_sap.planning.evaluate import ulysses_cost
-from megatron_sap.planning.placement import piece_cost
+from megatron_sap.planning.evaluate import ulysses_cost, whole_documents_s
 
 from .data import CORPORA, document_lengths
 from .packing import pack
@@ -106,8 +105,7 @@ def sap_bound_s(cu_seqlens: list[int], P: int, inner: int, model: CostModel) -> 
     U, R = inner, P // inner
     T = cu_seqlens[-1]
     lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
-    work = sum(piece_cost(model, 0, n) for n in lengths)
-    ideal = (1.0 + model.backward_factor) * model.compute_seconds(float(work)) / P
+    ideal = whole_documents_s(lengths, P, model)
     group = T / R
     groups_per_node = max(1, model.gpus_per_node // U)
     longest = max(lengths)

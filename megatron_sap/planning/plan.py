@@ -12,8 +12,8 @@ import torch
 
 from ..validation import check_divisible, cu_seqlens_to_list
 from .cost_model import CostModel
-from .evaluate import Evaluation, evaluate
-from .placement import Placement, candidates, piece_cost
+from .evaluate import Evaluation, evaluate, whole_documents_s
+from .placement import Placement, candidates
 from .program import RankProgram, _Layout, compile_program
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -320,9 +320,7 @@ def plan_sequences(
     # No placement beats every document computed whole, spread evenly, with no
     # communication (splitting only adds tile rounding): once a candidate is within
     # TIME_TOLERANCE of that bound, the rest cannot be meaningfully faster.
-    bound = (1.0 + model.backward_factor) * model.compute_seconds(
-        float(sum(piece_cost(model, 0, n) for n in lengths))
-    ) / world
+    bound = whole_documents_s(lengths, world, model)
     by_layout: dict[tuple, Evaluation] = {}  # greedy passes at nearby slacks often agree
     for placement in candidates(doc_starts, lengths, outer_size, capacity, model, slacks, rank_node):
         ev = by_layout.get(placement.ranks)
