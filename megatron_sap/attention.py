@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .comm.p2p import PendingExchange, post_exchange
-from .comm.ulysses import GatherHeads, ScatterHeads, check_heads
+from .comm.ulysses import GatherHeads, ScatterHeads, check_heads, replicate_kv_heads
 from .kernels import merge_into, varlen_backward, varlen_forward
 from .planning import Plan, RankProgram
 
@@ -270,9 +270,7 @@ def sap_attention(
     U = 1 if groups is None else groups.inner_size
     if U == 1:
         return _SAPOuterAttention.apply(q, k, v, plan, outer, scale, backend, recompute_kv)
-    replicate = check_heads(q.shape[1], k.shape[1], U)
-    if replicate > 1:  # gradients of the copies sum back through autograd
-        k, v = k.repeat_interleave(replicate, dim=1), v.repeat_interleave(replicate, dim=1)
+    k, v = replicate_kv_heads(k, v, U)  # heads checked by _check_inputs
     q_h, k_h, v_h = ScatterHeads.apply(groups.inner_group, INNER_STEP, q, k, v)
     out_h = _SAPOuterAttention.apply(q_h, k_h, v_h, plan, outer, scale, backend, recompute_kv)
     (out,) = GatherHeads.apply(groups.inner_group, INNER_STEP, out_h)

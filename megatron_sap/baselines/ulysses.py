@@ -27,6 +27,7 @@ from megatron_sap.baselines.common import (
     total_causal_pairs,
     zero_padding_rows,
 )
+from megatron_sap.comm import ulysses
 from megatron_sap.comm.ulysses import GatherHeads, ScatterHeads
 from megatron_sap.kernels import varlen_backward, varlen_forward
 from megatron_sap.planning.cost_model import CostModel
@@ -57,17 +58,10 @@ def kv_heads_per_rank(num_heads: int, num_kv_heads: int, size: int) -> int:
 
 
 def replicate_kv_heads(k: Tensor, v: Tensor, num_heads: int, size: int) -> tuple[Tensor, Tensor]:
-    """K and V with the head order the head all-to-all expects.
-
-    When Hkv < size, head j of the result is the KV head read by rank j's query heads
-    (index_select, so the replicas' gradients sum in backward).
-    """
-    num_kv_heads = k.shape[1]
-    kv_heads_per_rank(num_heads, num_kv_heads, size)
-    if num_kv_heads % size == 0:
-        return k, v
-    index = (torch.arange(size) * num_kv_heads // size).to(k.device)
-    return k.index_select(1, index), v.index_select(1, index)
+    """K and V with the head order the head all-to-all expects (`comm.ulysses.replicate_kv_heads`),
+    after checking that the heads split over `size` ranks."""
+    kv_heads_per_rank(num_heads, k.shape[1], size)
+    return ulysses.replicate_kv_heads(k, v, size)
 
 
 class VarlenAttention(torch.autograd.Function):

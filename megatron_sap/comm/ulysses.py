@@ -83,8 +83,8 @@ class GatherHeads(torch.autograd.Function):
         return (None, None, *scatter_heads(grads, ctx.group, f"{ctx.step} (backward)"))
 
 
-def check_heads(num_heads: int, num_kv_heads: int, inner_size: int) -> int:
-    """KV-head replication factor for an inner group of `inner_size` ranks.
+def check_heads(num_heads: int, num_kv_heads: int, inner_size: int) -> None:
+    """Check that the heads split over an inner group of `inner_size` ranks.
 
     Query heads must divide by U. KV heads split evenly when U divides them; when
     there are fewer KV heads than U, each is replicated U / Hkv times (U must be a
@@ -98,10 +98,21 @@ def check_heads(num_heads: int, num_kv_heads: int, inner_size: int) -> int:
                 f"key/value heads ({num_kv_heads}) must be divisible by the inner size ({inner_size}), "
                 f"or be fewer than it and divide it"
             )
-        return 1
+        return
     if inner_size % num_kv_heads:
         raise ValueError(
             f"key/value heads ({num_kv_heads}) fewer than the inner size ({inner_size}) must divide it "
             f"so they can be replicated"
         )
-    return inner_size // num_kv_heads
+
+
+def replicate_kv_heads(k: torch.Tensor, v: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V with the head order `ScatterHeads` over `size` ranks expects (the heads
+    checked by `check_heads`): unchanged when the KV heads split evenly; with fewer KV
+    heads than ranks, head j of the result is the KV head rank j's query heads read
+    (index_select, so the replicas' gradients sum in backward)."""
+    num_kv_heads = k.shape[1]
+    if num_kv_heads % size == 0:
+        return k, v
+    index = (torch.arange(size) * num_kv_heads // size).to(k.device)
+    return k.index_select(1, index), v.index_select(1, index)
