@@ -385,7 +385,7 @@ def candidates(
         for split in ("contiguous", "zigzag"):
             yield passes.place(s, split)
     if num_ranks > 1:
-        yield passes.place(min(slacks), "zigzag", spread=True)
+        yield passes.place(min(slacks, default=0.0), "zigzag", spread=True)
         z = zigzag(doc_starts, lengths, num_ranks, capacity)
         if z is not None:
             yield z
