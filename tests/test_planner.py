@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import megatron_sap as sap
 from megatron_sap.plan import main as plan_cli
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
-from megatron_sap.planning.evaluate import evaluate
+from megatron_sap.planning.evaluate import evaluate, whole_documents_s
 from megatron_sap.planning.placement import candidates, greedy
 from megatron_sap.planning.plan import DEFAULT_SLACKS, TIME_TOLERANCE
 
@@ -251,19 +251,57 @@ def test_chosen_candidate_is_the_fastest(batch):
     TIME_TOLERANCE of it, the one moving fewest bytes."""
     cu, outer, inner = batch
     plan = plan_of(cu, outer, inner)
-    considered = plan.considered
-    order = [p.strategy for p in candidates_of(cu, outer, inner)]
-    assert list(considered) == order[: len(considered)]
+    considered, pruned = plan.considered, plan.pruned
+    placements = candidates_of(cu, outer, inner)
+    order = [p.strategy for p in placements]
+    weighed = [name for name in order if name in considered or name in pruned]
+    assert weighed == order[: len(weighed)] and len(weighed) == len(considered) + len(pruned)
     model = CostModel.preset("h100")
     whole = sum(model.block_pairs(b - a, b - a, True) for a, b in zip(cu, cu[1:]))
     bound = (1 + model.backward_factor) * model.compute_seconds(whole) / (outer * inner)
     assert min(considered.values()) >= bound * (1 - 1e-9)  # it is a lower bound
-    if len(considered) < len(order):  # stopped early: the last one weighed reached the bound
-        assert list(considered.values())[-1] <= bound * (1 + TIME_TOLERANCE)
+    if len(weighed) < len(order):  # stopped early: the last one weighed reached the bound
+        assert considered[weighed[-1]] <= bound * (1 + TIME_TOLERANCE)
     assert considered[plan.strategy] == plan.evaluation.makespan_s
     fastest = min(considered.values())
     assert plan.evaluation.makespan_s <= fastest * (1 + TIME_TOLERANCE) + 1e-15
+    # A pruned candidate's floor is a floor, and puts it out of reach of the choice.
+    by_name = {p.strategy: p for p in placements}
+    for name, floor in pruned.items():
+        assert floor > fastest * (1 + TIME_TOLERANCE)
+        assert evaluate(by_name[name], cu[:-1], inner, model).makespan_s >= floor * (1 - 1e-9)
     assert plan.stats()["candidates_modelled_time_s"] == considered
+    assert plan.stats()["candidates_pruned_floor_s"] == pruned
+
+
+def pruned_count(seed: int, outer: int, inner: int) -> int:
+    """Plan a realistic row; check that the plan equals the one chosen by evaluating
+    every candidate; return how many candidates pruning skipped."""
+    cu = realistic_cu_seqlens(65536, seed)
+    model = CostModel.preset("h100")
+    plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
+    evaluations = []
+    bound = whole_documents_s(np.diff(cu).tolist(), outer * inner, model)
+    for placement in candidates_of(cu, outer, inner):
+        evaluations.append((placement, evaluate(placement, cu[:-1], inner, model)))
+        if evaluations[-1][1].makespan_s <= bound * (1 + TIME_TOLERANCE):
+            break
+    fastest = min(ev.makespan_s for _, ev in evaluations)
+    near = [(p, ev) for p, ev in evaluations if ev.makespan_s <= fastest * (1 + TIME_TOLERANCE)]
+    chosen = min(near, key=lambda pe: (int(pe[1].traffic_tokens.sum()), pe[1].makespan_s))[0]
+    assert plan.placement.ranks == chosen.ranks
+    assert len(plan.considered) + len(plan.pruned) == len(evaluations)
+    return len(plan.pruned)
+
+
+@pytest.mark.parametrize("seed, outer, inner", [(0, 8, 1), (1, 8, 1), (2, 8, 8), (3, 4, 2)])
+def test_pruning_does_not_change_the_plan(seed, outer, inner):
+    pruned_count(seed, outer, inner)
+
+
+def test_pruning_skips_most_candidates_on_one_node():
+    """On one node the busiest rank's compute decides most candidates."""
+    assert sum(pruned_count(seed, 8, 1) for seed in range(3)) >= 3
 
 
 def candidates_of(cu: list[int], outer: int, inner: int) -> list:
@@ -387,7 +425,7 @@ def test_cli_prints_layout_and_writes_png(tmp_path, capsys):
     assert "T=8192 tokens, 5 documents" in out and "R=4 x inner U=2" in out
     plan = sap.plan_sequences([0, 3000, 3100, 3101, 5000, 8192], outer_size=4, inner_size=2, cache=None)
     assert f"chosen: {plan.strategy}" in out and f"{plan.strategy}  <- chosen" in out
-    assert all(name in out for name in plan.considered)
+    assert all(name in out for name in plan.considered) and all(name in out for name in plan.pruned)
     assert "d2(1)" in out  # a whole one-token document
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -43,11 +43,13 @@ class Piece(NamedTuple):
 
 @dataclass(frozen=True)
 class Placement:
-    """Pieces held by each rank (sorted by position), `capacity` tokens per rank."""
+    """Pieces held by each rank (sorted by position), `capacity` tokens per rank;
+    `tile_pairs`, when the strategy tracked them, each rank's tile-rounded pairs."""
 
     capacity: int
     ranks: tuple[tuple[Piece, ...], ...]
     strategy: str
+    tile_pairs: tuple[int, ...] | None = None
 
     @property
     def num_ranks(self) -> int:
@@ -331,7 +333,7 @@ class _Greedy:
             if room[r]:
                 raise AssertionError(f"placement {strategy} gave rank {r} {self.capacity - room[r]} tokens, expected {self.capacity}")
         ranks = tuple([tuple(chain.from_iterable(map(itemgetter(1), sorted(h)))) for h in held])
-        return Placement(self.capacity, ranks, strategy)
+        return Placement(self.capacity, ranks, strategy, tuple(load))
 
 
 def _node_local(eligible: list[int], k: int, rank_node: list[int], load: list[int]) -> list[int]:

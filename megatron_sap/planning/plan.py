@@ -12,7 +12,7 @@ import torch
 
 from ..validation import check_divisible, cu_seqlens_to_list
 from .cost_model import CostModel
-from .evaluate import Evaluation, evaluate, whole_documents_s
+from .evaluate import Evaluation, compute_floor_s, evaluate, whole_documents_s
 from .placement import Placement, candidates
 from .program import RankProgram, _Layout, compile_program
 
@@ -37,7 +37,8 @@ class Plan:
     cost_model: CostModel
     placement: Placement
     evaluation: Evaluation
-    considered: dict[str, float]  # modelled makespan of every candidate, by strategy
+    considered: dict[str, float]  # modelled makespan of every candidate evaluated, by strategy
+    pruned: dict[str, float] = field(default_factory=dict)  # floor on the modelled makespan of the others
     _layout: _Layout | None = field(default=None, repr=False)
     _programs: dict[tuple[int, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -176,6 +177,7 @@ class Plan:
             "modelled_time_s": ev.makespan_s,
             "ideal_time_s": ev.ideal_s,
             "candidates_modelled_time_s": dict(self.considered),
+            "candidates_pruned_floor_s": dict(self.pruned),
         }
 
 
@@ -289,7 +291,9 @@ def plan_sequences(
     cost model; the one with the lowest modelled forward+backward layer time wins
     (within 1%, the one that moves fewer bytes). The search stops at the first
     candidate within 1% of the lower bound (all compute spread evenly, no
-    communication), which no other candidate could beat by more than that.
+    communication), which no other candidate could beat by more than that; a
+    candidate whose busiest rank's compute alone is over 1% slower than the fastest so
+    far is not evaluated (`Plan.pruned`).
     Plans are cached by (cu_seqlens, sizes, cost model): a repeated batch shape costs a
     dictionary lookup. Pass `cache=None` to bypass the cache.
     """
@@ -322,20 +326,28 @@ def plan_sequences(
     # TIME_TOLERANCE of that bound, the rest cannot be meaningfully faster.
     bound = whole_documents_s(lengths, world, model)
     by_layout: dict[tuple, Evaluation] = {}  # greedy passes at nearby slacks often agree
+    pruned: dict[str, float] = {}
+    fastest = float("inf")
     for placement in candidates(doc_starts, lengths, outer_size, capacity, model, slacks, rank_node):
         ev = by_layout.get(placement.ranks)
         if ev is None:
+            # A candidate whose busiest rank alone computes for longer than TIME_TOLERANCE
+            # over the fastest so far can be neither chosen nor near the choice.
+            floor = compute_floor_s(placement, inner_size, model)
+            if floor is not None and floor > fastest * (1 + TIME_TOLERANCE):
+                pruned[placement.strategy] = floor
+                continue
             ev = by_layout[placement.ranks] = evaluate(placement, doc_starts, inner_size, model)
             evaluated.append((placement, ev))
         considered[placement.strategy] = ev.makespan_s
+        fastest = min(fastest, ev.makespan_s)
         if ev.makespan_s <= bound * (1 + TIME_TOLERANCE):
             break
     # The fastest candidate; among those within TIME_TOLERANCE of it, the one that moves
     # the fewest bytes (less contention with other traffic for the same modelled time).
-    fastest = min(ev.makespan_s for _, ev in evaluated)
     near = [(p, ev) for p, ev in evaluated if ev.makespan_s <= fastest * (1 + TIME_TOLERANCE)]
     best = min(near, key=lambda pe: (int(pe[1].traffic_tokens.sum()), pe[1].makespan_s))
-    plan = Plan(tuple(cu), outer_size, inner_size, model, best[0], best[1], considered)
+    plan = Plan(tuple(cu), outer_size, inner_size, model, best[0], best[1], considered, pruned)
     if cache is not None:
         if key is None:
             key = (tuple(cu), outer_size, inner_size, model, slacks)
