@@ -249,20 +249,19 @@ class _Greedy:
         self.cost = [_tile_pairs(self.tile, 0, n) for n in lengths]
         self.total = sum(self.cost)
         self.order = sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-self.cost[d], d))
+        # Each document kept whole, as held by its rank.
+        self.whole = [(s, (Piece(d, s, s + n),)) for d, (s, n) in enumerate(zip(doc_starts, lengths))]
         self._entries: dict[tuple[int, int, str], tuple[_Held, ...]] = {}  # (doc, k, split) -> per slot
 
     def _put(self, d: int, split: str, option: tuple, load: list[int], room: list[int], held: list[list[_Held]]) -> None:
         """Place document d as `option` = (peak, k, ranks, cut): slot i of the cut (the whole
         document when k = 1) on the i-th rank. The pieces are built once per batch."""
         _, k, chosen, cut = option
-        entries = self._entries.get((d, k, split))
+        entries = (self.whole[d],) if cut is None else self._entries.get((d, k, split))
         if entries is None:
             start, n = self.starts[d], self.lengths[d]
-            if cut is None:
-                slots = [[(0, n)]]
-            else:
-                slots = split_slots(n, k, split)
-                slots = [[(o, size) for o, size in slots[i] if size] for i in cut.heavy_first]
+            slots = split_slots(n, k, split)
+            slots = [[(o, size) for o, size in slots[i] if size] for i in cut.heavy_first]
             entries = tuple([(start + slot[0][0], tuple([Piece(d, start + o, start + o + size) for o, size in slot])) for slot in slots])
             self._entries[d, k, split] = entries
         sizes, costs = ((self.lengths[d],), (self.cost[d],)) if cut is None else (cut.sizes, cut.costs)
@@ -285,10 +284,12 @@ class _Greedy:
             whole = next((r for r in by_load if room[r] >= n), None)
             options: list[tuple[int, int, list[int], _Split | None]] = []  # (peak, k, ranks, cut)
             if whole is not None:
-                options.append((load[whole] + c, 1, [whole], None))
-                if options[0][0] <= limit:
-                    self._put(d, split, options[0], load, room, held)
+                if load[whole] + c <= limit:
+                    room[whole] -= n
+                    load[whole] += c
+                    held[whole].append(self.whole[d])
                     continue
+                options.append((load[whole] + c, 1, [whole], None))
             degrees = _split_degrees(c, [load[r] for r in by_load], limit, min(R, n))
             if spread and degrees and c > share:
                 # A document heavier than a rank's share: as wide as chunks of at least a
