@@ -250,14 +250,14 @@ class _Greedy:
         self.total = sum(self.cost)
         self.order = sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-self.cost[d], d))
         # Each document kept whole, as held by its rank.
-        self.whole = [(s, (Piece(d, s, s + n),)) for d, (s, n) in enumerate(zip(doc_starts, lengths))]
+        self.whole_entry = [(s, (Piece(d, s, s + n),)) for d, (s, n) in enumerate(zip(doc_starts, lengths))]
         self._entries: dict[tuple[int, int, str], tuple[_Held, ...]] = {}  # (doc, k, split) -> per slot
 
     def _put(self, d: int, split: str, option: tuple, load: list[int], room: list[int], held: list[list[_Held]]) -> None:
         """Place document d as `option` = (peak, k, ranks, cut): slot i of the cut (the whole
         document when k = 1) on the i-th rank. The pieces are built once per batch."""
         _, k, chosen, cut = option
-        entries = (self.whole[d],) if cut is None else self._entries.get((d, k, split))
+        entries = (self.whole_entry[d],) if cut is None else self._entries.get((d, k, split))
         if entries is None:
             start, n = self.starts[d], self.lengths[d]
             slots = split_slots(n, k, split)
@@ -287,7 +287,7 @@ class _Greedy:
                 if load[whole] + c <= limit:
                     room[whole] -= n
                     load[whole] += c
-                    held[whole].append(self.whole[d])
+                    held[whole].append(self.whole_entry[d])
                     continue
                 options.append((load[whole] + c, 1, [whole], None))
             degrees = _split_degrees(c, [load[r] for r in by_load], limit, min(R, n))
