@@ -115,17 +115,6 @@ def whole_documents_s(lengths: list[int], world_size: int, model: CostModel) -> 
     return (1.0 + model.backward_factor) * model.compute_seconds(float(work)) / world_size
 
 
-def compute_floor_s(placement: Placement, inner_size: int, model: CostModel) -> float | None:
-    """A floor on `evaluate(placement, ...).makespan_s` from its tile pairs alone: the
-    busiest rank's kernel time, forward and backward, plus the all-to-alls (a pass takes
-    at least its compute however its transfers overlap). None when the placement does
-    not carry its tile pairs."""
-    if placement.tile_pairs is None:
-        return None
-    busiest = model.compute_seconds(float(max(placement.tile_pairs, default=0)), head_fraction=1.0 / inner_size)
-    return (1.0 + model.backward_factor) * busiest + ulysses_cost(model, placement.capacity, inner_size)[1]
-
-
 def ulysses_cost(model: CostModel, group_tokens: float, inner_size: int) -> tuple[float, float]:
     """Bytes each inner rank sends in the Ulysses all-to-alls of one layer (forward +
     backward) and their time, for an inner group holding `group_tokens` tokens.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate, chain
 from operator import add, attrgetter, itemgetter
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from .cost_model import CostModel
 
@@ -54,6 +54,14 @@ class Placement:
     @property
     def num_ranks(self) -> int:
         return len(self.ranks)
+
+
+class Abandoned(NamedTuple):
+    """A greedy pass given up once a rank's tile pairs passed the cap it was given:
+    any placement it could finish has a rank at least that loaded."""
+
+    strategy: str
+    tile_pairs: int  # the busiest rank's tile pairs when the pass stopped
 
 
 def piece_cost(model: CostModel, offset: int, length: int) -> int:
@@ -270,8 +278,9 @@ class _Greedy:
             load[r] += pairs
             held[r].append(entry)
 
-    def place(self, slack: float, split: str, spread: bool = False) -> Placement:
-        """One greedy pass at `slack` (see `greedy`)."""
+    def place(self, slack: float, split: str, spread: bool = False, cap: float | None = None) -> Placement | Abandoned:
+        """One greedy pass at `slack` (see `greedy`); given up as soon as a rank's tile
+        pairs exceed `cap` (loads only grow during a pass)."""
         R, lengths, cost = self.R, self.lengths, self.cost
         share = self.total / R
         limit = (1.0 + slack) * share
@@ -279,6 +288,8 @@ class _Greedy:
         load, room = [0] * R, [self.capacity] * R
         held: list[list[_Held]] = [[] for _ in range(R)]
         for d in self.order:
+            if cap is not None and max(load) > cap:
+                return Abandoned(strategy, max(load))
             n, c = lengths[d], cost[d]
             by_load = sorted(range(R), key=load.__getitem__)
             whole = next((r for r in by_load if room[r] >= n), None)
@@ -333,6 +344,8 @@ class _Greedy:
         for r in range(R):
             if room[r]:
                 raise AssertionError(f"placement {strategy} gave rank {r} {self.capacity - room[r]} tokens, expected {self.capacity}")
+        if cap is not None and max(load) > cap:
+            return Abandoned(strategy, max(load))
         ranks = tuple([tuple(chain.from_iterable(map(itemgetter(1), sorted(h)))) for h in held])
         return Placement(self.capacity, ranks, strategy, tuple(load))
 
@@ -377,18 +390,24 @@ def candidates(
     model: CostModel,
     slacks: tuple[float, ...],
     rank_node: list[int] | None = None,
-) -> Iterator[Placement]:
+    cap: Callable[[], float | None] | None = None,
+) -> Iterator[Placement | Abandoned]:
     """Every placement the planner weighs, built lazily in the order it weighs them:
     sequence-aware ones from the tightest slack (the most balanced) up, the split mode
     that moves fewer bytes first; then one that spreads each document heavier than a
     rank's share over as many ranks as it can (balance when one document dominates the
-    work, worth its traffic where links are fast); then the zigzag and contiguous layouts."""
+    work, worth its traffic where links are fast); then the zigzag and contiguous layouts.
+
+    `cap()`, read before each greedy pass, is the most tile pairs a rank may reach
+    before the pass is not worth finishing (None: no cap); a pass that passes it
+    yields `Abandoned`."""
     passes = _Greedy(doc_starts, lengths, num_ranks, capacity, model, rank_node)
+    cap = cap or (lambda: None)
     for s in slacks:
         for split in ("contiguous", "zigzag"):
-            yield passes.place(s, split)
+            yield passes.place(s, split, cap=cap())
     if num_ranks > 1:
-        yield passes.place(min(slacks, default=0.0), "zigzag", spread=True)
+        yield passes.place(min(slacks, default=0.0), "zigzag", spread=True, cap=cap())
         z = zigzag(doc_starts, lengths, num_ranks, capacity)
         if z is not None:
             yield z

@@ -12,8 +12,8 @@ import torch
 
 from ..validation import check_divisible, cu_seqlens_to_list
 from .cost_model import CostModel
-from .evaluate import Evaluation, compute_floor_s, evaluate, whole_documents_s
-from .placement import Placement, candidates
+from .evaluate import Evaluation, evaluate, ulysses_cost, whole_documents_s
+from .placement import Abandoned, Placement, candidates
 from .program import RankProgram, _Layout, compile_program
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -293,7 +293,7 @@ def plan_sequences(
     candidate within 1% of the lower bound (all compute spread evenly, no
     communication), which no other candidate could beat by more than that; a
     candidate whose busiest rank's compute alone is over 1% slower than the fastest so
-    far is not evaluated (`Plan.pruned`).
+    far is not evaluated, nor a greedy pass finished once it gets there (`Plan.pruned`).
     Plans are cached by (cu_seqlens, sizes, cost model): a repeated batch shape costs a
     dictionary lookup. Pass `cache=None` to bypass the cache.
     """
@@ -326,14 +326,25 @@ def plan_sequences(
     # TIME_TOLERANCE of that bound, the rest cannot be meaningfully faster.
     bound = whole_documents_s(lengths, world, model)
     by_layout: dict[tuple, Evaluation] = {}  # greedy passes at nearby slacks often agree
+    # A candidate whose busiest rank's compute alone (no pass is shorter than its
+    # compute), plus the all-to-alls, is over TIME_TOLERANCE slower than the fastest so
+    # far can be neither chosen nor near the choice: it is not evaluated, and a greedy
+    # pass stops as soon as a rank's tile pairs put it there.
+    a2a_s = ulysses_cost(model, capacity, inner_size)[1]
+    pair_s = (1.0 + model.backward_factor) * model.compute_seconds(1.0, head_fraction=1.0 / inner_size)
     pruned: dict[str, float] = {}
     fastest = float("inf")
-    for placement in candidates(doc_starts, lengths, outer_size, capacity, model, slacks, rank_node):
+
+    def pairs_cap() -> float | None:
+        return None if fastest == float("inf") else (fastest * (1 + TIME_TOLERANCE) - a2a_s) / pair_s
+
+    for placement in candidates(doc_starts, lengths, outer_size, capacity, model, slacks, rank_node, pairs_cap):
+        if isinstance(placement, Abandoned):
+            pruned[placement.strategy] = pair_s * placement.tile_pairs + a2a_s
+            continue
         ev = by_layout.get(placement.ranks)
         if ev is None:
-            # A candidate whose busiest rank alone computes for longer than TIME_TOLERANCE
-            # over the fastest so far can be neither chosen nor near the choice.
-            floor = compute_floor_s(placement, inner_size, model)
+            floor = None if placement.tile_pairs is None else pair_s * max(placement.tile_pairs) + a2a_s
             if floor is not None and floor > fastest * (1 + TIME_TOLERANCE):
                 pruned[placement.strategy] = floor
                 continue
