@@ -274,6 +274,22 @@ def test_chosen_candidate_is_the_fastest(batch):
     assert plan.stats()["candidates_pruned_floor_s"] == pruned
 
 
+def test_greedy_pass_stops_at_its_cap():
+    """A pass given a cap below its busiest rank's final tile pairs stops with a floor
+    that does not exceed them; a cap at or above them changes nothing."""
+    from megatron_sap.planning.placement import Abandoned, _Greedy
+
+    cu = realistic_cu_seqlens(65536, 4)
+    model = CostModel.preset("h100")
+    passes = _Greedy(cu[:-1], np.diff(cu).tolist(), 8, cu[-1] // 8, model, None)
+    full = passes.place(0.05, "zigzag")
+    busiest = max(full.tile_pairs)
+    assert passes.place(0.05, "zigzag", cap=busiest) == full
+    stopped = passes.place(0.05, "zigzag", cap=busiest // 2)
+    assert isinstance(stopped, Abandoned) and stopped.strategy == full.strategy
+    assert busiest // 2 < stopped.tile_pairs <= busiest
+
+
 def pruned_count(seed: int, outer: int, inner: int) -> int:
     """Plan a realistic row; check that the plan equals the one chosen by evaluating
     every candidate; return how many candidates pruning skipped."""
