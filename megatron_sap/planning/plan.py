@@ -335,16 +335,19 @@ def plan_sequences(
     pruned: dict[str, float] = {}
     fastest = float("inf")
 
-    def pairs_cap() -> float | None:
+    def floor_s(busiest_pairs: int) -> float:
+        return pair_s * busiest_pairs + a2a_s
+
+    def pairs_cap() -> float | None:  # the busiest tile pairs whose floor_s stays within reach
         return None if fastest == float("inf") else (fastest * (1 + TIME_TOLERANCE) - a2a_s) / pair_s
 
     for placement in candidates(doc_starts, lengths, outer_size, capacity, model, slacks, rank_node, pairs_cap):
         if isinstance(placement, Abandoned):
-            pruned[placement.strategy] = pair_s * placement.tile_pairs + a2a_s
+            pruned[placement.strategy] = floor_s(placement.tile_pairs)
             continue
         ev = by_layout.get(placement.ranks)
         if ev is None:
-            floor = None if placement.tile_pairs is None else pair_s * max(placement.tile_pairs) + a2a_s
+            floor = None if placement.tile_pairs is None else floor_s(max(placement.tile_pairs))
             if floor is not None and floor > fastest * (1 + TIME_TOLERANCE):
                 pruned[placement.strategy] = floor
                 continue
