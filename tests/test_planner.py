@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import megatron_sap as sap
 from megatron_sap.plan import main as plan_cli
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
-from megatron_sap.planning.evaluate import evaluate, whole_documents_s
+from megatron_sap.planning.evaluate import evaluate, rank_work, ulysses_cost, whole_documents_s
 from megatron_sap.planning.placement import candidates, greedy
 from megatron_sap.planning.plan import DEFAULT_SLACKS, TIME_TOLERANCE
 
@@ -149,6 +149,47 @@ def test_every_candidate_is_a_placement(batch):
         assert (covered == 1).all(), placement.strategy
 
 
+def work_from_pieces(placement, cu: list[int], model: CostModel) -> tuple[list[int], list[int], list[int], np.ndarray]:
+    """Per rank: exact pairs, tile pairs, tile pairs with local keys and the [R, R] KV
+    traffic, read off the pieces one by one (an independent reference for `rank_work`)."""
+    R = placement.num_ranks
+    exact, tiles, local = [0] * R, [0] * R, [0] * R
+    traffic = np.zeros((R, R), dtype=np.int64)
+    for r, pieces in enumerate(placement.ranks):
+        for p in pieces:
+            doc_start, n = cu[p.doc], p.end - p.start
+            exact[r] += sum(q - doc_start + 1 for q in range(p.start, p.end))
+            own_before = sum(o.end - o.start for o in pieces if o.doc == p.doc and o.end <= p.start)
+            diagonal = model.block_pairs(n, n, causal=True)
+            tiles[r] += diagonal + model.block_pairs(n, p.start - doc_start, causal=False)
+            local[r] += diagonal + model.block_pairs(n, own_before, causal=False)
+    for dst, pieces in enumerate(placement.ranks):
+        for doc in {p.doc for p in pieces}:
+            last_start = max(p.start for p in pieces if p.doc == doc)  # keys needed: the document before it
+            for src, others in enumerate(placement.ranks):
+                if src != dst:
+                    traffic[src, dst] += sum(o.end - o.start for o in others if o.doc == doc and o.end <= last_start)
+    return exact, tiles, local, traffic
+
+
+@SETTINGS
+@given(batches(max_world=32, max_tokens=384))
+def test_every_candidate_evaluates_as_its_pieces(batch):
+    """The evaluation sums each document's cut (chunk sizes, memoised sends); the same
+    quantities read off the pieces rank by rank agree exactly."""
+    cu, outer, inner = batch
+    model = CostModel.preset("h100")
+    rank_node = [model.node_of(r * inner) for r in range(outer)]
+    for placement in candidates(cu[:-1], np.diff(cu).tolist(), outer, cu[-1] // outer, model, DEFAULT_SLACKS, rank_node):
+        exact, tiles, local, traffic = work_from_pieces(placement, cu, model)
+        got_exact, got_local, got_traffic = rank_work(placement, model.tile)
+        assert got_exact.tolist() == exact and got_local.tolist() == local, placement.strategy
+        assert list(placement.tile_pairs) == tiles, placement.strategy
+        assert (got_traffic == traffic).all(), placement.strategy
+        ev = evaluate(placement, inner, model)
+        assert ev.tile_pairs.tolist() == tiles and (ev.traffic_tokens == traffic).all()
+
+
 # ---- input validation -------------------------------------------------------------------------
 @settings(max_examples=40, deadline=None)
 @given(layouts(), st.integers(1, 2000))
@@ -247,7 +288,7 @@ def test_default_cache_is_used_without_argument():
 @given(batches())
 def test_chosen_candidate_is_the_fastest(batch):
     """Candidates are weighed in order until one is within TIME_TOLERANCE of the lower bound
-    (no communication, all compute spread evenly); the plan is the fastest weighed or, within
+    (all compute spread evenly, no communication but the all-to-alls); the plan is the fastest weighed or, within
     TIME_TOLERANCE of it, the one moving fewest bytes."""
     cu, outer, inner = batch
     plan = plan_of(cu, outer, inner)
@@ -258,7 +299,8 @@ def test_chosen_candidate_is_the_fastest(batch):
     assert weighed == order[: len(weighed)] and len(weighed) == len(considered) + len(pruned)
     model = CostModel.preset("h100")
     whole = sum(model.block_pairs(b - a, b - a, True) for a, b in zip(cu, cu[1:]))
-    bound = (1 + model.backward_factor) * model.compute_seconds(whole) / (outer * inner)
+    a2a_s = ulysses_cost(model, cu[-1] // outer, inner)[1]
+    bound = (1 + model.backward_factor) * model.compute_seconds(whole) / (outer * inner) + a2a_s
     assert min(considered.values()) >= bound * (1 - 1e-9)  # it is a lower bound
     if len(weighed) < len(order):  # stopped early: the last one weighed reached the bound
         assert considered[weighed[-1]] <= bound * (1 + TIME_TOLERANCE)
@@ -269,7 +311,7 @@ def test_chosen_candidate_is_the_fastest(batch):
     by_name = {p.strategy: p for p in placements}
     for name, floor in pruned.items():
         assert floor > fastest * (1 + TIME_TOLERANCE)
-        assert evaluate(by_name[name], cu[:-1], inner, model).makespan_s >= floor * (1 - 1e-9)
+        assert evaluate(by_name[name], inner, model).makespan_s >= floor * (1 - 1e-9)
     assert plan.stats()["candidates_modelled_time_s"] == considered
     assert plan.stats()["candidates_pruned_floor_s"] == pruned
 
@@ -297,9 +339,9 @@ def pruned_count(seed: int, outer: int, inner: int) -> int:
     model = CostModel.preset("h100")
     plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
     evaluations = []
-    bound = whole_documents_s(np.diff(cu).tolist(), outer * inner, model)
+    bound = whole_documents_s(np.diff(cu).tolist(), outer * inner, model) + ulysses_cost(model, cu[-1] // outer, inner)[1]
     for placement in candidates_of(cu, outer, inner):
-        evaluations.append((placement, evaluate(placement, cu[:-1], inner, model)))
+        evaluations.append((placement, evaluate(placement, inner, model)))
         if evaluations[-1][1].makespan_s <= bound * (1 + TIME_TOLERANCE):
             break
     fastest = min(ev.makespan_s for _, ev in evaluations)
@@ -373,7 +415,7 @@ def test_spread_pass_splits_a_dominant_document_over_every_rank():
     for spread in (False, True):
         placement = greedy(starts, lengths, 8, 131072 // 8, model, 0.0, split="zigzag", spread=spread)
         holders = {r for r, pieces in enumerate(placement.ranks) for p in pieces if p.doc == 0}
-        pairs = evaluate(placement, starts, 1, model).tile_pairs
+        pairs = evaluate(placement, 1, model).tile_pairs
         results[spread] = (len(holders), pairs.max() / pairs.mean())
     assert results[False][0] < 8 and results[True][0] == 8
     assert results[True][1] < results[False][1] and results[True][1] < 1.03
@@ -397,7 +439,7 @@ def candidates_digest(cu: list[int], outer: int, inner: int) -> str:
     rank_node = [model.node_of(r * inner) for r in range(outer)]
     text = []
     for placement in candidates(starts, lengths, outer, cu[-1] // outer, model, DEFAULT_SLACKS, rank_node):
-        ev = evaluate(placement, starts, inner, model)
+        ev = evaluate(placement, inner, model)
         text.append(repr((placement.strategy, [[(p.doc, p.start, p.end) for p in r] for r in placement.ranks])))
         text.append(repr((ev.exact_pairs.tolist(), ev.tile_pairs.tolist(), ev.traffic_tokens.tolist())))
         text.append(" ".join(f"{x:.9g}" for x in [*ev.rank_time_s, ev.makespan_s, ev.ideal_s, ev.a2a_bytes]))

@@ -141,7 +141,7 @@ def test_every_candidate_compiles_correctly(seed):
     placements = list(candidates(cu[:-1], np.diff(cu).tolist(), outer, total // outer, model, DEFAULT_SLACKS))
     assert {p.strategy for p in placements} >= {"zigzag", "contiguous"}
     for placement in placements:
-        evaluation = evaluate(placement, cu[:-1], 1, model)
+        evaluation = evaluate(placement, 1, model)
         check_programs(sap.Plan(tuple(cu), outer, 1, model, placement, evaluation, {}))
         assert [p.rank for p in compile_all(placement)] == list(range(outer))
 

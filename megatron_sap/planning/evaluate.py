@@ -40,71 +40,46 @@ class Evaluation:
     ideal_s: float
 
 
-def _ceil_div(a: np.ndarray, b: int) -> np.ndarray:
-    return -(-a // b)
+def rank_work(placement: Placement, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per outer rank: exact causal pairs and tile-rounded pairs whose keys it holds
+    (float64 arrays of length R), and the [R, R] forward KV traffic in tokens (row
+    sends to column), from the head and tail chunk of every slot of every document.
 
-
-def _piece_arrays(placement: Placement, doc_starts: np.ndarray) -> tuple[np.ndarray, ...]:
-    """start, length, doc and rank of every piece, in packed-position order.
-
-    Pieces are non-empty and disjoint, so position order is (document, start) order; a
-    piece's document is the last one starting at or before it (earlier documents that
-    start at the same position are empty).
-    """
-    ranks = placement.ranks
-    start = np.array([p.start for pieces in ranks for p in pieces], dtype=np.int64)
-    end = np.array([p.end for pieces in ranks for p in pieces], dtype=np.int64)
-    rank = np.repeat(np.arange(len(ranks)), [len(pieces) for pieces in ranks])
-    order = np.argsort(start, kind="stable")
-    start, end, rank = start[order], end[order], rank[order]
-    doc = np.searchsorted(doc_starts, start, side="right") - 1
-    return start, end - start, doc, rank
-
-
-def _tokens_before(placement: Placement, doc_starts: list[int]) -> tuple[np.ndarray, ...]:
-    """Per piece (position order): length, offset in its document, rank, the tokens its rank
-    holds of the document before it; and the [R, R] forward KV traffic in tokens.
-
-    `held[r, i]`: tokens of rank r in pieces 0..i; a rank needs every earlier piece of the
-    document up to its last piece there (pieces of one rank in one document need not be
-    adjacent).
+    A slot's tail comes after its head, so the head is the tail's only local earlier
+    key; what slots send each other is the cut's `sends`.
     """
     R = placement.num_ranks
-    starts = np.asarray(doc_starts, dtype=np.int64)
-    start, length, doc, rank = _piece_arrays(placement, starts)
-    n = len(start)
-    traffic = np.zeros((R, R), dtype=np.int64)
-    if n == 0:
-        return length, start, rank, start, traffic
-    index = np.arange(n)
-    offset = start - starts[doc]
-    first_of_doc = np.ones(n, dtype=bool)
-    first_of_doc[1:] = doc[1:] != doc[:-1]
-    doc_first = np.maximum.accumulate(np.where(first_of_doc, index, 0))
-
-    held = np.zeros((R, n), dtype=np.int64)
-    held[rank, index] = length
-    np.cumsum(held, axis=1, out=held)
-
-    def before(r: np.ndarray, i: np.ndarray) -> np.ndarray:
-        """Tokens of rank r[j] in pieces 0..i[j]-1."""
-        return held[r, i] - np.where(rank[i] == r, length[i], 0)
-
-    own_before = before(rank, index) - before(rank, doc_first)
-
-    key = doc * R + rank
-    _, last_reversed = np.unique(key[::-1], return_index=True)
-    last = n - 1 - last_reversed  # the last piece of each (document, rank)
-    first = doc_first[last]
-    need = held[:, last] - held[:, first]  # [R, M]: tokens of each rank between first and last
-    need[rank[last], np.arange(len(last))] -= length[last]
-    need[rank[first], np.arange(len(last))] += length[first]
-    by_dst = np.argsort(rank[last], kind="stable")
-    dst = rank[last][by_dst]
-    bounds = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
-    traffic[:, dst[bounds]] = np.add.reduceat(need[:, by_dst], bounds, axis=1)
-    np.fill_diagonal(traffic, 0)
-    return length, offset, rank, own_before, traffic
+    rank: list[int] = []
+    head: list[int] = []
+    head_at: list[int] = []
+    tail: list[int] = []
+    tail_at: list[int] = []
+    for record in placement.records:
+        cut = record.cut
+        rank.extend(record.ranks)
+        head.extend(cut.heads)
+        head_at.extend(cut.head_at)
+        tail.extend(cut.tails)
+        tail_at.extend(cut.tail_at)
+    rank_a, h, ho, tl, to = (np.array(x, dtype=np.int64) for x in (rank, head, head_at, tail, tail_at))
+    nh, nt = -(-h // tile), -(-tl // tile)
+    exact = h * (h + 1) // 2 + h * ho + tl * (tl + 1) // 2 + tl * to
+    local = tile * tile * (nh * (nh + 1) // 2 + nt * (nt + 1) // 2 + nt * -(-h // tile))
+    exact_pairs = np.bincount(rank_a, weights=exact, minlength=R)
+    local_pairs = np.bincount(rank_a, weights=local, minlength=R)
+    # Scatter every document's slot-to-slot sends to its ranks (a rank holds one slot
+    # of a document, so no two entries of one document land on the same pair).
+    index, tokens = [], []
+    for record in placement.records:
+        sends = record.cut.sends
+        if sends is not None:
+            ranks = np.array(record.ranks)
+            index.append((ranks[:, None] * R + ranks).ravel())
+            tokens.append(sends.ravel())
+    if not tokens:
+        return exact_pairs, local_pairs, np.zeros((R, R), dtype=np.int64)
+    traffic = np.bincount(np.concatenate(index), weights=np.concatenate(tokens), minlength=R * R)
+    return exact_pairs, local_pairs, traffic.astype(np.int64).reshape(R, R)
 
 
 def whole_documents_s(lengths: list[int], world_size: int, model: CostModel) -> float:
@@ -133,20 +108,11 @@ def ulysses_cost(model: CostModel, group_tokens: float, inner_size: int) -> tupl
     return 2 * per_pass, 2 * (2 * (U - 1) * latency + per_pass / model.bandwidth(LINK_INTRA))
 
 
-def evaluate(placement: Placement, doc_starts: list[int], inner_size: int, model: CostModel) -> Evaluation:
+def evaluate(placement: Placement, inner_size: int, model: CostModel) -> Evaluation:
     """Model one attention layer (forward + backward) for `placement`."""
-    R, U, t = placement.num_ranks, inner_size, model.tile
-    length, offset, rank, own_before, traffic = _tokens_before(placement, doc_starts)
-
-    nq = _ceil_div(length, t)
-    diag = t * t * nq * (nq + 1) // 2
-    tile_all = diag + t * t * nq * _ceil_div(offset, t)
-    tile_local = diag + t * t * nq * _ceil_div(own_before, t)
-    exact = length * (length + 1) // 2 + length * offset
-
-    exact_pairs = np.bincount(rank, weights=exact, minlength=R)
-    tile_pairs = np.bincount(rank, weights=tile_all, minlength=R)
-    local_pairs = np.bincount(rank, weights=tile_local, minlength=R)
+    R, U = placement.num_ranks, inner_size
+    exact_pairs, local_pairs, traffic = rank_work(placement, model.tile)
+    tile_pairs = np.array(placement.tile_pairs, dtype=np.float64)
 
     outer_nodes = np.array([model.node_of(r * U) for r in range(R)])
     intra = outer_nodes[:, None] == outer_nodes[None, :]

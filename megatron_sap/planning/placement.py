@@ -12,16 +12,22 @@ Every rank holds exactly `capacity` tokens. Candidate strategies:
   without padding).
 - ``contiguous``: the packed row cut into R equal contiguous slices (all-gather layout).
 
-The planner evaluates every candidate with the cost model and keeps the fastest.
+A placement is stored as one `Record` per document: the document's `Cut` (its slots,
+each the pieces one rank holds) and the rank of each slot. The evaluation works on the
+cuts' chunk sizes in a few array operations, and the pieces per rank are built only
+when asked for (the chosen candidate). The planner evaluates every candidate with the
+cost model and keeps the fastest.
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from itertools import accumulate, chain
-from operator import add, attrgetter, itemgetter
-from typing import Callable, Iterator, NamedTuple
+from operator import add, itemgetter
+from typing import Callable, Iterator, NamedTuple, Sequence
+
+import numpy as np
 
 from .cost_model import CostModel
 
@@ -41,29 +47,6 @@ class Piece(NamedTuple):
         return self.end - self.start
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Pieces held by each rank (sorted by position), `capacity` tokens per rank;
-    `tile_pairs`, when the strategy tracked them, each rank's tile-rounded pairs."""
-
-    capacity: int
-    ranks: tuple[tuple[Piece, ...], ...]
-    strategy: str
-    tile_pairs: tuple[int, ...] | None = None
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self.ranks)
-
-
-class Abandoned(NamedTuple):
-    """A greedy pass given up once a rank's tile pairs passed the cap it was given:
-    any placement it could finish has a rank at least that loaded."""
-
-    strategy: str
-    tile_pairs: int  # the busiest rank's tile pairs when the pass stopped
-
-
 def piece_cost(model: CostModel, offset: int, length: int) -> int:
     """Tile-rounded pairs of a piece at `offset` in its document: its causal diagonal
     block plus one full block over every earlier key of the document."""
@@ -74,6 +57,62 @@ def _tile_pairs(t: int, offset: int, length: int) -> int:
     """`piece_cost` for a tile of t tokens."""
     nq = -(-length // t)
     return t * t * (nq * (nq + 1) // 2 + nq * -(-offset // t))
+
+
+class Cut:
+    """A document cut into consecutive chunks of the given sizes and dealt to slots, one
+    slot per rank: `paired`, 2k chunks with slot i holding chunks i and 2k-1-i
+    (head-to-tail, so causal work balances); otherwise slot i holds chunk i. Every slot
+    is a head chunk and a tail chunk later in the document, either possibly empty (an
+    unpaired cut has empty tails).
+
+    The greedy weighs slots heaviest first (`order`, stable) with their `heavy_sizes`
+    and tile-rounded `heavy_costs`; the evaluation adds up `sends`.
+    """
+
+    def __init__(self, chunks: Sequence[int], paired: bool, tile: int):
+        offsets = list(accumulate(chunks, initial=0))
+        n = len(chunks)
+        k = n // 2 if paired else n
+        self.heads, self.head_at = tuple(chunks[:k]), tuple(offsets[:k])
+        if paired:
+            self.tails, self.tail_at = tuple(chunks[: k - 1 : -1]), tuple(offsets[n - 1 : k - 1 : -1])
+        else:
+            self.tails, self.tail_at = (0,) * k, self.head_at
+        t = tile
+        sizes, costs = [], []
+        for h, ho, tl, to in zip(self.heads, self.head_at, self.tails, self.tail_at):
+            nh, nt = -(-h // t), -(-tl // t)
+            sizes.append(h + tl)
+            costs.append(t * t * (nh * (nh + 1) // 2 + nh * -(-ho // t) + nt * (nt + 1) // 2 + nt * -(-to // t)))
+        self.sizes, self.costs = tuple(sizes), tuple(costs)
+        self.order = tuple(sorted(range(k), key=costs.__getitem__, reverse=True))
+        self.heavy_sizes = tuple([sizes[i] for i in self.order])
+        self.heavy_costs = tuple([costs[i] for i in self.order])
+        self.need = max(sizes, default=0)
+
+    @cached_property
+    def sends(self) -> np.ndarray | None:
+        """[k, k]: the forward KV tokens slot j sends slot i, which needs every other
+        slot's tokens before its own last piece: with a tail (after every head, and
+        after the tails of later slots), every other head and the tails of later slots;
+        without, the heads of earlier slots. None for a single slot."""
+        k = len(self.heads)
+        if k < 2:
+            return None
+        h, tl = np.array(self.heads, dtype=np.int64), np.array(self.tails, dtype=np.int64)
+        j, i = np.arange(k)[:, None], np.arange(k)[None, :]
+        sends = np.where(tl[None, :] > 0, h[:, None] + np.where(j > i, tl[:, None], 0), np.where(j < i, h[:, None], 0))
+        sends[:, h + tl == 0] = 0
+        np.fill_diagonal(sends, 0)
+        return sends
+
+    def slots(self) -> list[list[tuple[int, int]]]:
+        """Per slot, its non-empty pieces as (offset in the document, size), in order."""
+        return [
+            [(o, n) for o, n in ((ho, h), (to, tl)) if n]
+            for h, ho, tl, to in zip(self.heads, self.head_at, self.tails, self.tail_at)
+        ]
 
 
 def chunk_sizes(length: int, k: int) -> list[int]:
@@ -87,8 +126,10 @@ def chunk_sizes(length: int, k: int) -> list[int]:
     return sizes
 
 
-def split_slots(length: int, k: int, split: str) -> list[list[tuple[int, int]]]:
-    """How a document of `length` tokens is cut over k ranks: per rank, its (offset, size) pieces.
+@lru_cache(maxsize=4096)  # a 128K-token batch weighs about 500 cuts (lengths recur across batches)
+def split_cut(length: int, k: int, split: str, tile: int) -> Cut:
+    """How a document of `length` tokens is cut over k ranks; memoised, because the
+    greedy weighs the same cuts at every slack (and lengths recur across batches).
 
     ``zigzag``: 2k chunks paired head-to-tail, equal causal work per rank.
     ``contiguous``: k consecutive equal pieces. Later pieces carry more causal work but
@@ -97,89 +138,90 @@ def split_slots(length: int, k: int, split: str) -> list[list[tuple[int, int]]]:
     documents.
     """
     if split == "zigzag":
-        sizes = chunk_sizes(length, k)
-        offsets = [0]
-        for size in sizes:
-            offsets.append(offsets[-1] + size)
-        return [[(offsets[i], sizes[i]), (offsets[2 * k - 1 - i], sizes[2 * k - 1 - i])] for i in range(k)]
+        return Cut(chunk_sizes(length, k), True, tile)
     if split == "contiguous":
-        bounds = [length * i // k for i in range(k + 1)]
-        return [[(bounds[i], bounds[i + 1] - bounds[i])] for i in range(k)]
+        return Cut([length * (i + 1) // k - length * i // k for i in range(k)], False, tile)
     raise ValueError(f"unknown split {split!r}; expected 'zigzag' or 'contiguous'")
 
 
-class _Split(NamedTuple):
-    """A document of one length cut over k ranks (`split_slots`), slots heaviest first
-    (stable), with the costs the greedy weighs."""
+class Record(NamedTuple):
+    """Where one document lives: slot i of `cut` on rank `ranks[i]`; `start` is the
+    document's first packed position."""
 
-    heavy_first: tuple[int, ...]  # slot indices of split_slots, heaviest first
-    sizes: tuple[int, ...]  # their tokens
-    costs: tuple[int, ...]  # their tile-rounded pairs (non-increasing)
-    need: int  # tokens of the largest slot
-
-
-@lru_cache(maxsize=4096)  # a 128K-token batch weighs about 500 splits (lengths recur across batches)
-def _split(length: int, k: int, split: str, tile: int) -> _Split:
-    """Sizes and tile-rounded costs of `split_slots(length, k, split)`, computed without
-    building the slots; memoised, because the greedy weighs the same splits at every slack."""
-    if split == "contiguous":
-        bounds = [length * i // k for i in range(k + 1)]
-        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-        costs = [_tile_pairs(tile, a, n) for a, n in zip(bounds, sizes)]
-    elif split == "zigzag":
-        chunks = chunk_sizes(length, k)
-        offsets = list(accumulate(chunks, initial=0))
-        pairs = list(zip(range(k), range(2 * k - 1, k - 1, -1)))  # slot i: chunks i and 2k-1-i
-        sizes = [chunks[i] + chunks[j] for i, j in pairs]
-        costs = [_tile_pairs(tile, offsets[i], chunks[i]) + _tile_pairs(tile, offsets[j], chunks[j]) for i, j in pairs]
-    else:
-        raise ValueError(f"unknown split {split!r}; expected 'zigzag' or 'contiguous'")
-    heavy_first = sorted(range(k), key=costs.__getitem__, reverse=True)
-    return _Split(
-        tuple(heavy_first), tuple([sizes[i] for i in heavy_first]), tuple([costs[i] for i in heavy_first]), max(sizes)
-    )
+    doc: int
+    start: int
+    ranks: tuple[int, ...]
+    cut: Cut
 
 
-def _zigzag_pieces(doc: int, start: int, sizes: list[int]) -> list[list[Piece]]:
-    """Cut a document into chunks of `sizes` and pair them head-to-tail: result[i] = pieces of pair i."""
-    k = len(sizes) // 2
-    bounds = [start]
-    for s in sizes:
-        bounds.append(bounds[-1] + s)
-    pairs: list[list[Piece]] = []
-    for i in range(k):
-        j = 2 * k - 1 - i
-        pair = [Piece(doc, bounds[c], bounds[c + 1]) for c in (i, j) if sizes[c] > 0]
-        pairs.append(pair)
-    return pairs
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """`capacity` tokens on each of `num_ranks` ranks, one record per non-empty
+    document, and each rank's tile-rounded pairs. Equal placements hold equal pieces."""
+
+    capacity: int
+    num_ranks: int
+    records: tuple[Record, ...]
+    strategy: str
+    tile_pairs: tuple[int, ...]
+
+    @cached_property
+    def ranks(self) -> tuple[tuple[Piece, ...], ...]:
+        """The pieces each rank holds, sorted by position."""
+        held: list[list[tuple[int, tuple[Piece, ...]]]] = [[] for _ in range(self.num_ranks)]
+        for doc, start, ranks, cut in self.records:
+            for r, slot in zip(ranks, cut.slots()):
+                if slot:
+                    held[r].append((start + slot[0][0], tuple([Piece(doc, start + o, start + o + n) for o, n in slot])))
+        return tuple([tuple(chain.from_iterable(map(itemgetter(1), sorted(h)))) for h in held])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Placement):
+            return NotImplemented
+        return (self.capacity, self.strategy, self.ranks) == (other.capacity, other.strategy, other.ranks)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
-_by_start = attrgetter("start")
+class Abandoned(NamedTuple):
+    """A greedy pass given up once a rank's tile pairs passed the cap it was given:
+    any placement it could finish has a rank at least that loaded."""
+
+    strategy: str
+    tile_pairs: int  # the busiest rank's tile pairs when the pass stopped
 
 
-def _finish(capacity: int, per_rank: list[list[Piece]], strategy: str) -> Placement:
-    ranks = tuple(tuple(sorted(p, key=_by_start)) for p in per_rank)
-    for r, pieces in enumerate(ranks):
-        held = sum([end - start for _, start, end in pieces])
-        if held != capacity:
-            raise AssertionError(f"placement {strategy} gave rank {r} {held} tokens, expected {capacity}")
-    return Placement(capacity, ranks, strategy)
+def _finish(capacity: int, num_ranks: int, records: list[Record], strategy: str) -> Placement:
+    """The placement of these records, checked to give every rank `capacity` tokens."""
+    ranks = list(chain.from_iterable(rec.ranks for rec in records))
+    sizes = list(chain.from_iterable(rec.cut.sizes for rec in records))
+    costs = list(chain.from_iterable(rec.cut.costs for rec in records))
+    held = np.bincount(ranks, weights=sizes, minlength=num_ranks)
+    wrong = np.flatnonzero(held != capacity)
+    if len(wrong):
+        r = int(wrong[0])
+        raise AssertionError(f"placement {strategy} gave rank {r} {int(held[r])} tokens, expected {capacity}")
+    pairs = np.bincount(ranks, weights=costs, minlength=num_ranks)
+    return Placement(capacity, num_ranks, tuple(records), strategy, tuple([int(x) for x in pairs]))
 
 
-def contiguous(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: int) -> Placement:
+def contiguous(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: int, tile: int) -> Placement:
     """Rank r holds the packed positions [r*capacity, (r+1)*capacity)."""
-    per_rank: list[list[Piece]] = [[] for _ in range(num_ranks)]
+    records = []
     for d, (s, n) in enumerate(zip(doc_starts, lengths)):
-        pos, end = s, s + n
-        while pos < end:
-            r = pos // capacity
-            cut = min(end, (r + 1) * capacity)
-            per_rank[r].append(Piece(d, pos, cut))
-            pos = cut
-    return _finish(capacity, per_rank, "contiguous")
+        if n == 0:
+            continue
+        first, last = s // capacity, (s + n - 1) // capacity
+        if first == last:
+            records.append(Record(d, s, (first,), split_cut(n, 1, "contiguous", tile)))
+            continue
+        bounds = [s, *range((first + 1) * capacity, last * capacity + 1, capacity), s + n]
+        chunks = [b - a for a, b in zip(bounds, bounds[1:])]
+        records.append(Record(d, s, tuple(range(first, last + 1)), Cut(chunks, False, tile)))
+    return _finish(capacity, num_ranks, records, "contiguous")
 
 
-def zigzag(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: int) -> Placement | None:
+def zigzag(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: int, tile: int) -> Placement | None:
     """Every document over all ranks in head-to-tail chunk pairs.
 
     The longest document absorbs the rounding so that every rank ends with exactly
@@ -190,27 +232,22 @@ def zigzag(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: 
         return None
     absorber = max(docs, key=lambda d: (lengths[d], -d))
     held = [0] * num_ranks
-    per_rank: list[list[Piece]] = [[] for _ in range(num_ranks)]
+    records = []
     for d in docs:
         if d == absorber:
             continue
-        sizes = chunk_sizes(lengths[d], num_ranks)
+        cut = split_cut(lengths[d], num_ranks, "zigzag", tile)
         # Pair i of chunk_sizes is the largest for small i: give it to the emptiest rank.
-        ranks_by_room = sorted(range(num_ranks), key=held.__getitem__)  # stable: ties by rank
-        for i, pair in enumerate(_zigzag_pieces(d, doc_starts[d], sizes)):
-            r = ranks_by_room[i]
-            per_rank[r].extend(pair)
-            held[r] += sizes[i] + sizes[2 * num_ranks - 1 - i]
+        ranks_by_room = tuple(sorted(range(num_ranks), key=held.__getitem__))  # stable: ties by rank
+        for r, size in zip(ranks_by_room, cut.sizes):
+            held[r] += size
+        records.append(Record(d, doc_starts[d], ranks_by_room, cut))
     need = [capacity - h for h in held]
     if min(need) < 0:
         return None
-    sizes = []
-    for r in range(num_ranks):
-        sizes.append(need[r] // 2)
-    sizes += [need[r] - need[r] // 2 for r in reversed(range(num_ranks))]
-    for r, pair in enumerate(_zigzag_pieces(absorber, doc_starts[absorber], sizes)):
-        per_rank[r].extend(pair)
-    return _finish(capacity, per_rank, "zigzag")
+    chunks = [need[r] // 2 for r in range(num_ranks)] + [need[r] - need[r] // 2 for r in reversed(range(num_ranks))]
+    records.append(Record(absorber, doc_starts[absorber], tuple(range(num_ranks)), Cut(chunks, True, tile)))
+    return _finish(capacity, num_ranks, records, "zigzag")
 
 
 def greedy(
@@ -227,18 +264,15 @@ def greedy(
     """Sequence-aware placement: keep documents whole, split the ones that would
     overload a rank over as few ranks as possible, preferring ranks of one node
     (see module docstring). `rank_node[r]` is the node of rank r; `split` is how a
-    document is cut over k ranks (see `split_slots`); with `spread`, a document heavier
+    document is cut over k ranks (see `split_cut`); with `spread`, a document heavier
     than one rank's share of the work is split as wide as the ranks' room and chunks of
     at least one tile allow, instead of over the fewest ranks."""
     return _Greedy(doc_starts, lengths, num_ranks, capacity, model, rank_node).place(slack, split, spread)
 
 
-_Held = tuple[int, tuple[Piece, ...]]  # a document's pieces on one rank, keyed by their first start
-
-
 class _Greedy:
-    """The greedy passes over one batch: costs, the document order and the pieces of
-    every placed cut are computed once and shared by the passes at every slack."""
+    """The greedy passes over one batch: costs, the document order and each document
+    kept whole are computed once and shared by the passes at every slack."""
 
     def __init__(
         self,
@@ -257,59 +291,42 @@ class _Greedy:
         self.cost = [_tile_pairs(self.tile, 0, n) for n in lengths]
         self.total = sum(self.cost)
         self.order = sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-self.cost[d], d))
-        # Each document kept whole, as held by its rank.
-        self.whole_entry = [(s, (Piece(d, s, s + n),)) for d, (s, n) in enumerate(zip(doc_starts, lengths))]
-        self._entries: dict[tuple[int, int, str], tuple[_Held, ...]] = {}  # (doc, k, split) -> per slot
-
-    def _put(self, d: int, split: str, option: tuple, load: list[int], room: list[int], held: list[list[_Held]]) -> None:
-        """Place document d as `option` = (peak, k, ranks, cut): slot i of the cut (the whole
-        document when k = 1) on the i-th rank. The pieces are built once per batch."""
-        _, k, chosen, cut = option
-        entries = (self.whole_entry[d],) if cut is None else self._entries.get((d, k, split))
-        if entries is None:
-            start, n = self.starts[d], self.lengths[d]
-            slots = split_slots(n, k, split)
-            slots = [[(o, size) for o, size in slots[i] if size] for i in cut.heavy_first]
-            entries = tuple([(start + slot[0][0], tuple([Piece(d, start + o, start + o + size) for o, size in slot])) for slot in slots])
-            self._entries[d, k, split] = entries
-        sizes, costs = ((self.lengths[d],), (self.cost[d],)) if cut is None else (cut.sizes, cut.costs)
-        for r, size, pairs, entry in zip(chosen, sizes, costs, entries):
-            room[r] -= size
-            load[r] += pairs
-            held[r].append(entry)
+        self.whole = {d: split_cut(lengths[d], 1, "contiguous", self.tile) for d in self.order}
 
     def place(self, slack: float, split: str, spread: bool = False, cap: float | None = None) -> Placement | Abandoned:
         """One greedy pass at `slack` (see `greedy`); given up as soon as a rank's tile
         pairs exceed `cap` (loads only grow during a pass)."""
-        R, lengths, cost = self.R, self.lengths, self.cost
+        R, lengths, cost, starts, tile = self.R, self.lengths, self.cost, self.starts, self.tile
         share = self.total / R
         limit = (1.0 + slack) * share
         strategy = f"greedy(slack={slack:g}, {split}{', spread' if spread else ''})"
         load, room = [0] * R, [self.capacity] * R
-        held: list[list[_Held]] = [[] for _ in range(R)]
+        records: list[Record] = []
+        busiest = 0
         for d in self.order:
-            if cap is not None and max(load) > cap:
-                return Abandoned(strategy, max(load))
+            if cap is not None and busiest > cap:
+                return Abandoned(strategy, busiest)
             n, c = lengths[d], cost[d]
             by_load = sorted(range(R), key=load.__getitem__)
             whole = next((r for r in by_load if room[r] >= n), None)
-            options: list[tuple[int, int, list[int], _Split | None]] = []  # (peak, k, ranks, cut)
+            options: list[tuple[int, int, list[int], Cut]] = []  # (peak, k, ranks heaviest slot first, cut)
             if whole is not None:
                 if load[whole] + c <= limit:
                     room[whole] -= n
                     load[whole] += c
-                    held[whole].append(self.whole_entry[d])
+                    busiest = max(busiest, load[whole])
+                    records.append(Record(d, starts[d], (whole,), self.whole[d]))
                     continue
-                options.append((load[whole] + c, 1, [whole], None))
+                options.append((load[whole] + c, 1, [whole], self.whole[d]))
             degrees = _split_degrees(c, [load[r] for r in by_load], limit, min(R, n))
             if spread and degrees and c > share:
                 # A document heavier than a rank's share: as wide as chunks of at least a
                 # tile and the ranks' room allow; the usual degrees as fallback.
-                widest = min(n // (2 * self.tile), sum(1 for r in by_load if room[r] >= -(-n // R)))
+                widest = min(n // (2 * tile), sum(1 for r in by_load if room[r] >= -(-n // R)))
                 if widest > degrees[0]:
                     degrees = [widest] + degrees
             for k in degrees:
-                cut = _split(n, k, split, self.tile)
+                cut = split_cut(n, k, split, tile)
                 eligible = [r for r in by_load if room[r] >= cut.need]
                 if len(eligible) < k:
                     continue
@@ -318,7 +335,7 @@ class _Greedy:
                 best_here = None
                 for chosen in (near, first) if near != first else (near,):
                     # The heaviest slot goes to the least-loaded chosen rank.
-                    peak = max(map(add, map(load.__getitem__, chosen), cut.costs))
+                    peak = max(map(add, map(load.__getitem__, chosen), cut.heavy_costs))
                     if best_here is None or (best_here[0] > limit and peak < best_here[0]):
                         best_here = (peak, k, chosen, cut)
                 options.append(best_here)
@@ -327,27 +344,35 @@ class _Greedy:
             if options:
                 # The loop stops at the first k within the limit; else take the lowest peak.
                 best = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
-                self._put(d, split, best, load, room, held)
+                _, k, chosen, cut = best
+                ranks = [0] * k
+                for slot, r, size, pairs in zip(cut.order, chosen, cut.heavy_sizes, cut.heavy_costs):
+                    ranks[slot] = r
+                    room[r] -= size
+                    load[r] += pairs
+                busiest = max(busiest, max(map(load.__getitem__, chosen)))
+                records.append(Record(d, starts[d], tuple(ranks), cut))
             else:
                 # Fragmented room: cut the document over the ranks with the most room.
-                start = self.starts[d]
-                pos, end = start, start + n
+                offset, ranks, chunks = 0, [], []
                 for r in sorted(range(R), key=lambda r: (-room[r], load[r], r)):
-                    if pos == end:
+                    if offset == n:
                         break
-                    take = min(room[r], end - pos)
+                    take = min(room[r], n - offset)
                     if take > 0:
-                        held[r].append((pos, (Piece(d, pos, pos + take),)))
+                        ranks.append(r)
+                        chunks.append(take)
                         room[r] -= take
-                        load[r] += _tile_pairs(self.tile, pos - start, take)
-                        pos += take
+                        load[r] += _tile_pairs(tile, offset, take)
+                        busiest = max(busiest, load[r])
+                        offset += take
+                records.append(Record(d, starts[d], tuple(ranks), Cut(chunks, False, tile)))
         for r in range(R):
             if room[r]:
                 raise AssertionError(f"placement {strategy} gave rank {r} {self.capacity - room[r]} tokens, expected {self.capacity}")
-        if cap is not None and max(load) > cap:
-            return Abandoned(strategy, max(load))
-        ranks = tuple([tuple(chain.from_iterable(map(itemgetter(1), sorted(h)))) for h in held])
-        return Placement(self.capacity, ranks, strategy, tuple(load))
+        if cap is not None and busiest > cap:
+            return Abandoned(strategy, busiest)
+        return Placement(self.capacity, R, tuple(records), strategy, tuple(load))
 
 
 def _node_local(eligible: list[int], k: int, rank_node: list[int], load: list[int]) -> list[int]:
@@ -408,7 +433,7 @@ def candidates(
             yield passes.place(s, split, cap=cap())
     if num_ranks > 1:
         yield passes.place(min(slacks, default=0.0), "zigzag", spread=True, cap=cap())
-        z = zigzag(doc_starts, lengths, num_ranks, capacity)
+        z = zigzag(doc_starts, lengths, num_ranks, capacity, model.tile)
         if z is not None:
             yield z
-        yield contiguous(doc_starts, lengths, num_ranks, capacity)
+        yield contiguous(doc_starts, lengths, num_ranks, capacity, model.tile)

@@ -142,7 +142,7 @@ class Plan:
         head slice (1/U of the outer traffic) and add the Ulysses all-to-all (intra-node).
         """
         m = cost_model or self.cost_model
-        ev = self.evaluation if cost_model is None else evaluate(self.placement, list(self.cu_seqlens[:-1]), self.inner_size, m)
+        ev = self.evaluation if cost_model is None else evaluate(self.placement, self.inner_size, m)
         U = self.inner_size
         traffic = ev.traffic_tokens
         kv = m.kv_bytes_per_token / U
@@ -291,8 +291,8 @@ def plan_sequences(
     cost model; the one with the lowest modelled forward+backward layer time wins
     (within 1%, the one that moves fewer bytes). The search stops at the first
     candidate within 1% of the lower bound (all compute spread evenly, no
-    communication), which no other candidate could beat by more than that; a
-    candidate whose busiest rank's compute alone is over 1% slower than the fastest so
+    communication but the Ulysses all-to-alls), which no other candidate could beat
+    by more than that; a candidate whose busiest rank's compute alone is over 1% slower than the fastest so
     far is not evaluated, nor a greedy pass finished once it gets there (`Plan.pruned`).
     Plans are cached by (cu_seqlens, sizes, cost model): a repeated batch shape costs a
     dictionary lookup. Pass `cache=None` to bypass the cache.
@@ -321,17 +321,20 @@ def plan_sequences(
     evaluated: list[tuple[Placement, Evaluation]] = []
     considered: dict[str, float] = {}
     rank_node = [model.node_of(r * inner_size) for r in range(outer_size)]
-    # No placement beats every document computed whole, spread evenly, with no
-    # communication (splitting only adds tile rounding): once a candidate is within
-    # TIME_TOLERANCE of that bound, the rest cannot be meaningfully faster.
-    bound = whole_documents_s(lengths, world, model)
-    by_layout: dict[tuple, Evaluation] = {}  # greedy passes at nearby slacks often agree
     # A candidate whose busiest rank's compute alone (no pass is shorter than its
     # compute), plus the all-to-alls, is over TIME_TOLERANCE slower than the fastest so
     # far can be neither chosen nor near the choice: it is not evaluated, and a greedy
     # pass stops as soon as a rank's tile pairs put it there.
     a2a_s = ulysses_cost(model, capacity, inner_size)[1]
     pair_s = (1.0 + model.backward_factor) * model.compute_seconds(1.0, head_fraction=1.0 / inner_size)
+    # No placement beats every document computed whole, spread evenly, with no
+    # communication but the all-to-alls every candidate pays (splitting only adds tile
+    # rounding): once a candidate is within TIME_TOLERANCE of that bound, the rest
+    # cannot be meaningfully faster.
+    bound = whole_documents_s(lengths, world, model) + a2a_s
+    # Greedy passes at nearby slacks often agree: equal records (memoised cuts on the
+    # same ranks) are one layout, evaluated once.
+    by_layout: dict[tuple, Evaluation] = {}
     pruned: dict[str, float] = {}
     fastest = float("inf")
 
@@ -342,16 +345,13 @@ def plan_sequences(
         return None if fastest == float("inf") else (fastest * (1 + TIME_TOLERANCE) - a2a_s) / pair_s
 
     for placement in candidates(doc_starts, lengths, outer_size, capacity, model, slacks, rank_node, pairs_cap):
-        if isinstance(placement, Abandoned):
-            pruned[placement.strategy] = floor_s(placement.tile_pairs)
+        floor = floor_s(placement.tile_pairs if isinstance(placement, Abandoned) else max(placement.tile_pairs))
+        if isinstance(placement, Abandoned) or floor > fastest * (1 + TIME_TOLERANCE):
+            pruned[placement.strategy] = floor
             continue
-        ev = by_layout.get(placement.ranks)
+        ev = by_layout.get(placement.records)
         if ev is None:
-            floor = None if placement.tile_pairs is None else floor_s(max(placement.tile_pairs))
-            if floor is not None and floor > fastest * (1 + TIME_TOLERANCE):
-                pruned[placement.strategy] = floor
-                continue
-            ev = by_layout[placement.ranks] = evaluate(placement, doc_starts, inner_size, model)
+            ev = by_layout[placement.records] = evaluate(placement, inner_size, model)
             evaluated.append((placement, ev))
         considered[placement.strategy] = ev.makespan_s
         fastest = min(fastest, ev.makespan_s)
