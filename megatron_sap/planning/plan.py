@@ -292,8 +292,9 @@ def plan_sequences(
     (within 1%, the one that moves fewer bytes). The search stops at the first
     candidate within 1% of the lower bound (all compute spread evenly, no
     communication but the Ulysses all-to-alls), which no other candidate could beat
-    by more than that; a candidate whose busiest rank's compute alone is over 1% slower than the fastest so
-    far is not evaluated, nor a greedy pass finished once it gets there (`Plan.pruned`).
+    by more than that; a candidate whose busiest rank's compute alone is over 1%
+    slower than the fastest so far is not evaluated, nor a greedy pass finished once it
+    gets there (`Plan.pruned`).
     Plans are cached by (cu_seqlens, sizes, cost model): a repeated batch shape costs a
     dictionary lookup. Pass `cache=None` to bypass the cache.
     """
