@@ -79,12 +79,11 @@ class Cut:
             self.tails, self.tail_at = tuple(chunks[: k - 1 : -1]), tuple(offsets[n - 1 : k - 1 : -1])
         else:
             self.tails, self.tail_at = (0,) * k, self.head_at
-        t = tile
-        sizes, costs = [], []
-        for h, ho, tl, to in zip(self.heads, self.head_at, self.tails, self.tail_at):
-            nh, nt = -(-h // t), -(-tl // t)
-            sizes.append(h + tl)
-            costs.append(t * t * (nh * (nh + 1) // 2 + nh * -(-ho // t) + nt * (nt + 1) // 2 + nt * -(-to // t)))
+        sizes = [h + tl for h, tl in zip(self.heads, self.tails)]
+        costs = [
+            _tile_pairs(tile, ho, h) + _tile_pairs(tile, to, tl)
+            for h, ho, tl, to in zip(self.heads, self.head_at, self.tails, self.tail_at)
+        ]
         self.sizes, self.costs = tuple(sizes), tuple(costs)
         self.order = tuple(sorted(range(k), key=costs.__getitem__, reverse=True))
         self.heavy_sizes = tuple([sizes[i] for i in self.order])
