@@ -15,8 +15,9 @@ Every rank holds exactly `capacity` tokens. Candidate strategies:
 A placement is stored as one `Record` per document: the document's `Cut` (its slots,
 each the pieces one rank holds) and the rank of each slot. The evaluation works on the
 cuts' chunk sizes in a few array operations, and the pieces per rank are built only
-when asked for (the chosen candidate). The planner evaluates every candidate with the
-cost model and keeps the fastest.
+when asked for (the chosen candidate). Candidates are built as `Steps`, a document at
+a time with a `Tally` of their compute and transfers, so that the planner can give up
+one as soon as it can no longer be the fastest.
 """
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from itertools import accumulate, chain
 from operator import add, itemgetter
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, Generator, NamedTuple, Sequence
 
 import numpy as np
 
 from .cost_model import CostModel
+from .tally import Tally
 
 
 class Piece(NamedTuple):
@@ -105,6 +107,16 @@ class Cut:
         sends[:, h + tl == 0] = 0
         np.fill_diagonal(sends, 0)
         return sends
+
+    @cached_property
+    def send_tokens(self) -> tuple[int, ...]:
+        """Per slot, the KV tokens it sends the other slots."""
+        return (0,) if self.sends is None else tuple(self.sends.sum(1).tolist())
+
+    @cached_property
+    def recv_tokens(self) -> tuple[int, ...]:
+        """Per slot, the KV tokens it receives from the other slots."""
+        return (0,) if self.sends is None else tuple(self.sends.sum(0).tolist())
 
     def slots(self) -> list[list[tuple[int, int]]]:
         """Per slot, its non-empty pieces as (offset in the document, size), in order."""
@@ -182,12 +194,10 @@ class Placement:
     __hash__ = None  # type: ignore[assignment]
 
 
-class Abandoned(NamedTuple):
-    """A greedy pass given up once a rank's tile pairs passed the cap it was given:
-    any placement it could finish has a rank at least that loaded."""
-
-    strategy: str
-    tile_pairs: int  # the busiest rank's tile pairs when the pass stopped
+# A candidate built step by step: each step places documents and yields the floor of
+# its tally (seconds, see `Tally`, never decreasing); the generator returns the
+# placement (None where the layout is impossible).
+Steps = Generator[float, None, "Placement | None"]
 
 
 def _finish(capacity: int, num_ranks: int, records: list[Record], strategy: str) -> Placement:
@@ -256,17 +266,21 @@ def greedy(
     capacity: int,
     model: CostModel,
     slack: float,
-    rank_node: list[int] | None = None,
+    inner_size: int = 1,
     split: str = "zigzag",
     spread: bool = False,
 ) -> Placement:
     """Sequence-aware placement: keep documents whole, split the ones that would
     overload a rank over as few ranks as possible, preferring ranks of one node
-    (see module docstring). `rank_node[r]` is the node of rank r; `split` is how a
-    document is cut over k ranks (see `split_cut`); with `spread`, a document heavier
-    than one rank's share of the work is split as wide as the ranks' room and chunks of
-    at least one tile allow, instead of over the fewest ranks."""
-    return _Greedy(doc_starts, lengths, num_ranks, capacity, model, rank_node).place(slack, split, spread)
+    (see module docstring). Outer rank r is on node `model.node_of(r * inner_size)`;
+    `split` is how a document is cut over k ranks (see `split_cut`); with `spread`, a
+    document heavier than one rank's share of the work is split as wide as the ranks'
+    room and chunks of at least one tile allow, instead of over the fewest ranks."""
+    return _Greedy(doc_starts, lengths, num_ranks, capacity, model, inner_size).place(slack, split, spread)
+
+
+def greedy_name(slack: float, split: str, spread: bool = False) -> str:
+    return f"greedy(slack={slack:g}, {split}{', spread' if spread else ''})"
 
 
 class _Greedy:
@@ -280,11 +294,15 @@ class _Greedy:
         num_ranks: int,
         capacity: int,
         model: CostModel,
-        rank_node: list[int] | None,
+        inner_size: int = 1,
     ):
-        self.starts, self.lengths, self.R, self.capacity, self.tile = doc_starts, lengths, num_ranks, capacity, model.tile
-        self.rank_node = rank_node or [0] * num_ranks
-        ranks_per_node = Counter(self.rank_node)
+        self.starts, self.lengths, self.R, self.capacity = doc_starts, lengths, num_ranks, capacity
+        self.model, self.inner_size, self.tile = model, inner_size, model.tile
+        rank_node = [model.node_of(r * inner_size) for r in range(num_ranks)]
+        ranks_per_node = Counter(rank_node)
+        node_ids = {node: i for i, node in enumerate(ranks_per_node)}
+        self.node_index, self.num_nodes = [node_ids[node] for node in rank_node], len(node_ids)
+        self.per_node = max(ranks_per_node.values(), default=0)
         # With one node, or one rank per node, the node-local choice is the least-loaded ranks.
         self.node_aware = 1 < len(ranks_per_node) < num_ranks
         self.cost = [_tile_pairs(self.tile, 0, n) for n in lengths]
@@ -292,100 +310,109 @@ class _Greedy:
         self.order = sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-self.cost[d], d))
         self.whole = {d: split_cut(lengths[d], 1, "contiguous", self.tile) for d in self.order}
 
-    def place(self, slack: float, split: str, spread: bool = False, cap: float | None = None) -> Placement | Abandoned:
-        """One greedy pass at `slack` (see `greedy`); given up as soon as a rank's tile
-        pairs exceed `cap` (loads only grow during a pass)."""
-        R, lengths, cost, starts, tile = self.R, self.lengths, self.cost, self.starts, self.tile
+    def place(self, slack: float, split: str, spread: bool = False) -> Placement:
+        """One greedy pass at `slack` (see `greedy`)."""
+        return finish(self.steps(slack, split, spread))
+
+    def steps(self, slack: float, split: str, spread: bool = False) -> Steps:
+        """One greedy pass at `slack`, document by document: yields the tally's floor
+        after each, returns the placement."""
+        R, lengths, cost, starts = self.R, self.lengths, self.cost, self.starts
         share = self.total / R
         limit = (1.0 + slack) * share
-        strategy = f"greedy(slack={slack:g}, {split}{', spread' if spread else ''})"
-        load, room = [0] * R, [self.capacity] * R
+        strategy = greedy_name(slack, split, spread)
+        tally = Tally(R, self.inner_size, self.model)
+        load, room = tally.tiles, [self.capacity] * R
         records: list[Record] = []
-        busiest = 0
         for d in self.order:
-            if cap is not None and busiest > cap:
-                return Abandoned(strategy, busiest)
             n, c = lengths[d], cost[d]
             by_load = sorted(range(R), key=load.__getitem__)
-            whole = next((r for r in by_load if room[r] >= n), None)
+            whole = next((r for r in by_load if room[r] >= n), None) if n <= self.capacity else None
             options: list[tuple[int, int, list[int], Cut]] = []  # (peak, k, ranks heaviest slot first, cut)
+            placed = None
             if whole is not None:
                 if load[whole] + c <= limit:
-                    room[whole] -= n
-                    load[whole] += c
-                    busiest = max(busiest, load[whole])
-                    records.append(Record(d, starts[d], (whole,), self.whole[d]))
-                    continue
-                options.append((load[whole] + c, 1, [whole], self.whole[d]))
-            degrees = _split_degrees(c, [load[r] for r in by_load], limit, min(R, n))
-            if spread and degrees and c > share:
-                # A document heavier than a rank's share: as wide as chunks of at least a
-                # tile and the ranks' room allow; the usual degrees as fallback.
-                widest = min(n // (2 * tile), sum(1 for r in by_load if room[r] >= -(-n // R)))
-                if widest > degrees[0]:
-                    degrees = [widest] + degrees
-            for k in degrees:
-                cut = split_cut(n, k, split, tile)
-                eligible = [r for r in by_load if room[r] >= cut.need]
-                if len(eligible) < k:
-                    continue
-                first = eligible[:k]
-                near = _node_local(eligible, k, self.rank_node, load) if self.node_aware else first
-                best_here = None
-                for chosen in (near, first) if near != first else (near,):
-                    # The heaviest slot goes to the least-loaded chosen rank.
-                    peak = max(map(add, map(load.__getitem__, chosen), cut.heavy_costs))
-                    if best_here is None or (best_here[0] > limit and peak < best_here[0]):
-                        best_here = (peak, k, chosen, cut)
-                options.append(best_here)
-                if best_here[0] <= limit:
-                    break
-            if options:
-                # The loop stops at the first k within the limit; else take the lowest peak.
-                best = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
-                _, k, chosen, cut = best
-                ranks = [0] * k
-                for slot, r, size, pairs in zip(cut.order, chosen, cut.heavy_sizes, cut.heavy_costs):
-                    ranks[slot] = r
-                    room[r] -= size
-                    load[r] += pairs
-                busiest = max(busiest, max(map(load.__getitem__, chosen)))
-                records.append(Record(d, starts[d], tuple(ranks), cut))
-            else:
-                # Fragmented room: cut the document over the ranks with the most room.
-                offset, ranks, chunks = 0, [], []
-                for r in sorted(range(R), key=lambda r: (-room[r], load[r], r)):
-                    if offset == n:
-                        break
-                    take = min(room[r], n - offset)
-                    if take > 0:
-                        ranks.append(r)
-                        chunks.append(take)
-                        room[r] -= take
-                        load[r] += _tile_pairs(tile, offset, take)
-                        busiest = max(busiest, load[r])
-                        offset += take
-                records.append(Record(d, starts[d], tuple(ranks), Cut(chunks, False, tile)))
+                    placed = ((whole,), self.whole[d])
+                else:
+                    options.append((load[whole] + c, 1, [whole], self.whole[d]))
+            if placed is None:
+                placed = self._split(n, c, by_load, load, room, limit, share, split, spread, options)
+            ranks, cut = placed
+            for r, size in zip(ranks, cut.sizes):
+                room[r] -= size
+            tally.add(ranks, cut)
+            records.append(Record(d, starts[d], ranks, cut))
+            yield tally.floor_s
         for r in range(R):
             if room[r]:
                 raise AssertionError(f"placement {strategy} gave rank {r} {self.capacity - room[r]} tokens, expected {self.capacity}")
-        if cap is not None and busiest > cap:
-            return Abandoned(strategy, busiest)
         return Placement(self.capacity, R, tuple(records), strategy, tuple(load))
 
+    def _split(self, n, c, by_load, load, room, limit, share, split, spread, options) -> tuple[tuple[int, ...], Cut]:
+        """Where a document of n tokens and c tile pairs goes when it is not kept whole:
+        (rank of each slot, cut)."""
+        R, tile = self.R, self.tile
+        degrees = _split_degrees(c, list(map(load.__getitem__, by_load)), limit, min(R, n))
+        if spread and degrees and c > share:
+            # A document heavier than a rank's share: as wide as chunks of at least a
+            # tile and the ranks' room allow; the usual degrees as fallback.
+            widest = min(n // (2 * tile), sum(1 for r in by_load if room[r] >= -(-n // R)))
+            if widest > degrees[0]:
+                degrees = [widest] + degrees
+        least_room = min(room)
+        for k in degrees:
+            cut = split_cut(n, k, split, tile)
+            eligible = by_load if cut.need <= least_room else [r for r in by_load if room[r] >= cut.need]
+            if len(eligible) < k:
+                continue
+            first = eligible[:k]
+            near = _node_local(eligible, k, self.node_index, self.num_nodes, self.per_node, load) if self.node_aware else first
+            best_here = None
+            for chosen in (near, first) if near != first else (near,):
+                # The heaviest slot goes to the least-loaded chosen rank.
+                peak = max(map(add, map(load.__getitem__, chosen), cut.heavy_costs))
+                if best_here is None or (best_here[0] > limit and peak < best_here[0]):
+                    best_here = (peak, k, chosen, cut)
+            options.append(best_here)
+            if best_here[0] <= limit:
+                break
+        if options:
+            # The loop stops at the first k within the limit; else take the lowest peak.
+            best = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
+            _, k, chosen, cut = best
+            ranks = [0] * k
+            for slot, r in zip(cut.order, chosen):
+                ranks[slot] = r
+            return tuple(ranks), cut
+        # Fragmented room: cut the document over the ranks with the most room.
+        offset, ranks, chunks = 0, [], []
+        for r in sorted(range(R), key=lambda r: (-room[r], load[r], r)):
+            if offset == n:
+                break
+            take = min(room[r], n - offset)
+            if take > 0:
+                ranks.append(r)
+                chunks.append(take)
+                offset += take
+        return tuple(ranks), Cut(chunks, False, tile)
 
-def _node_local(eligible: list[int], k: int, rank_node: list[int], load: list[int]) -> list[int]:
+
+def _node_local(eligible: list[int], k: int, node_index: list[int], num_nodes: int, per_node: int, load: list[int]) -> list[int]:
     """k of the eligible ranks (given least-loaded first) spread over as few nodes as
-    possible, least-loaded first."""
-    by_node: dict[int, list[int]] = {}
+    possible, least-loaded first. `node_index[r]` numbers rank r's node among the
+    `num_nodes` nodes, each of at most `per_node` ranks."""
+    by_node: list[list[int]] = [[] for _ in range(num_nodes)]
+    seen: list[list[int]] = []  # the nodes' rank lists, in the order the nodes first appear
     for r in eligible:
-        ranks = by_node.setdefault(rank_node[r], [])
+        ranks = by_node[node_index[r]]
+        if not ranks:
+            seen.append(ranks)
         ranks.append(r)
         if len(ranks) == k:
             # The first node to gather k eligible ranks: its k-th least-loaded one is the least loaded.
             return ranks
     chosen: list[int] = []
-    for ranks in sorted(by_node.values(), key=len, reverse=True):
+    for ranks in sorted(seen, key=len, reverse=True):
         chosen.extend(ranks[: k - len(chosen)])
         if len(chosen) == k:
             break
@@ -413,26 +440,49 @@ def candidates(
     capacity: int,
     model: CostModel,
     slacks: tuple[float, ...],
-    rank_node: list[int] | None = None,
-    cap: Callable[[], float | None] | None = None,
-) -> Iterator[Placement | Abandoned]:
-    """Every placement the planner weighs, built lazily in the order it weighs them:
-    sequence-aware ones from the tightest slack (the most balanced) up, the split mode
-    that moves fewer bytes first; then one that spreads each document heavier than a
-    rank's share over as many ranks as it can (balance when one document dominates the
-    work, worth its traffic where links are fast); then the zigzag and contiguous layouts.
-
-    `cap()`, read before each greedy pass, is the most tile pairs a rank may reach
-    before the pass is not worth finishing (None: no cap); a pass that passes it
-    yields `Abandoned`."""
-    passes = _Greedy(doc_starts, lengths, num_ranks, capacity, model, rank_node)
-    cap = cap or (lambda: None)
+    inner_size: int = 1,
+) -> list[tuple[str, Steps]]:
+    """Every placement the planner weighs, by name, as steps (see `Steps`) that build it
+    only as far as they are run: sequence-aware ones from the tightest slack (the most
+    balanced) up, the split mode that moves fewer bytes first; then one that spreads
+    each document heavier than a rank's share over as many ranks as it can (balance
+    when one document dominates the work, worth its traffic where links are fast); then
+    the zigzag and contiguous layouts."""
+    passes = _Greedy(doc_starts, lengths, num_ranks, capacity, model, inner_size)
+    steps = []
     for s in slacks:
         for split in ("contiguous", "zigzag"):
-            yield passes.place(s, split, cap=cap())
+            steps.append(passes.steps(s, split))
     if num_ranks > 1:
-        yield passes.place(min(slacks, default=0.0), "zigzag", spread=True, cap=cap())
-        z = zigzag(doc_starts, lengths, num_ranks, capacity, model.tile)
-        if z is not None:
-            yield z
-        yield contiguous(doc_starts, lengths, num_ranks, capacity, model.tile)
+        steps.append(passes.steps(min(slacks, default=0.0), "zigzag", spread=True))
+        tally = lambda: Tally(num_ranks, inner_size, model)  # noqa: E731
+        steps.append(_tallied(lambda: zigzag(doc_starts, lengths, num_ranks, capacity, model.tile), tally))
+        steps.append(_tallied(lambda: contiguous(doc_starts, lengths, num_ranks, capacity, model.tile), tally))
+    names = [greedy_name(s, split) for s in slacks for split in ("contiguous", "zigzag")]
+    if num_ranks > 1:
+        names += [greedy_name(min(slacks, default=0.0), "zigzag", spread=True), "zigzag", "contiguous"]
+    return list(zip(names, steps))
+
+
+def _tallied(build: Callable[[], Placement | None], new_tally: Callable[[], Tally]) -> Steps:
+    """Steps of a placement built whole (returns None if `build` does): the floor of
+    its compute first, then with its transfers document by document, the largest first."""
+    placement = build()
+    if placement is None:
+        return None
+    tally = new_tally()
+    compute = max(placement.tile_pairs, default=0) * tally.pair_s * (1.0 + tally.backward_factor)
+    yield compute
+    for record in sorted(placement.records, key=lambda rec: -rec.cut.need * len(rec.ranks)):
+        tally.add(record.ranks, record.cut)
+        yield max(compute, tally.floor_s)
+    return placement
+
+
+def finish(steps: Steps) -> Placement | None:
+    """Run steps to the end: the placement they build."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value

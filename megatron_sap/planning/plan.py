@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import heapq
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ import torch
 from ..validation import check_divisible, cu_seqlens_to_list
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, ulysses_cost, whole_documents_s
-from .placement import Abandoned, Placement, candidates
+from .placement import Placement, candidates
 from .program import RankProgram, _Layout, compile_program
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -292,9 +293,9 @@ def plan_sequences(
     (within 1%, the one that moves fewer bytes). The search stops at the first
     candidate within 1% of the lower bound (all compute spread evenly, no
     communication but the Ulysses all-to-alls), which no other candidate could beat
-    by more than that; a candidate whose busiest rank's compute alone is over 1%
-    slower than the fastest so far is not evaluated, nor a greedy pass finished once it
-    gets there (`Plan.pruned`).
+    by more than that; a candidate is given up as soon as the compute or the transfers
+    of one of its ranks alone make it over 1% slower than the fastest so far
+    (`Plan.pruned`).
     Plans are cached by (cu_seqlens, sizes, cost model): a repeated batch shape costs a
     dictionary lookup. Pass `cache=None` to bypass the cache.
     """
@@ -319,15 +320,9 @@ def plan_sequences(
     doc_starts = cu[:-1]
     lengths = [b - a for a, b in zip(cu, cu[1:])]
 
-    evaluated: list[tuple[Placement, Evaluation]] = []
+    evaluated: list[tuple[int, Placement, Evaluation]] = []  # (candidate index, ...)
     considered: dict[str, float] = {}
-    rank_node = [model.node_of(r * inner_size) for r in range(outer_size)]
-    # A candidate whose busiest rank's compute alone (no pass is shorter than its
-    # compute), plus the all-to-alls, is over TIME_TOLERANCE slower than the fastest so
-    # far can be neither chosen nor near the choice: it is not evaluated, and a greedy
-    # pass stops as soon as a rank's tile pairs put it there.
     a2a_s = ulysses_cost(model, capacity, inner_size)[1]
-    pair_s = (1.0 + model.backward_factor) * model.compute_seconds(1.0, head_fraction=1.0 / inner_size)
     # No placement beats every document computed whole, spread evenly, with no
     # communication but the all-to-alls every candidate pays (splitting only adds tile
     # rounding): once a candidate is within TIME_TOLERANCE of that bound, the rest
@@ -339,30 +334,40 @@ def plan_sequences(
     pruned: dict[str, float] = {}
     fastest = float("inf")
 
-    def floor_s(busiest_pairs: int) -> float:
-        return pair_s * busiest_pairs + a2a_s
-
-    def pairs_cap() -> float | None:  # the busiest tile pairs whose floor_s stays within reach
-        return None if fastest == float("inf") else (fastest * (1 + TIME_TOLERANCE) - a2a_s) / pair_s
-
-    for placement in candidates(doc_starts, lengths, outer_size, capacity, model, slacks, rank_node, pairs_cap):
-        floor = floor_s(placement.tile_pairs if isinstance(placement, Abandoned) else max(placement.tile_pairs))
-        if isinstance(placement, Abandoned) or floor > fastest * (1 + TIME_TOLERANCE):
-            pruned[placement.strategy] = floor
+    # Candidates are built a document at a time, the one with the lowest floor next
+    # (ties: the earlier candidate). A candidate whose floor (its tally's, plus the
+    # all-to-alls) is over TIME_TOLERANCE slower than the fastest built so far can be
+    # neither chosen nor near the choice: it is given up there. Once the lowest floor
+    # is out of reach, so are all the others.
+    queue = [(0.0, i, name, steps) for i, (name, steps) in enumerate(
+        candidates(doc_starts, lengths, outer_size, capacity, model, slacks, inner_size))]
+    while queue:
+        floor_s, i, name, steps = queue[0]
+        if (floor_s + a2a_s) > fastest * (1 + TIME_TOLERANCE):
+            pruned.update((name, f + a2a_s) for f, _, name, _ in queue)
+            break
+        try:
+            heapq.heapreplace(queue, (next(steps), i, name, steps))
+            continue
+        except StopIteration as done:
+            heapq.heappop(queue)
+            placement = done.value
+        if placement is None:
             continue
         ev = by_layout.get(placement.records)
         if ev is None:
             ev = by_layout[placement.records] = evaluate(placement, inner_size, model)
-            evaluated.append((placement, ev))
-        considered[placement.strategy] = ev.makespan_s
+            evaluated.append((i, placement, ev))
+        considered[name] = ev.makespan_s
         fastest = min(fastest, ev.makespan_s)
         if ev.makespan_s <= bound * (1 + TIME_TOLERANCE):
             break
     # The fastest candidate; among those within TIME_TOLERANCE of it, the one that moves
-    # the fewest bytes (less contention with other traffic for the same modelled time).
-    near = [(p, ev) for p, ev in evaluated if ev.makespan_s <= fastest * (1 + TIME_TOLERANCE)]
-    best = min(near, key=lambda pe: (int(pe[1].traffic_tokens.sum()), pe[1].makespan_s))
-    plan = Plan(tuple(cu), outer_size, inner_size, model, best[0], best[1], considered, pruned)
+    # the fewest bytes (less contention with other traffic for the same modelled time),
+    # then the faster, then the earlier candidate.
+    near = [(i, p, ev) for i, p, ev in evaluated if ev.makespan_s <= fastest * (1 + TIME_TOLERANCE)]
+    _, placement, ev = min(near, key=lambda ipe: (int(ipe[2].traffic_tokens.sum()), ipe[2].makespan_s, ipe[0]))
+    plan = Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned)
     if cache is not None:
         if key is None:
             key = (tuple(cu), outer_size, inner_size, model, slacks)
