@@ -2,10 +2,11 @@
 
 Candidates are built document by document (the heaviest first, in the greedy). The
 tally keeps, per outer rank, the tile pairs it computes and the seconds its KV sends and
-receives take on their links (bytes over bandwidth; message latencies left out), and
+receives take on their links (bytes over bandwidth; the latency of a message only where
+a document spans ranks of several nodes), and
 `floor_s`: the slowest rank's compute or transfers, forward and backward. Every pass of a
-rank's pipeline (see `evaluate`) takes at least its compute and at least its transfer
-time, and adding documents shrinks neither, so `floor_s` bounds from below the modelled
+rank's pipeline (see `evaluate`) takes at least its compute and, if the rank receives
+anything, at least its transfer time, and adding documents shrinks neither, so `floor_s` bounds from below the modelled
 layer time of every placement that completes the candidate. A candidate whose floor is
 already slower than the fastest one so far is given up there.
 """
@@ -36,6 +37,8 @@ class Tally:
         self.send_s = [0.0] * num_ranks
         self.recv_s = [0.0] * num_ranks
         self.floor_s = 0.0
+        self.latency_s = model.message_latency_us * 1e-6
+        self.linked = np.zeros((num_ranks, num_ranks), dtype=bool)  # pairs whose latency is counted
 
     def add(self, ranks: Sequence[int], cut) -> None:
         """Slot i of `cut` (a `placement.Cut`) goes to rank `ranks[i]`."""
@@ -44,11 +47,12 @@ class Tally:
             tiles[r] += c
         if len(ranks) > 1:
             self._add_transfers(ranks, cut)
-        # No pass is faster than its compute or its transfers: forward, then backward.
+        # No pass is faster than its compute, nor, on a rank that receives (the model
+        # overlaps a rank's sends only with its own receive steps), than its transfers.
         pair_s, backward, send_s, recv_s = self.pair_s, self.backward_factor, self.send_s, self.recv_s
         floor = self.floor_s
         for r in ranks:
-            c, x = tiles[r] * pair_s, send_s[r] if send_s[r] > recv_s[r] else recv_s[r]
+            c, x = tiles[r] * pair_s, (send_s[r] if send_s[r] > recv_s[r] else recv_s[r]) if recv_s[r] else 0.0
             rank_floor = (c if c > x else x) + (backward * c if backward * c > x else x)
             if rank_floor > floor:
                 floor = rank_floor
@@ -62,15 +66,22 @@ class Tally:
                 send_s[r] += sent * rate
                 recv_s[r] += received * rate
             return
-        # Mixed: tokens at the inter-node rate, those between ranks of one node re-priced.
-        node = self.node_array[list(ranks)]
+        # Mixed (many ranks over several nodes): tokens at the inter-node rate, those
+        # between ranks of one node re-priced, and each message new to the tally pays
+        # its latency (only here: where many ranks exchange, latencies add up).
+        rk = np.array(ranks)
+        node = self.node_array[rk]
         same = np.where(node[:, None] == node[None, :], cut.sends, 0)
-        inter, extra = self.inter_s, self.intra_s - self.inter_s
-        for r, sent, received, sent_intra, received_intra in zip(
-            ranks, cut.send_tokens, cut.recv_tokens, same.sum(1).tolist(), same.sum(0).tolist()
+        block = np.ix_(rk, rk)
+        new = (cut.sends > 0) & ~self.linked[block]
+        self.linked[block] |= new
+        inter, extra, latency = self.inter_s, self.intra_s - self.inter_s, self.latency_s
+        for r, sent, received, sent_intra, received_intra, sent_new, received_new in zip(
+            ranks, cut.send_tokens, cut.recv_tokens, same.sum(1).tolist(), same.sum(0).tolist(),
+            new.sum(1).tolist(), new.sum(0).tolist(),
         ):
-            send_s[r] += sent * inter + sent_intra * extra
-            recv_s[r] += received * inter + received_intra * extra
+            send_s[r] += sent * inter + sent_intra * extra + sent_new * latency
+            recv_s[r] += received * inter + received_intra * extra + received_new * latency
 
     def _link_rate(self, ranks: Sequence[int]) -> float | None:
         """Seconds per token when all of these ranks share a node or none do, else None."""
