@@ -109,6 +109,11 @@ class Cut:
         return sends
 
     @cached_property
+    def links(self) -> np.ndarray | None:
+        """[k, k] bool: slot j sends slot i something."""
+        return None if self.sends is None else self.sends > 0
+
+    @cached_property
     def send_tokens(self) -> tuple[int, ...]:
         """Per slot, the KV tokens it sends the other slots."""
         return (0,) if self.sends is None else tuple(self.sends.sum(1).tolist())

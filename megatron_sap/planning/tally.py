@@ -38,7 +38,7 @@ class Tally:
         self.recv_s = [0.0] * num_ranks
         self.floor_s = 0.0
         self.latency_s = model.message_latency_us * 1e-6
-        self.linked = np.zeros((num_ranks, num_ranks), dtype=bool)  # pairs whose latency is counted
+        self.linked = np.zeros(num_ranks * num_ranks, dtype=bool)  # [src * R + dst]: latency counted
 
     def add(self, ranks: Sequence[int], cut) -> None:
         """Slot i of `cut` (a `placement.Cut`) goes to rank `ranks[i]`."""
@@ -66,22 +66,20 @@ class Tally:
                 send_s[r] += sent * rate
                 recv_s[r] += received * rate
             return
-        # Mixed (many ranks over several nodes): tokens at the inter-node rate, those
-        # between ranks of one node re-priced, and each message new to the tally pays
-        # its latency (only here: where many ranks exchange, latencies add up).
+        # Mixed (many ranks over several nodes): each pair's tokens at its link's rate,
+        # and each message new to the tally pays its latency (only here: where many
+        # ranks exchange, latencies add up).
+        R = len(send_s)
         rk = np.array(ranks)
         node = self.node_array[rk]
-        same = np.where(node[:, None] == node[None, :], cut.sends, 0)
-        block = np.ix_(rk, rk)
-        new = (cut.sends > 0) & ~self.linked[block]
-        self.linked[block] |= new
-        inter, extra, latency = self.inter_s, self.intra_s - self.inter_s, self.latency_s
-        for r, sent, received, sent_intra, received_intra, sent_new, received_new in zip(
-            ranks, cut.send_tokens, cut.recv_tokens, same.sum(1).tolist(), same.sum(0).tolist(),
-            new.sum(1).tolist(), new.sum(0).tolist(),
-        ):
-            send_s[r] += sent * inter + sent_intra * extra + sent_new * latency
-            recv_s[r] += received * inter + received_intra * extra + received_new * latency
+        pairs = (rk[:, None] * R + rk).ravel()
+        new = cut.links & ~self.linked[pairs].reshape(cut.links.shape)
+        self.linked[pairs] |= new.ravel()
+        rate = np.where(node[:, None] == node[None, :], self.intra_s, self.inter_s)
+        seconds = cut.sends * rate + new * self.latency_s
+        for r, sent, received in zip(ranks, seconds.sum(1).tolist(), seconds.sum(0).tolist()):
+            send_s[r] += sent
+            recv_s[r] += received
 
     def _link_rate(self, ranks: Sequence[int]) -> float | None:
         """Seconds per token when all of these ranks share a node or none do, else None."""
