@@ -14,7 +14,7 @@ import megatron_sap as sap
 from megatron_sap.plan import main as plan_cli
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
 from megatron_sap.planning.evaluate import evaluate, rank_work, ulysses_cost, whole_documents_s
-from megatron_sap.planning.placement import candidates, finish, greedy
+from megatron_sap.planning.placement import build_all, candidates, greedy
 from megatron_sap.planning.tally import Tally
 from megatron_sap.planning.plan import DEFAULT_SLACKS, TIME_TOLERANCE
 
@@ -324,15 +324,16 @@ def test_floors_rise_to_a_floor(batch):
     cu, outer, inner = batch
     model = CostModel.preset("h100")
     a2a_s = ulysses_cost(model, cu[-1] // outer, inner)[1]
-    for name, steps in candidates(cu[:-1], np.diff(cu).tolist(), outer, cu[-1] // outer, model, DEFAULT_SLACKS, inner):
-        floors = []
-        try:
-            while True:
-                floors.append(next(steps))
-        except StopIteration as done:
-            placement = done.value
-        if placement is None:
-            continue
+    work = [(build, []) for build in candidates(cu[:-1], np.diff(cu).tolist(), outer, cu[-1] // outer, model, DEFAULT_SLACKS, inner)]
+    finished = {}
+    while work:
+        build, floors = work.pop()
+        if build.placement is None:
+            work.extend((b, floors + [b.floor_s]) for b in build.step())
+        else:
+            finished.update((name, (floors, build.placement)) for name in build.names)
+    assert set(finished) == {p.strategy for p in candidates_of(cu, outer, inner)}
+    for name, (floors, placement) in finished.items():
         assert floors == sorted(floors), name
         ev = evaluate(placement, inner, model)
         assert floors[-1] + a2a_s <= ev.makespan_s * (1 + 1e-9), name
@@ -379,8 +380,7 @@ def test_pruning_skips_most_candidates_on_one_node():
 def candidates_of(cu: list[int], outer: int, inner: int) -> list:
     """Every candidate placement, built to the end, in the planner's order."""
     model = CostModel.preset("h100")
-    built = [finish(steps) for _, steps in candidates(cu[:-1], np.diff(cu).tolist(), outer, cu[-1] // outer, model, DEFAULT_SLACKS, inner)]
-    return [p for p in built if p is not None]
+    return list(build_all(candidates(cu[:-1], np.diff(cu).tolist(), outer, cu[-1] // outer, model, DEFAULT_SLACKS, inner)).values())
 
 
 @SETTINGS

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import megatron_sap as sap
 from megatron_sap.planning import CostModel, KernelCall, RankProgram, compile_all
 from megatron_sap.planning.evaluate import evaluate
-from megatron_sap.planning.placement import candidates, finish
+from megatron_sap.planning.placement import build_all, candidates
 from megatron_sap.planning.plan import DEFAULT_SLACKS
 from test_planner import cu_seqlens_for, expected_mask
 
@@ -138,8 +138,7 @@ def test_every_candidate_compiles_correctly(seed):
     outer, total = 8, 512
     cu = [0, *np.sort(rng.integers(0, total, size=12)).tolist(), total]
     model = CostModel.preset("h100")
-    built = [finish(steps) for _, steps in candidates(cu[:-1], np.diff(cu).tolist(), outer, total // outer, model, DEFAULT_SLACKS)]
-    placements = [p for p in built if p is not None]
+    placements = list(build_all(candidates(cu[:-1], np.diff(cu).tolist(), outer, total // outer, model, DEFAULT_SLACKS)).values())
     assert {p.strategy for p in placements} >= {"zigzag", "contiguous"}
     for placement in placements:
         evaluation = evaluate(placement, 1, model)

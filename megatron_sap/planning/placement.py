@@ -15,18 +15,19 @@ Every rank holds exactly `capacity` tokens. Candidate strategies:
 A placement is stored as one `Record` per document: the document's `Cut` (its slots,
 each the pieces one rank holds) and the rank of each slot. The evaluation works on the
 cuts' chunk sizes in a few array operations, and the pieces per rank are built only
-when asked for (the chosen candidate). Candidates are built as `Steps`, a document at
+when asked for (the chosen candidate). Candidates are built as `Build`s, a document at
 a time with a `Tally` of their compute and transfers, so that the planner can give up
-one as soon as it can no longer be the fastest.
+one as soon as it can no longer be the fastest; greedy passes that place documents
+alike are one build until they part.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 from itertools import accumulate, chain
 from operator import add, itemgetter
-from typing import Callable, Generator, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -199,12 +200,6 @@ class Placement:
     __hash__ = None  # type: ignore[assignment]
 
 
-# A candidate built step by step: each step places documents and yields the floor of
-# its tally (seconds, see `Tally`, never decreasing); the generator returns the
-# placement (None where the layout is impossible).
-Steps = Generator[float, None, "Placement | None"]
-
-
 def _finish(capacity: int, num_ranks: int, records: list[Record], strategy: str) -> Placement:
     """The placement of these records, checked to give every rank `capacity` tokens."""
     ranks = list(chain.from_iterable(rec.ranks for rec in records))
@@ -281,11 +276,57 @@ def greedy(
     `split` is how a document is cut over k ranks (see `split_cut`); with `spread`, a
     document heavier than one rank's share of the work is split as wide as the ranks'
     room and chunks of at least one tile allow, instead of over the fewest ranks."""
-    return _Greedy(doc_starts, lengths, num_ranks, capacity, model, inner_size).place(slack, split, spread)
+    passes = _Greedy(doc_starts, lengths, num_ranks, capacity, model, inner_size)
+    (placement,) = build_all([passes.build(split, [(greedy_name(slack, split, spread), 0, slack, spread)])]).values()
+    return placement
 
 
 def greedy_name(slack: float, split: str, spread: bool = False) -> str:
     return f"greedy(slack={slack:g}, {split}{', spread' if spread else ''})"
+
+
+class Build:
+    """A candidate under construction, for the planner to run as far as it is worth.
+
+    `step()` places more of the batch and returns the builds that carry on from there
+    (itself, or several where greedy passes that agreed so far now part, or none where
+    the layout is impossible); `floor_s` is the floor of its tally (seconds, see
+    `Tally`, never decreasing); `placement` is set once it is complete. A build stands
+    for the candidates `names` (in order); `index` is the first one's position among
+    all candidates.
+    """
+
+    names: tuple[str, ...]
+    indices: tuple[int, ...]  # of each name among all candidates
+    floor_s: float = 0.0
+    placement: Placement | None = None
+
+    def step(self) -> list[Build]:
+        raise NotImplementedError
+
+
+def build_all(builds: list[Build]) -> dict[str, Placement]:
+    """Run builds to the end: every possible candidate's placement, by name, in the
+    candidates' order."""
+    done: dict[int, Placement] = {}
+    builds = list(builds)
+    while builds:
+        build = builds.pop()
+        if build.placement is None:
+            builds.extend(build.step())
+            continue
+        for name, index in zip(build.names, build.indices):
+            done[index] = build.placement if name == build.placement.strategy else replace(build.placement, strategy=name)
+    return {done[i].strategy: done[i] for i in sorted(done)}
+
+
+class _Member(NamedTuple):
+    """One greedy pass: its candidate name and index, its load slack and spread mode."""
+
+    name: str
+    index: int
+    slack: float
+    spread: bool
 
 
 class _Greedy:
@@ -307,105 +348,227 @@ class _Greedy:
         ranks_per_node = Counter(rank_node)
         node_ids = {node: i for i, node in enumerate(ranks_per_node)}
         self.node_index, self.num_nodes = [node_ids[node] for node in rank_node], len(node_ids)
-        self.per_node = max(ranks_per_node.values(), default=0)
         # With one node, or one rank per node, the node-local choice is the least-loaded ranks.
         self.node_aware = 1 < len(ranks_per_node) < num_ranks
         self.cost = [_tile_pairs(self.tile, 0, n) for n in lengths]
         self.total = sum(self.cost)
+        self.share = self.total / num_ranks
         self.order = sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-self.cost[d], d))
         self.whole = {d: split_cut(lengths[d], 1, "contiguous", self.tile) for d in self.order}
 
-    def place(self, slack: float, split: str, spread: bool = False) -> Placement:
-        """One greedy pass at `slack` (see `greedy`)."""
-        return finish(self.steps(slack, split, spread))
+    def build(self, split: str, members: Sequence[tuple[str, int, float, bool]]) -> Build:
+        """The passes (name, index, slack, spread) with this split mode, built together
+        while they place documents alike."""
+        tally = Tally(self.R, self.inner_size, self.model)
+        return _GreedyBuild(self, split, tuple(_Member(*m) for m in members), tally, [self.capacity] * self.R, [], 0)
 
-    def steps(self, slack: float, split: str, spread: bool = False) -> Steps:
-        """One greedy pass at `slack`, document by document: yields the tally's floor
-        after each, returns the placement."""
-        R, lengths, cost, starts = self.R, self.lengths, self.cost, self.starts
-        share = self.total / R
-        limit = (1.0 + slack) * share
-        strategy = greedy_name(slack, split, spread)
-        tally = Tally(R, self.inner_size, self.model)
-        load, room = tally.tiles, [self.capacity] * R
-        records: list[Record] = []
-        for d in self.order:
-            n, c = lengths[d], cost[d]
-            by_load = sorted(range(R), key=load.__getitem__)
-            whole = next((r for r in by_load if room[r] >= n), None) if n <= self.capacity else None
-            options: list[tuple[int, int, list[int], Cut]] = []  # (peak, k, ranks heaviest slot first, cut)
-            placed = None
-            if whole is not None:
-                if load[whole] + c <= limit:
-                    placed = ((whole,), self.whole[d])
-                else:
-                    options.append((load[whole] + c, 1, [whole], self.whole[d]))
-            if placed is None:
-                placed = self._split(n, c, by_load, load, room, limit, share, split, spread, options)
-            ranks, cut = placed
-            for r, size in zip(ranks, cut.sizes):
-                room[r] -= size
-            tally.add(ranks, cut)
-            records.append(Record(d, starts[d], ranks, cut))
-            yield tally.floor_s
-        for r in range(R):
-            if room[r]:
-                raise AssertionError(f"placement {strategy} gave rank {r} {self.capacity - room[r]} tokens, expected {self.capacity}")
-        return Placement(self.capacity, R, tuple(records), strategy, tuple(load))
-
-    def _split(self, n, c, by_load, load, room, limit, share, split, spread, options) -> tuple[tuple[int, ...], Cut]:
-        """Where a document of n tokens and c tile pairs goes when it is not kept whole:
-        (rank of each slot, cut)."""
-        R, tile = self.R, self.tile
-        degrees = _split_degrees(c, list(map(load.__getitem__, by_load)), limit, min(R, n))
-        if spread and degrees and c > share:
+    def choose(self, doc: _DocChoices, slack: float, split: str, spread: bool) -> tuple[tuple[int, ...], Cut]:
+        """Where a pass at `slack` puts the document: (rank of each slot, cut). What does
+        not depend on the slack is worked out once per document in `doc`."""
+        n, c, load = doc.n, doc.c, doc.load
+        limit = (1.0 + slack) * self.share
+        options: list[tuple[int, int, list[int], Cut]] = []  # (peak, k, ranks heaviest slot first, cut)
+        whole = doc.whole_rank
+        if whole is not None:
+            if load[whole] + c <= limit:
+                return (whole,), self.whole[doc.d]
+            options.append((load[whole] + c, 1, [whole], self.whole[doc.d]))
+        degrees = _split_degrees(c, doc.sorted_loads, limit, min(self.R, n))
+        if spread and degrees and c > self.share and doc.widest > degrees[0]:
             # A document heavier than a rank's share: as wide as chunks of at least a
             # tile and the ranks' room allow; the usual degrees as fallback.
-            widest = min(n // (2 * tile), sum(1 for r in by_load if room[r] >= -(-n // R)))
-            if widest > degrees[0]:
-                degrees = [widest] + degrees
-        least_room = min(room)
+            degrees = [doc.widest] + degrees
         for k in degrees:
-            cut = split_cut(n, k, split, tile)
-            eligible = by_load if cut.need <= least_room else [r for r in by_load if room[r] >= cut.need]
-            if len(eligible) < k:
+            split_k = doc.split_over(k, split)
+            if split_k is None:
                 continue
-            first = eligible[:k]
-            near = _node_local(eligible, k, self.node_index, self.num_nodes, self.per_node, load) if self.node_aware else first
-            best_here = None
-            for chosen in (near, first) if near != first else (near,):
-                # The heaviest slot goes to the least-loaded chosen rank.
-                peak = max(map(add, map(load.__getitem__, chosen), cut.heavy_costs))
-                if best_here is None or (best_here[0] > limit and peak < best_here[0]):
-                    best_here = (peak, k, chosen, cut)
+            cut, near, first, peak_near, peak_first = split_k
+            # The heaviest slot goes to the least-loaded chosen rank.
+            best_here = (peak_near, k, near, cut)
+            if near is not first and peak_near > limit and peak_first < peak_near:
+                best_here = (peak_first, k, first, cut)
             options.append(best_here)
             if best_here[0] <= limit:
                 break
-        if options:
-            # The loop stops at the first k within the limit; else take the lowest peak.
-            best = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
-            _, k, chosen, cut = best
-            ranks = [0] * k
-            for slot, r in zip(cut.order, chosen):
-                ranks[slot] = r
-            return tuple(ranks), cut
-        # Fragmented room: cut the document over the ranks with the most room.
-        offset, ranks, chunks = 0, [], []
-        for r in sorted(range(R), key=lambda r: (-room[r], load[r], r)):
-            if offset == n:
-                break
-            take = min(room[r], n - offset)
-            if take > 0:
-                ranks.append(r)
-                chunks.append(take)
-                offset += take
-        return tuple(ranks), Cut(chunks, False, tile)
+        if not options:
+            return doc.fragments()
+        # The loop stops at the first k within the limit; else take the lowest peak.
+        best = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
+        return doc.slots(best[2], best[3])
 
 
-def _node_local(eligible: list[int], k: int, node_index: list[int], num_nodes: int, per_node: int, load: list[int]) -> list[int]:
+class _DocChoices:
+    """What passes in one state weigh for document `d`: worked out when first asked,
+    and kept for the other passes when `shared`."""
+
+    __slots__ = ("greedy", "d", "load", "room", "n", "c", "by_load", "whole_rank", "shared",
+                 "_sorted_loads", "_least_room", "_widest", "_splits", "_slots", "_fragments")
+
+    def __init__(self, greedy: _Greedy, d: int, load: list[int], room: list[int], shared: bool):
+        self.greedy, self.d, self.load, self.room, self.shared = greedy, d, load, room, shared
+        self.n, self.c = n, _ = greedy.lengths[d], greedy.cost[d]
+        self.by_load = sorted(range(greedy.R), key=load.__getitem__)
+        self.whole_rank = next((r for r in self.by_load if room[r] >= n), None) if n <= greedy.capacity else None
+        self._sorted_loads: list[int] | None = None
+        self._least_room: int | None = None
+        self._widest: int | None = None
+        self._splits: dict[tuple[int, str], tuple | None] = {}
+        self._slots: dict[tuple[int, int], tuple[tuple[int, ...], Cut]] = {}
+        self._fragments: tuple[tuple[int, ...], Cut] | None = None
+
+    @property
+    def sorted_loads(self) -> list[int]:
+        if self._sorted_loads is None:
+            self._sorted_loads = list(map(self.load.__getitem__, self.by_load))
+        return self._sorted_loads
+
+    @property
+    def widest(self) -> int:
+        """The most ranks with room for a 1/R share of the document, chunks of a tile at least."""
+        if self._widest is None:
+            need = -(-self.n // self.greedy.R)
+            self._widest = min(self.n // (2 * self.greedy.tile), sum(1 for r in self.by_load if self.room[r] >= need))
+        return self._widest
+
+    def split_over(self, k: int, split: str) -> tuple | None:
+        """(cut, node-local ranks, least-loaded ranks, and the peak load of each) for the
+        document over k ranks; None if fewer than k ranks have room."""
+        key = (k, split)
+        if key in self._splits:
+            return self._splits[key]
+        g, load, room = self.greedy, self.load, self.room
+        cut = split_cut(self.n, k, split, g.tile)
+        if self._least_room is None:
+            self._least_room = min(room)
+        eligible = self.by_load if cut.need <= self._least_room else [r for r in self.by_load if room[r] >= cut.need]
+        found = None
+        if len(eligible) >= k:
+            first = eligible[:k]
+            near = _node_local(eligible, k, g.node_index, g.num_nodes, load) if g.node_aware else first
+            if near == first:
+                near = first
+            peak_first = max(map(add, map(load.__getitem__, first), cut.heavy_costs))
+            peak_near = peak_first if near is first else max(map(add, map(load.__getitem__, near), cut.heavy_costs))
+            found = (cut, near, first, peak_near, peak_first)
+        if self.shared:
+            self._splits[key] = found
+        return found
+
+    def slots(self, chosen: list[int], cut: Cut) -> tuple[tuple[int, ...], Cut]:
+        """The rank of each slot of `cut` when its heaviest slots go to `chosen` in order."""
+        key = (id(chosen), id(cut))
+        if key in self._slots:
+            return self._slots[key]
+        ranks = [0] * len(chosen)
+        for slot, r in zip(cut.order, chosen):
+            ranks[slot] = r
+        found = (tuple(ranks), cut)
+        if self.shared:
+            self._slots[key] = found
+        return found
+
+    def fragments(self) -> tuple[tuple[int, ...], Cut]:
+        """Fragmented room: the document cut over the ranks with the most room."""
+        if self._fragments is None:
+            offset, ranks, chunks = 0, [], []
+            room, load = self.room, self.load
+            for r in sorted(range(self.greedy.R), key=lambda r: (-room[r], load[r], r)):
+                if offset == self.n:
+                    break
+                take = min(room[r], self.n - offset)
+                if take > 0:
+                    ranks.append(r)
+                    chunks.append(take)
+                    offset += take
+            self._fragments = (tuple(ranks), Cut(chunks, False, self.greedy.tile))
+        return self._fragments
+
+
+class _GreedyBuild(Build):
+    """Greedy passes of one split mode that have placed every document alike so far."""
+
+    def __init__(self, greedy: _Greedy, split: str, members: tuple[_Member, ...], tally: Tally,
+                 room: list[int], records: list[Record], position: int):
+        self.greedy, self.split, self.tally, self.room, self.records, self.position = greedy, split, tally, room, records, position
+        self._join(members)
+
+    def _join(self, members: tuple[_Member, ...]) -> None:
+        self.members = members
+        self.names = tuple(m.name for m in members)
+        self.indices = tuple(m.index for m in members)
+        self.index = members[0].index
+        self.floor_s = self.tally.floor_s
+
+    def step(self) -> list[Build]:
+        g = self.greedy
+        d = g.order[self.position]
+        doc = _DocChoices(g, d, self.tally.tiles, self.room, shared=len(self.members) > 1)
+        if len(self.members) == 1:
+            m = self.members[0]
+            self._place(d, g.choose(doc, m.slack, self.split, m.spread))
+            return [self]
+        groups: dict[tuple, tuple[tuple[tuple[int, ...], Cut], list[_Member]]] = {}
+        for m in self.members:
+            choice = g.choose(doc, m.slack, self.split, m.spread)
+            groups.setdefault((choice[0], id(choice[1])), (choice, []))[1].append(m)
+        parted = [self] + [self._copy() for _ in range(len(groups) - 1)]
+        for build, (choice, members) in zip(parted, groups.values()):
+            build._place(d, choice)
+            if len(groups) > 1:
+                build._join(tuple(members))
+        return parted
+
+    def _copy(self) -> _GreedyBuild:
+        return _GreedyBuild(self.greedy, self.split, self.members, self.tally.copy(), self.room[:], self.records[:], self.position)
+
+    def _place(self, d: int, choice: tuple[tuple[int, ...], Cut]) -> None:
+        g, room = self.greedy, self.room
+        ranks, cut = choice
+        for r, size in zip(ranks, cut.sizes):
+            room[r] -= size
+        self.tally.add(ranks, cut)
+        self.floor_s = self.tally.floor_s
+        self.records.append(Record(d, g.starts[d], ranks, cut))
+        self.position += 1
+        if self.position == len(g.order):
+            for r, left in enumerate(room):
+                if left:
+                    raise AssertionError(f"placement {self.names[0]} gave rank {r} {g.capacity - left} tokens, expected {g.capacity}")
+            self.placement = Placement(g.capacity, g.R, tuple(self.records), self.members[0].name, tuple(self.tally.tiles))
+
+
+class _WholeBuild(Build):
+    """A layout built whole on its first step (or found impossible), then weighed: the
+    floor of its compute first, then its transfers document by document, the largest
+    first."""
+
+    def __init__(self, name: str, index: int, make: Callable[[], Placement | None], tally: Tally):
+        self.names, self.indices, self.index, self._make, self.tally = (name,), (index,), index, make, tally
+        self._built: Placement | None = None
+        self._pending: list[Record] = []
+        self._compute_s = 0.0
+
+    def step(self) -> list[Build]:
+        if self._built is None:
+            self._built = self._make()
+            if self._built is None:
+                return []
+            tally = self.tally
+            self._compute_s = max(self._built.tile_pairs, default=0) * tally.pair_s * (1.0 + tally.backward_factor)
+            self._pending = sorted(self._built.records, key=lambda rec: rec.cut.need * len(rec.ranks))
+        else:
+            record = self._pending.pop()
+            self.tally.add(record.ranks, record.cut)
+            if not self._pending:
+                self.placement = self._built
+        self.floor_s = max(self._compute_s, self.tally.floor_s)
+        return [self]
+
+
+def _node_local(eligible: list[int], k: int, node_index: list[int], num_nodes: int, load: list[int]) -> list[int]:
     """k of the eligible ranks (given least-loaded first) spread over as few nodes as
     possible, least-loaded first. `node_index[r]` numbers rank r's node among the
-    `num_nodes` nodes, each of at most `per_node` ranks."""
+    `num_nodes` nodes."""
     by_node: list[list[int]] = [[] for _ in range(num_nodes)]
     seen: list[list[int]] = []  # the nodes' rank lists, in the order the nodes first appear
     for r in eligible:
@@ -446,48 +609,23 @@ def candidates(
     model: CostModel,
     slacks: tuple[float, ...],
     inner_size: int = 1,
-) -> list[tuple[str, Steps]]:
-    """Every placement the planner weighs, by name, as steps (see `Steps`) that build it
-    only as far as they are run: sequence-aware ones from the tightest slack (the most
-    balanced) up, the split mode that moves fewer bytes first; then one that spreads
-    each document heavier than a rank's share over as many ranks as it can (balance
-    when one document dominates the work, worth its traffic where links are fast); then
-    the zigzag and contiguous layouts."""
+) -> list[Build]:
+    """Every placement the planner weighs, as builds (see `Build`), in this order:
+    sequence-aware ones from the tightest slack (the most balanced) up, the split mode
+    that moves fewer bytes first; then one that spreads each document heavier than a
+    rank's share over as many ranks as it can (balance when one document dominates the
+    work, worth its traffic where links are fast); then the zigzag and contiguous
+    layouts. Greedy passes with one split mode start as one build."""
     passes = _Greedy(doc_starts, lengths, num_ranks, capacity, model, inner_size)
-    steps = []
-    for s in slacks:
-        for split in ("contiguous", "zigzag"):
-            steps.append(passes.steps(s, split))
+    members: dict[str, list[tuple[str, int, float, bool]]] = {"contiguous": [], "zigzag": []}
+    for i, s in enumerate(slacks):
+        for j, split in enumerate(("contiguous", "zigzag")):
+            members[split].append((greedy_name(s, split), 2 * i + j, s, False))
+    builds: list[Build] = []
     if num_ranks > 1:
-        steps.append(passes.steps(min(slacks, default=0.0), "zigzag", spread=True))
+        spread_slack = min(slacks, default=0.0)
+        members["zigzag"].append((greedy_name(spread_slack, "zigzag", spread=True), 2 * len(slacks), spread_slack, True))
         tally = lambda: Tally(num_ranks, inner_size, model)  # noqa: E731
-        steps.append(_tallied(lambda: zigzag(doc_starts, lengths, num_ranks, capacity, model.tile), tally))
-        steps.append(_tallied(lambda: contiguous(doc_starts, lengths, num_ranks, capacity, model.tile), tally))
-    names = [greedy_name(s, split) for s in slacks for split in ("contiguous", "zigzag")]
-    if num_ranks > 1:
-        names += [greedy_name(min(slacks, default=0.0), "zigzag", spread=True), "zigzag", "contiguous"]
-    return list(zip(names, steps))
-
-
-def _tallied(build: Callable[[], Placement | None], new_tally: Callable[[], Tally]) -> Steps:
-    """Steps of a placement built whole (returns None if `build` does): the floor of
-    its compute first, then with its transfers document by document, the largest first."""
-    placement = build()
-    if placement is None:
-        return None
-    tally = new_tally()
-    compute = max(placement.tile_pairs, default=0) * tally.pair_s * (1.0 + tally.backward_factor)
-    yield compute
-    for record in sorted(placement.records, key=lambda rec: -rec.cut.need * len(rec.ranks)):
-        tally.add(record.ranks, record.cut)
-        yield max(compute, tally.floor_s)
-    return placement
-
-
-def finish(steps: Steps) -> Placement | None:
-    """Run steps to the end: the placement they build."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+        builds.append(_WholeBuild("zigzag", 2 * len(slacks) + 1, lambda: zigzag(doc_starts, lengths, num_ranks, capacity, model.tile), tally()))
+        builds.append(_WholeBuild("contiguous", 2 * len(slacks) + 2, lambda: contiguous(doc_starts, lengths, num_ranks, capacity, model.tile), tally()))
+    return [passes.build(split, ms) for split, ms in members.items() if ms] + builds

@@ -339,26 +339,24 @@ def plan_sequences(
     # all-to-alls) is over TIME_TOLERANCE slower than the fastest built so far can be
     # neither chosen nor near the choice: it is given up there. Once the lowest floor
     # is out of reach, so are all the others.
-    queue = [(0.0, i, name, steps) for i, (name, steps) in enumerate(
-        candidates(doc_starts, lengths, outer_size, capacity, model, slacks, inner_size))]
+    queue = [(0.0, b.index, b) for b in candidates(doc_starts, lengths, outer_size, capacity, model, slacks, inner_size)]
+    heapq.heapify(queue)
     while queue:
-        floor_s, i, name, steps = queue[0]
-        if (floor_s + a2a_s) > fastest * (1 + TIME_TOLERANCE):
-            pruned.update((name, f + a2a_s) for f, _, name, _ in queue)
+        floor_s, _, build = queue[0]
+        if floor_s + a2a_s > fastest * (1 + TIME_TOLERANCE):
+            pruned.update((name, f + a2a_s) for f, _, b in queue for name in b.names)
             break
-        try:
-            heapq.heapreplace(queue, (next(steps), i, name, steps))
+        heapq.heappop(queue)
+        if build.placement is None:
+            for b in build.step():
+                heapq.heappush(queue, (b.floor_s, b.index, b))
             continue
-        except StopIteration as done:
-            heapq.heappop(queue)
-            placement = done.value
-        if placement is None:
-            continue
+        placement = build.placement
         ev = by_layout.get(placement.records)
         if ev is None:
             ev = by_layout[placement.records] = evaluate(placement, inner_size, model)
-            evaluated.append((i, placement, ev))
-        considered[name] = ev.makespan_s
+            evaluated.append((build.index, placement, ev))
+        considered.update((name, ev.makespan_s) for name in build.names)
         fastest = min(fastest, ev.makespan_s)
         if ev.makespan_s <= bound * (1 + TIME_TOLERANCE):
             break

@@ -12,6 +12,7 @@ already slower than the fastest one so far is given up there.
 """
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import numpy as np
@@ -39,6 +40,13 @@ class Tally:
         self.floor_s = 0.0
         self.latency_s = model.message_latency_us * 1e-6
         self.linked = np.zeros(num_ranks * num_ranks, dtype=bool)  # [src * R + dst]: latency counted
+
+    def copy(self) -> "Tally":
+        """An independent tally of the same documents."""
+        other = copy.copy(self)
+        other.tiles, other.send_s, other.recv_s = self.tiles[:], self.send_s[:], self.recv_s[:]
+        other.linked = self.linked.copy()
+        return other
 
     def add(self, ranks: Sequence[int], cut) -> None:
         """Slot i of `cut` (a `placement.Cut`) goes to rank `ranks[i]`."""
