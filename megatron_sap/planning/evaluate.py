@@ -18,68 +18,61 @@ overlapped. The layer time is the largest rank time (the makespan).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
-from .cost_model import LINK_INTER, LINK_INTRA, CostModel
+from .cost_model import LINK_INTRA, CostModel
 from .placement import Placement, piece_cost
+from .tally import Tally
 
 
 @dataclass(frozen=True)
 class Evaluation:
     """Modelled quantities per outer rank (arrays of length R) and the makespan."""
 
-    exact_pairs: np.ndarray  # causal (q, k) pairs computed, all heads
+    placement: Placement = field(repr=False)
     tile_pairs: np.ndarray  # tile-rounded pairs
-    traffic_tokens: np.ndarray  # [R, R]: KV tokens sent from row rank to column rank (forward)
+    local_pairs: np.ndarray  # tile-rounded pairs whose keys the rank holds
+    traffic_total: int  # forward KV tokens moved between outer ranks in all
     intra: np.ndarray  # [R, R] bool: the pair of ranks shares a node
     a2a_bytes: float  # per inner rank, forward + backward, intra-node
     rank_time_s: np.ndarray
     makespan_s: float
     ideal_s: float
 
+    @cached_property
+    def exact_pairs(self) -> np.ndarray:
+        """Causal (q, k) pairs each rank computes, all heads."""
+        return rank_work(self.placement)[0]
 
-def rank_work(placement: Placement, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per outer rank: exact causal pairs and tile-rounded pairs whose keys it holds
-    (float64 arrays of length R), and the [R, R] forward KV traffic in tokens (row
-    sends to column), from the head and tail chunk of every slot of every document.
+    @cached_property
+    def traffic_tokens(self) -> np.ndarray:
+        """[R, R]: forward KV tokens the row rank sends the column rank."""
+        return rank_work(self.placement)[1]
 
-    A slot's tail comes after its head, so the head is the tail's only local earlier
-    key; what slots send each other is the cut's `sends`.
-    """
+
+def rank_work(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
+    """Per outer rank, exact causal pairs (float64, length R), and the [R, R] forward
+    KV traffic in tokens (row sends to column), from the head and tail chunk of every
+    slot and the `sends` of every cut."""
     R = placement.num_ranks
-    rank: list[int] = []
-    head: list[int] = []
-    head_at: list[int] = []
-    tail: list[int] = []
-    tail_at: list[int] = []
-    for record in placement.records:
-        cut = record.cut
-        rank.extend(record.ranks)
-        head.extend(cut.heads)
-        head_at.extend(cut.head_at)
-        tail.extend(cut.tails)
-        tail_at.extend(cut.tail_at)
-    rank_a, h, ho, tl, to = (np.array(x, dtype=np.int64) for x in (rank, head, head_at, tail, tail_at))
-    nh, nt = -(-h // tile), -(-tl // tile)
-    exact = h * (h + 1) // 2 + h * ho + tl * (tl + 1) // 2 + tl * to
-    local = tile * tile * (nh * (nh + 1) // 2 + nt * (nt + 1) // 2 + nt * -(-h // tile))
-    exact_pairs = np.bincount(rank_a, weights=exact, minlength=R)
-    local_pairs = np.bincount(rank_a, weights=local, minlength=R)
-    # Scatter every document's slot-to-slot sends to its ranks (a rank holds one slot
-    # of a document, so no two entries of one document land on the same pair).
+    exact = [0] * R
     index, tokens = [], []
     for record in placement.records:
-        sends = record.cut.sends
-        if sends is not None:
+        cut = record.cut
+        for r, h, ho, tl, to in zip(record.ranks, cut.heads, cut.head_at, cut.tails, cut.tail_at):
+            exact[r] += h * (h + 1) // 2 + h * ho + tl * (tl + 1) // 2 + tl * to
+        if cut.sends is not None:
+            # A rank holds one slot of a document: no two entries land on the same pair.
             ranks = np.array(record.ranks)
             index.append((ranks[:, None] * R + ranks).ravel())
-            tokens.append(sends.ravel())
-    if not tokens:
-        return exact_pairs, local_pairs, np.zeros((R, R), dtype=np.int64)
-    traffic = np.bincount(np.concatenate(index), weights=np.concatenate(tokens), minlength=R * R)
-    return exact_pairs, local_pairs, traffic.astype(np.int64).reshape(R, R)
+            tokens.append(cut.sends.ravel())
+    traffic = np.zeros(R * R, dtype=np.int64)
+    if tokens:
+        traffic = np.bincount(np.concatenate(index), weights=np.concatenate(tokens), minlength=R * R).astype(np.int64)
+    return np.array(exact, dtype=np.float64), traffic.reshape(R, R)
 
 
 def whole_documents_s(lengths: list[int], world_size: int, model: CostModel) -> float:
@@ -109,20 +102,20 @@ def ulysses_cost(model: CostModel, group_tokens: float, inner_size: int) -> tupl
 
 
 def evaluate(placement: Placement, inner_size: int, model: CostModel) -> Evaluation:
-    """Model one attention layer (forward + backward) for `placement`."""
+    """Model one attention layer (forward + backward) for `placement`, from the tally it
+    was built with (or a new one for another inner size or model)."""
     R, U = placement.num_ranks, inner_size
-    exact_pairs, local_pairs, traffic = rank_work(placement, model.tile)
-    tile_pairs = np.array(placement.tile_pairs, dtype=np.float64)
-
-    outer_nodes = np.array([model.node_of(r * U) for r in range(R)])
-    intra = outer_nodes[:, None] == outer_nodes[None, :]
-    kv_bytes = traffic * (model.kv_bytes_per_token / U)
-    latency = model.message_latency_us * 1e-6
-    bw = np.where(intra, model.bandwidth(LINK_INTRA), model.bandwidth(LINK_INTER))
-    msg_time = np.where(traffic > 0, latency + kv_bytes / bw, 0.0)
-    send_time, recv_time = msg_time.sum(axis=1), msg_time.sum(axis=0)
-    xfer = np.maximum(send_time, recv_time)
-    messages = (traffic > 0).sum(axis=0)
+    tally = placement.tally
+    if tally is None or not tally.matches(U, model):
+        tally = Tally(R, U, model)
+        for record in placement.records:
+            tally.add(record.ranks, record.cut)
+    tile_pairs = np.array(tally.tiles, dtype=np.float64)
+    local_pairs = np.array(tally.local, dtype=np.float64)
+    # Transfer time: each message's latency plus its bytes over its link, the larger of
+    # the send and the receive side; m is the number of messages received.
+    xfer = np.maximum(np.array(tally.send_s), np.array(tally.recv_s))
+    messages = np.frombuffer(tally.linked, dtype=np.uint8).reshape(R, R).sum(axis=0)
 
     frac = 1.0 / U
     comp = model.compute_seconds(tile_pairs, head_fraction=frac)
@@ -139,10 +132,11 @@ def evaluate(placement: Placement, inner_size: int, model: CostModel) -> Evaluat
     rank_time = pass_time(1.0) + pass_time(model.backward_factor) + a2a_time
     ideal = (1.0 + model.backward_factor) * model.compute_seconds(float(tile_pairs.sum())) / (R * U)
     return Evaluation(
-        exact_pairs=exact_pairs,
+        placement=placement,
         tile_pairs=tile_pairs,
-        traffic_tokens=traffic,
-        intra=intra,
+        local_pairs=local_pairs,
+        traffic_total=tally.tokens,
+        intra=tally.node_array[:, None] == tally.node_array[None, :],
         a2a_bytes=a2a_bytes,
         rank_time_s=rank_time,
         makespan_s=float(rank_time.max()) if R else 0.0,

@@ -23,7 +23,7 @@ alike are one build until they part.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from itertools import accumulate, chain
 from operator import add, itemgetter
@@ -92,6 +92,7 @@ class Cut:
         self.heavy_sizes = tuple([sizes[i] for i in self.order])
         self.heavy_costs = tuple([costs[i] for i in self.order])
         self.need = max(sizes, default=0)
+        self.tile = tile
 
     @cached_property
     def sends(self) -> np.ndarray | None:
@@ -108,6 +109,26 @@ class Cut:
         sends[:, h + tl == 0] = 0
         np.fill_diagonal(sends, 0)
         return sends
+
+    @cached_property
+    def local_costs(self) -> tuple[int, ...]:
+        """Per slot, the tile pairs whose keys it holds: each chunk's diagonal, and the
+        tail's block over the head (its only earlier local key)."""
+        t = self.tile
+        return tuple(
+            t * t * (nh * (nh + 1) // 2 + nt * (nt + 1) // 2 + nt * nh)
+            for nh, nt in ((-(-h // t), -(-tl // t)) for h, tl in zip(self.heads, self.tails))
+        )
+
+    @cached_property
+    def send_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(j, i) for every slot j that sends slot i something."""
+        return () if self.sends is None else tuple(zip(*(x.tolist() for x in np.nonzero(self.sends))))
+
+    @cached_property
+    def tokens(self) -> int:
+        """The forward KV tokens the slots send each other in all."""
+        return 0 if self.sends is None else int(self.sends.sum())
 
     @cached_property
     def links(self) -> np.ndarray | None:
@@ -181,6 +202,7 @@ class Placement:
     records: tuple[Record, ...]
     strategy: str
     tile_pairs: tuple[int, ...]
+    tally: Tally | None = field(default=None, repr=False)  # of the records, when built with one
 
     @cached_property
     def ranks(self) -> tuple[tuple[Piece, ...], ...]:
@@ -534,7 +556,7 @@ class _GreedyBuild(Build):
             for r, left in enumerate(room):
                 if left:
                     raise AssertionError(f"placement {self.names[0]} gave rank {r} {g.capacity - left} tokens, expected {g.capacity}")
-            self.placement = Placement(g.capacity, g.R, tuple(self.records), self.members[0].name, tuple(self.tally.tiles))
+            self.placement = Placement(g.capacity, g.R, tuple(self.records), self.members[0].name, tuple(self.tally.tiles), self.tally)
 
 
 class _WholeBuild(Build):
@@ -560,7 +582,7 @@ class _WholeBuild(Build):
             record = self._pending.pop()
             self.tally.add(record.ranks, record.cut)
             if not self._pending:
-                self.placement = self._built
+                self.placement = replace(self._built, tally=self.tally)
         self.floor_s = max(self._compute_s, self.tally.floor_s)
         return [self]
 

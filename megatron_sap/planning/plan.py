@@ -364,7 +364,7 @@ def plan_sequences(
     # the fewest bytes (less contention with other traffic for the same modelled time),
     # then the faster, then the earlier candidate.
     near = [(i, p, ev) for i, p, ev in evaluated if ev.makespan_s <= fastest * (1 + TIME_TOLERANCE)]
-    _, placement, ev = min(near, key=lambda ipe: (int(ipe[2].traffic_tokens.sum()), ipe[2].makespan_s, ipe[0]))
+    _, placement, ev = min(near, key=lambda ipe: (ipe[2].traffic_total, ipe[2].makespan_s, ipe[0]))
     plan = Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned)
     if cache is not None:
         if key is None:

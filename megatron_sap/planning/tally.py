@@ -1,14 +1,15 @@
 """Tally: a candidate's per-rank compute and transfer seconds, added one document at a time.
 
 Candidates are built document by document (the heaviest first, in the greedy). The
-tally keeps, per outer rank, the tile pairs it computes and the seconds its KV sends and
-receives take on their links (bytes over bandwidth; the latency of a message only where
-a document spans ranks of several nodes), and
+tally keeps, per outer rank, the tile pairs it computes (and those whose keys it
+holds), the seconds its KV sends and receives take (bytes over its links' bandwidth,
+plus the latency of each message: one per pair of ranks that exchange anything), and
 `floor_s`: the slowest rank's compute or transfers, forward and backward. Every pass of a
 rank's pipeline (see `evaluate`) takes at least its compute and, if the rank receives
-anything, at least its transfer time, and adding documents shrinks neither, so `floor_s` bounds from below the modelled
-layer time of every placement that completes the candidate. A candidate whose floor is
-already slower than the fastest one so far is given up there.
+anything, at least its transfer time, and adding documents shrinks neither, so
+`floor_s` bounds from below the modelled layer time of every placement that completes
+the candidate. A candidate whose floor is already slower than the fastest one so far is
+given up there. Once every document is in, the tally holds all that `evaluate` needs.
 """
 from __future__ import annotations
 
@@ -19,12 +20,20 @@ import numpy as np
 
 from .cost_model import LINK_INTER, LINK_INTRA, CostModel
 
+# Documents over at most this many ranks add their messages pair by pair; wider ones
+# as one array update.
+_PAIRWISE_UP_TO = 8
+
 
 class Tally:
     """Compute and transfers of the documents placed so far over `num_ranks` outer ranks
-    of `inner_size` ranks each; `tiles[r]` is the tile pairs rank r computes."""
+    of `inner_size` ranks each: per rank, `tiles` (tile pairs computed), `local` (those
+    whose keys it holds) and `send_s` / `recv_s` (seconds of its forward sends and
+    receives); `linked[src * R + dst]` is 1 once src sends dst anything; `tokens` is
+    the forward KV tokens moved in all."""
 
     def __init__(self, num_ranks: int, inner_size: int, model: CostModel):
+        self.inner_size, self.model = inner_size, model
         self.node = [model.node_of(r * inner_size) for r in range(num_ranks)]
         nodes = len(set(self.node))
         self.one_node, self.node_per_rank = nodes == 1, nodes == num_ranks
@@ -32,27 +41,35 @@ class Tally:
         self.intra_s = kv_bytes / model.bandwidth(LINK_INTRA)  # seconds per KV token on each link class
         self.inter_s = kv_bytes / model.bandwidth(LINK_INTER)
         self.node_array = np.array(self.node)
+        self.latency_s = model.message_latency_us * 1e-6
         self.pair_s = model.compute_seconds(1.0, head_fraction=1.0 / inner_size)
         self.backward_factor = model.backward_factor
         self.tiles = [0] * num_ranks
+        self.local = [0] * num_ranks
         self.send_s = [0.0] * num_ranks
         self.recv_s = [0.0] * num_ranks
+        self.tokens = 0
         self.floor_s = 0.0
-        self.latency_s = model.message_latency_us * 1e-6
-        self.linked = np.zeros(num_ranks * num_ranks, dtype=bool)  # [src * R + dst]: latency counted
+        self.linked = bytearray(num_ranks * num_ranks)
+        self._linked = np.frombuffer(self.linked, dtype=np.uint8)  # the same bytes, for array updates
 
-    def copy(self) -> "Tally":
+    def copy(self) -> Tally:
         """An independent tally of the same documents."""
         other = copy.copy(self)
-        other.tiles, other.send_s, other.recv_s = self.tiles[:], self.send_s[:], self.recv_s[:]
-        other.linked = self.linked.copy()
+        other.tiles, other.local, other.send_s, other.recv_s = self.tiles[:], self.local[:], self.send_s[:], self.recv_s[:]
+        other.linked = bytearray(self.linked)
+        other._linked = np.frombuffer(other.linked, dtype=np.uint8)
         return other
+
+    def matches(self, inner_size: int, model: CostModel) -> bool:
+        return inner_size == self.inner_size and model == self.model
 
     def add(self, ranks: Sequence[int], cut) -> None:
         """Slot i of `cut` (a `placement.Cut`) goes to rank `ranks[i]`."""
-        tiles = self.tiles
-        for r, c in zip(ranks, cut.costs):
+        tiles, local = self.tiles, self.local
+        for r, c, lc in zip(ranks, cut.costs, cut.local_costs):
             tiles[r] += c
+            local[r] += lc
         if len(ranks) > 1:
             self._add_transfers(ranks, cut)
         # No pass is faster than its compute, nor, on a rank that receives (the model
@@ -67,24 +84,32 @@ class Tally:
         self.floor_s = floor
 
     def _add_transfers(self, ranks: Sequence[int], cut) -> None:
-        send_s, recv_s = self.send_s, self.recv_s
+        send_s, recv_s, latency = self.send_s, self.recv_s, self.latency_s
+        self.tokens += cut.tokens
         rate = self._link_rate(ranks)
-        if rate is not None:  # every pair of the cut's ranks on one link class: slot totals suffice
+        if rate is not None and len(ranks) <= _PAIRWISE_UP_TO:
+            # Every pair of these ranks on one link class: slot totals price the bytes.
             for r, sent, received in zip(ranks, cut.send_tokens, cut.recv_tokens):
                 send_s[r] += sent * rate
                 recv_s[r] += received * rate
+            linked, R = self.linked, len(send_s)
+            for j, i in cut.send_pairs:
+                src, dst = ranks[j], ranks[i]
+                if not linked[src * R + dst]:
+                    linked[src * R + dst] = 1
+                    send_s[src] += latency
+                    recv_s[dst] += latency
             return
-        # Mixed (many ranks over several nodes): each pair's tokens at its link's rate,
-        # and each message new to the tally pays its latency (only here: where many
-        # ranks exchange, latencies add up).
+        # Many ranks: each pair's tokens at its link's rate, in one array pass.
         R = len(send_s)
         rk = np.array(ranks)
-        node = self.node_array[rk]
         pairs = (rk[:, None] * R + rk).ravel()
-        new = cut.links & ~self.linked[pairs].reshape(cut.links.shape)
-        self.linked[pairs] |= new.ravel()
-        rate = np.where(node[:, None] == node[None, :], self.intra_s, self.inter_s)
-        seconds = cut.sends * rate + new * self.latency_s
+        new = cut.links & (self._linked[pairs].reshape(cut.links.shape) == 0)
+        self._linked[pairs] |= new.ravel()
+        if rate is None:
+            node = self.node_array[rk]
+            rate = np.where(node[:, None] == node[None, :], self.intra_s, self.inter_s)
+        seconds = cut.sends * rate + new * latency
         for r, sent, received in zip(ranks, seconds.sum(1).tolist(), seconds.sum(0).tolist()):
             send_s[r] += sent
             recv_s[r] += received
