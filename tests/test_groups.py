@@ -64,8 +64,11 @@ def summarize(groups: SAPGroups) -> dict[str, Any]:
 
 
 def destroy(*groups: dist.ProcessGroup | None) -> None:
-    """Destroy the groups a job made, so that a long-lived pool does not pile them up."""
+    """Destroy the groups a job made, so that a long-lived pool does not pile them up; each
+    once all its members have connected it (a member that closes its connections while
+    another is still connecting makes that one fail)."""
     for group in {id(g): g for g in groups if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER}.values():
+        dist.barrier(group=group)
         dist.destroy_process_group(group)
 
 

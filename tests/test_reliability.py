@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -148,6 +149,7 @@ def failing_rank_job(rank: int, world: int, inner: int, fate: str, check: bool) 
     from megatron_sap.planning import PlanCache
 
     groups = sap.init_sap_groups(inner_size=inner, outer_size=world // inner, timeout=timedelta(seconds=SHORT_TIMEOUT_S))
+    dist.barrier()  # every rank has connected its groups: what fails next is the SAP step
     cu = random_cu_seqlens(random.Random(3), world * 48, "long")
     plan = sap.plan_sequences(cu, outer_size=world // inner, inner_size=inner, cache=PlanCache())
     q, k, v, dout = _local_inputs(plan, groups.cp_rank, cu, 4, 2, seed=2)
