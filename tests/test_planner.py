@@ -14,7 +14,7 @@ import megatron_sap as sap
 from megatron_sap.plan import main as plan_cli
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
 from megatron_sap.planning.evaluate import evaluate, rank_work, ulysses_cost, whole_documents_s
-from megatron_sap.planning.placement import build_all, candidates, greedy
+from megatron_sap.planning.placement import Cut, build_all, candidates, greedy, split_cut, split_need
 from megatron_sap.planning.tally import Tally
 from megatron_sap.planning.plan import DEFAULT_SLACKS, TIME_TOLERANCE
 
@@ -169,6 +169,28 @@ def work_from_pieces(placement, cu: list[int], model: CostModel) -> tuple[list[i
                 if src != dst:
                     traffic[src, dst] += sum(o.end - o.start for o in others if o.doc == doc and o.end <= last_start)
     return exact, tiles, local, traffic
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.booleans(), st.lists(st.sampled_from([0, 1, 2, 5, 127, 128, 129, 300]), min_size=1, max_size=18))
+def test_cut_closed_forms_match_its_sends(paired, chunks):
+    """Per-slot sent and received tokens and the sending pairs, worked out in closed
+    form, are the row sums, column sums and non-zeros of the cut's `sends` matrix."""
+    if paired and len(chunks) % 2:
+        chunks = chunks + [chunks[-1]]
+    cut = Cut(chunks, paired, 128)
+    k = len(cut.heads)
+    sends = cut.sends if cut.sends is not None else np.zeros((k, k), dtype=np.int64)
+    assert cut.send_tokens == tuple(sends.sum(1).tolist()) and cut.recv_tokens == tuple(sends.sum(0).tolist())
+    assert sorted(cut.send_pairs) == sorted(zip(*(x.tolist() for x in np.nonzero(sends))))
+    assert cut.tokens == sends.sum() and cut.order == tuple(sorted(range(k), key=lambda i: -cut.costs[i]))
+
+
+@pytest.mark.parametrize("split", ["zigzag", "contiguous"])
+def test_split_need_is_the_largest_slot(split):
+    for length in range(1, 300):
+        for k in range(1, 12):
+            assert split_need(length, k, split) == split_cut(length, k, split, 128).need == max(split_cut(length, k, split, 128).sizes)
 
 
 def layer_time_from(tiles: list[int], local: list[int], traffic: np.ndarray, capacity: int, inner: int, model: CostModel) -> np.ndarray:

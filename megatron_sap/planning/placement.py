@@ -62,6 +62,26 @@ def _tile_pairs(t: int, offset: int, length: int) -> int:
     return t * t * (nq * (nq + 1) // 2 + nq * -(-offset // t))
 
 
+class _memo:
+    """An attribute computed on first use and then stored on the instance (as
+    functools.cached_property, without the lock it takes on Python < 3.12: a fresh batch
+    makes hundreds of cuts)."""
+
+    def __init__(self, compute: Callable):
+        self.compute, self.name, self.__doc__ = compute, compute.__name__, compute.__doc__
+
+    def __get__(self, obj: object, owner: type | None = None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.compute(obj)
+        return value
+
+
+@lru_cache(maxsize=128)
+def _all_pairs(k: int) -> tuple[tuple[int, int], ...]:
+    return tuple((j, i) for j in range(k) for i in range(k) if i != j)
+
+
 class Cut:
     """A document cut into consecutive chunks of the given sizes and dealt to slots, one
     slot per rank: `paired`, 2k chunks with slot i holding chunks i and 2k-1-i
@@ -69,8 +89,12 @@ class Cut:
     is a head chunk and a tail chunk later in the document, either possibly empty (an
     unpaired cut has empty tails).
 
-    The greedy weighs slots heaviest first (`order`, stable) with their `heavy_sizes`
-    and tile-rounded `heavy_costs`; the evaluation adds up `sends`.
+    The greedy weighs slots heaviest first (`order`, stable) with their tile-rounded
+    `heavy_costs`. Slot j sends slot i the forward KV tokens i needs
+    before its own last piece: with a tail (after every head, and after the tails of
+    later slots), every other head and the tails of later slots; without, the heads of
+    earlier slots. The tally adds up the per-slot totals and the pairs that exchange
+    anything (closed forms); `sends` is the [k, k] matrix.
     """
 
     def __init__(self, chunks: Sequence[int], paired: bool, tile: int):
@@ -78,28 +102,101 @@ class Cut:
         n = len(chunks)
         k = n // 2 if paired else n
         self.heads, self.head_at = tuple(chunks[:k]), tuple(offsets[:k])
+        t = tile
         if paired:
             self.tails, self.tail_at = tuple(chunks[: k - 1 : -1]), tuple(offsets[n - 1 : k - 1 : -1])
+            self.costs = tuple([  # _tile_pairs of the head and of the tail
+                t * t * (nh * (nh + 1) // 2 + nh * -(-ho // t) + nt * (nt + 1) // 2 + nt * -(-to // t))
+                for nh, ho, nt, to in zip(
+                    [-(-h // t) for h in self.heads], self.head_at, [-(-x // t) for x in self.tails], self.tail_at
+                )
+            ])
         else:
             self.tails, self.tail_at = (0,) * k, self.head_at
-        sizes = [h + tl for h, tl in zip(self.heads, self.tails)]
-        costs = [
-            _tile_pairs(tile, ho, h) + _tile_pairs(tile, to, tl)
-            for h, ho, tl, to in zip(self.heads, self.head_at, self.tails, self.tail_at)
-        ]
-        self.sizes, self.costs = tuple(sizes), tuple(costs)
-        self.order = tuple(sorted(range(k), key=costs.__getitem__, reverse=True))
-        self.heavy_sizes = tuple([sizes[i] for i in self.order])
-        self.heavy_costs = tuple([costs[i] for i in self.order])
-        self.need = max(sizes, default=0)
+            self.costs = tuple([_tile_pairs(t, ho, h) for h, ho in zip(self.heads, self.head_at)])
+        self.sizes = tuple(map(add, self.heads, self.tails))
+        self.need = max(self.sizes, default=0)
         self.tile = tile
 
-    @cached_property
+    @_memo
+    def order(self) -> tuple[int, ...]:
+        """Slots, heaviest first (stable)."""
+        return tuple(sorted(range(len(self.costs)), key=self.costs.__getitem__, reverse=True))
+
+    @_memo
+    def heavy_costs(self) -> tuple[int, ...]:
+        return tuple([self.costs[i] for i in self.order])
+
+    @_memo
+    def local_costs(self) -> tuple[int, ...]:
+        """Per slot, the tile pairs whose keys it holds: each chunk's diagonal, and the
+        tail's block over the head (its only earlier local key)."""
+        t = self.tile
+        return tuple(
+            t * t * (nh * (nh + 1) // 2 + nt * (nt + 1) // 2 + nt * nh)
+            for nh, nt in ((-(-h // t), -(-tl // t)) for h, tl in zip(self.heads, self.tails))
+        )
+
+    @_memo
+    def recv_tokens(self) -> tuple[int, ...]:
+        """Per slot, the KV tokens it receives from the other slots."""
+        h, t = self.heads, self.tails
+        k, total = len(h), sum(h)
+        received = [0] * k
+        later_tails = 0
+        for i in range(k - 1, -1, -1):
+            if t[i]:
+                received[i] = total - h[i] + later_tails
+            later_tails += t[i]
+        earlier_heads = 0
+        for i in range(k):
+            if not t[i] and h[i]:
+                received[i] = earlier_heads
+            earlier_heads += h[i]
+        return tuple(received) if k > 1 else (0,) * k
+
+    @_memo
+    def send_tokens(self) -> tuple[int, ...]:
+        """Per slot, the KV tokens it sends the other slots."""
+        h, t = self.heads, self.tails
+        k = len(h)
+        with_tail = sum(1 for x in t if x)
+        sent = [0] * k
+        later_without_tail = 0  # slots after j with a head and no tail: they need j's head
+        for j in range(k - 1, -1, -1):
+            sent[j] = h[j] * (with_tail - (1 if t[j] else 0) + later_without_tail)
+            if not t[j] and h[j]:
+                later_without_tail += 1
+        earlier_with_tail = 0  # slots before j with a tail: they need j's tail too
+        for j in range(k):
+            sent[j] += t[j] * earlier_with_tail
+            if t[j]:
+                earlier_with_tail += 1
+        return tuple(sent) if k > 1 else (0,) * k
+
+    @_memo
+    def tokens(self) -> int:
+        """The forward KV tokens the slots send each other in all."""
+        return sum(self.send_tokens)
+
+    @_memo
+    def send_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(j, i) for every slot j that sends slot i something."""
+        h, t = self.heads, self.tails
+        k = len(h)
+        if all(h) and all(t):
+            return _all_pairs(k)
+        pairs = []
+        for i in range(k):
+            if t[i]:
+                pairs += [(j, i) for j in range(k) if j != i and (h[j] or (j > i and t[j]))]
+            elif h[i]:
+                pairs += [(j, i) for j in range(i) if h[j]]
+        return tuple(pairs)
+
+    @_memo
     def sends(self) -> np.ndarray | None:
-        """[k, k]: the forward KV tokens slot j sends slot i, which needs every other
-        slot's tokens before its own last piece: with a tail (after every head, and
-        after the tails of later slots), every other head and the tails of later slots;
-        without, the heads of earlier slots. None for a single slot."""
+        """[k, k]: the forward KV tokens slot j sends slot i; None for a single slot."""
         k = len(self.heads)
         if k < 2:
             return None
@@ -110,40 +207,10 @@ class Cut:
         np.fill_diagonal(sends, 0)
         return sends
 
-    @cached_property
-    def local_costs(self) -> tuple[int, ...]:
-        """Per slot, the tile pairs whose keys it holds: each chunk's diagonal, and the
-        tail's block over the head (its only earlier local key)."""
-        t = self.tile
-        return tuple(
-            t * t * (nh * (nh + 1) // 2 + nt * (nt + 1) // 2 + nt * nh)
-            for nh, nt in ((-(-h // t), -(-tl // t)) for h, tl in zip(self.heads, self.tails))
-        )
-
-    @cached_property
-    def send_pairs(self) -> tuple[tuple[int, int], ...]:
-        """(j, i) for every slot j that sends slot i something."""
-        return () if self.sends is None else tuple(zip(*(x.tolist() for x in np.nonzero(self.sends))))
-
-    @cached_property
-    def tokens(self) -> int:
-        """The forward KV tokens the slots send each other in all."""
-        return 0 if self.sends is None else int(self.sends.sum())
-
-    @cached_property
+    @_memo
     def links(self) -> np.ndarray | None:
         """[k, k] bool: slot j sends slot i something."""
         return None if self.sends is None else self.sends > 0
-
-    @cached_property
-    def send_tokens(self) -> tuple[int, ...]:
-        """Per slot, the KV tokens it sends the other slots."""
-        return (0,) if self.sends is None else tuple(self.sends.sum(1).tolist())
-
-    @cached_property
-    def recv_tokens(self) -> tuple[int, ...]:
-        """Per slot, the KV tokens it receives from the other slots."""
-        return (0,) if self.sends is None else tuple(self.sends.sum(0).tolist())
 
     def slots(self) -> list[list[tuple[int, int]]]:
         """Per slot, its non-empty pieces as (offset in the document, size), in order."""
@@ -162,6 +229,14 @@ def chunk_sizes(length: int, k: int) -> list[int]:
     for j in order[:extra]:
         sizes[j] += 1
     return sizes
+
+
+def split_need(length: int, k: int, split: str) -> int:
+    """The largest slot of `split_cut(length, k, split)`, without making the cut."""
+    if split == "zigzag":  # slot 0: chunk 0 gets the first extra token, chunk 2k-1 the (k+1)-th
+        base, extra = divmod(length, 2 * k)
+        return 2 * base + (extra >= 1) + (extra >= k + 1)
+    return -(-length // k)
 
 
 @lru_cache(maxsize=4096)  # a 128K-token batch weighs about 500 cuts (lengths recur across batches)
@@ -459,12 +534,13 @@ class _DocChoices:
         if key in self._splits:
             return self._splits[key]
         g, load, room = self.greedy, self.load, self.room
-        cut = split_cut(self.n, k, split, g.tile)
+        need = split_need(self.n, k, split)
         if self._least_room is None:
             self._least_room = min(room)
-        eligible = self.by_load if cut.need <= self._least_room else [r for r in self.by_load if room[r] >= cut.need]
+        eligible = self.by_load if need <= self._least_room else [r for r in self.by_load if room[r] >= need]
         found = None
         if len(eligible) >= k:
+            cut = split_cut(self.n, k, split, g.tile)
             first = eligible[:k]
             near = _node_local(eligible, k, g.node_index, g.num_nodes, load) if g.node_aware else first
             if near == first:
