@@ -297,8 +297,9 @@ class Placement:
     __hash__ = None  # type: ignore[assignment]
 
 
-def _finish(capacity: int, num_ranks: int, records: list[Record], strategy: str) -> Placement:
-    """The placement of these records, checked to give every rank `capacity` tokens."""
+def _finish(capacity: int, num_ranks: int, records: list[Record], strategy: str, tally: Tally | None = None) -> Placement:
+    """The placement of these records (tallied in `tally`), checked to give every rank
+    `capacity` tokens."""
     ranks = list(chain.from_iterable(rec.ranks for rec in records))
     sizes = list(chain.from_iterable(rec.cut.sizes for rec in records))
     costs = list(chain.from_iterable(rec.cut.costs for rec in records))
@@ -308,7 +309,7 @@ def _finish(capacity: int, num_ranks: int, records: list[Record], strategy: str)
         r = int(wrong[0])
         raise AssertionError(f"placement {strategy} gave rank {r} {int(held[r])} tokens, expected {capacity}")
     pairs = np.bincount(ranks, weights=costs, minlength=num_ranks)
-    return Placement(capacity, num_ranks, tuple(records), strategy, tuple([int(x) for x in pairs]))
+    return Placement(capacity, num_ranks, tuple(records), strategy, tuple([int(x) for x in pairs]), tally)
 
 
 def contiguous(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: int, tile: int) -> Placement:
@@ -325,35 +326,6 @@ def contiguous(doc_starts: list[int], lengths: list[int], num_ranks: int, capaci
         chunks = [b - a for a, b in zip(bounds, bounds[1:])]
         records.append(Record(d, s, tuple(range(first, last + 1)), Cut(chunks, False, tile)))
     return _finish(capacity, num_ranks, records, "contiguous")
-
-
-def zigzag(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: int, tile: int) -> Placement | None:
-    """Every document over all ranks in head-to-tail chunk pairs.
-
-    The longest document absorbs the rounding so that every rank ends with exactly
-    `capacity` tokens; None when that is impossible.
-    """
-    docs = [d for d, n in enumerate(lengths) if n > 0]
-    if not docs:
-        return None
-    absorber = max(docs, key=lambda d: (lengths[d], -d))
-    held = [0] * num_ranks
-    records = []
-    for d in docs:
-        if d == absorber:
-            continue
-        cut = split_cut(lengths[d], num_ranks, "zigzag", tile)
-        # Pair i of chunk_sizes is the largest for small i: give it to the emptiest rank.
-        ranks_by_room = tuple(sorted(range(num_ranks), key=held.__getitem__))  # stable: ties by rank
-        for r, size in zip(ranks_by_room, cut.sizes):
-            held[r] += size
-        records.append(Record(d, doc_starts[d], ranks_by_room, cut))
-    need = [capacity - h for h in held]
-    if min(need) < 0:
-        return None
-    chunks = [need[r] // 2 for r in range(num_ranks)] + [need[r] - need[r] // 2 for r in reversed(range(num_ranks))]
-    records.append(Record(absorber, doc_starts[absorber], tuple(range(num_ranks)), Cut(chunks, True, tile)))
-    return _finish(capacity, num_ranks, records, "zigzag")
 
 
 def greedy(
@@ -635,31 +607,76 @@ class _GreedyBuild(Build):
             self.placement = Placement(g.capacity, g.R, tuple(self.records), self.members[0].name, tuple(self.tally.tiles), self.tally)
 
 
-class _WholeBuild(Build):
-    """A layout built whole on its first step (or found impossible), then weighed: the
-    floor of its compute first, then its transfers document by document, the largest
-    first."""
+class _ZigzagBuild(Build):
+    """Every document over all ranks in head-to-tail chunk pairs (the ring layout
+    without padding), each pair of chunks to the ranks holding the fewest tokens, in
+    document order. The longest document comes last and absorbs the rounding so that
+    every rank ends with exactly `capacity` tokens; the layout is impossible when the
+    others leave a rank over capacity. The first step lays out the slot sizes; each
+    step then cuts and tallies one document, the longest first."""
 
-    def __init__(self, name: str, index: int, make: Callable[[], Placement | None], tally: Tally):
-        self.names, self.indices, self.index, self._make, self.tally = (name,), (index,), index, make, tally
-        self._built: Placement | None = None
-        self._pending: list[Record] = []
-        self._compute_s = 0.0
+    def __init__(self, index: int, doc_starts: list[int], lengths: list[int], capacity: int, tally: Tally):
+        self.names, self.indices, self.index = ("zigzag",), (index,), index
+        self.starts, self.lengths, self.capacity, self.tally = doc_starts, lengths, capacity, tally
+        self.ranks: dict[int, tuple[int, ...]] | None = None  # per document, the rank of each slot
+        self.records: dict[int, Record] = {}
+
+    def _lay_out(self) -> bool:
+        """Each document's ranks, and the rounding the longest one absorbs; False if impossible."""
+        R, lengths = len(self.tally.tiles), self.lengths
+        docs = [d for d, n in enumerate(lengths) if n > 0]
+        if not docs:
+            return False
+        self.absorber = max(docs, key=lambda d: (lengths[d], -d))
+        held = [0] * R
+        self.ranks = {}
+        for d in docs:
+            if d != self.absorber:
+                chunks = chunk_sizes(lengths[d], R)
+                # Pair i of chunk_sizes is the largest for small i: give it to the emptiest rank.
+                ranks = self.ranks[d] = tuple(sorted(range(R), key=held.__getitem__))  # stable: ties by rank
+                for i, r in enumerate(ranks):
+                    held[r] += chunks[i] + chunks[2 * R - 1 - i]
+        need = [self.capacity - h for h in held]
+        if min(need) < 0:
+            return False
+        self.absorber_chunks = [need[r] // 2 for r in range(R)] + [need[r] - need[r] // 2 for r in reversed(range(R))]
+        self.ranks[self.absorber] = tuple(range(R))
+        self.pending = sorted(self.ranks, key=lambda d: (lengths[d], -d))  # popped longest first
+        return True
 
     def step(self) -> list[Build]:
-        if self._built is None:
-            self._built = self._make()
-            if self._built is None:
-                return []
-            tally = self.tally
-            self._compute_s = max(self._built.tile_pairs, default=0) * tally.pair_s * (1.0 + tally.backward_factor)
-            self._pending = sorted(self._built.records, key=lambda rec: rec.cut.need * len(rec.ranks))
-        else:
-            record = self._pending.pop()
-            self.tally.add(record.ranks, record.cut)
-            if not self._pending:
-                self.placement = replace(self._built, tally=self.tally)
+        if self.ranks is None and not self._lay_out():
+            return []
+        d = self.pending.pop()
+        tile, R = self.tally.model.tile, len(self.tally.tiles)
+        cut = Cut(self.absorber_chunks, True, tile) if d == self.absorber else split_cut(self.lengths[d], R, "zigzag", tile)
+        record = self.records[d] = Record(d, self.starts[d], self.ranks[d], cut)
+        self.tally.add(record.ranks, record.cut)
+        self.floor_s = self.tally.floor_s
+        if not self.pending:
+            records = [self.records[d] for d in sorted(self.records) if d != self.absorber] + [self.records[self.absorber]]
+            self.placement = _finish(self.capacity, R, records, "zigzag", self.tally)
+        return [self]
+
+
+class _ContiguousBuild(Build):
+    """The contiguous layout (see `contiguous`), built whole, then tallied a document at
+    a time, the widest first; its compute floor comes first."""
+
+    def __init__(self, index: int, doc_starts: list[int], lengths: list[int], capacity: int, tally: Tally):
+        self.names, self.indices, self.index, self.tally = ("contiguous",), (index,), index, tally
+        self._built = contiguous(doc_starts, lengths, len(tally.tiles), capacity, tally.model.tile)
+        self._pending = sorted(self._built.records, key=lambda rec: rec.cut.need * len(rec.ranks))
+        self._compute_s = max(self._built.tile_pairs, default=0) * tally.pair_s * (1.0 + tally.backward_factor)
+        self.floor_s = self._compute_s
+
+    def step(self) -> list[Build]:
+        record = self._pending.pop()
+        self.tally.add(record.ranks, record.cut)
         self.floor_s = max(self._compute_s, self.tally.floor_s)
+        if not self._pending:
+            self.placement = replace(self._built, tally=self.tally)
         return [self]
 
 
@@ -723,7 +740,6 @@ def candidates(
     if num_ranks > 1:
         spread_slack = min(slacks, default=0.0)
         members["zigzag"].append((greedy_name(spread_slack, "zigzag", spread=True), 2 * len(slacks), spread_slack, True))
-        tally = lambda: Tally(num_ranks, inner_size, model)  # noqa: E731
-        builds.append(_WholeBuild("zigzag", 2 * len(slacks) + 1, lambda: zigzag(doc_starts, lengths, num_ranks, capacity, model.tile), tally()))
-        builds.append(_WholeBuild("contiguous", 2 * len(slacks) + 2, lambda: contiguous(doc_starts, lengths, num_ranks, capacity, model.tile), tally()))
+        builds.append(_ZigzagBuild(2 * len(slacks) + 1, doc_starts, lengths, capacity, Tally(num_ranks, inner_size, model)))
+        builds.append(_ContiguousBuild(2 * len(slacks) + 2, doc_starts, lengths, capacity, Tally(num_ranks, inner_size, model)))
     return [passes.build(split, ms) for split, ms in members.items() if ms] + builds

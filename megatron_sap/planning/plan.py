@@ -339,7 +339,7 @@ def plan_sequences(
     # all-to-alls) is over TIME_TOLERANCE slower than the fastest built so far can be
     # neither chosen nor near the choice: it is given up there. Once the lowest floor
     # is out of reach, so are all the others.
-    queue = [(0.0, b.index, b) for b in candidates(doc_starts, lengths, outer_size, capacity, model, slacks, inner_size)]
+    queue = [(b.floor_s, b.index, b) for b in candidates(doc_starts, lengths, outer_size, capacity, model, slacks, inner_size)]
     heapq.heapify(queue)
     while queue:
         floor_s, _, build = queue[0]
