@@ -542,7 +542,7 @@ class _DocChoices:
         if self._fragments is None:
             offset, ranks, chunks = 0, [], []
             room, load = self.room, self.load
-            for r in sorted(range(self.greedy.R), key=lambda r: (-room[r], load[r], r)):
+            for r in sorted([r for r in range(self.greedy.R) if room[r]], key=lambda r: (-room[r], load[r], r)):
                 if offset == self.n:
                     break
                 take = min(room[r], self.n - offset)

@@ -21,8 +21,9 @@ import numpy as np
 from .cost_model import LINK_INTER, LINK_INTRA, CostModel
 
 # Documents over at most this many ranks add their messages pair by pair; wider ones
-# as one array update.
+# as one array update (over ranks of several nodes, that pays from fewer ranks on).
 _PAIRWISE_UP_TO = 8
+_MIXED_PAIRWISE_UP_TO = 4
 
 
 class Tally:
@@ -87,18 +88,30 @@ class Tally:
         send_s, recv_s, latency = self.send_s, self.recv_s, self.latency_s
         self.tokens += cut.tokens
         rate = self._link_rate(ranks)
-        if rate is not None and len(ranks) <= _PAIRWISE_UP_TO:
-            # Every pair of these ranks on one link class: slot totals price the bytes.
-            for r, sent, received in zip(ranks, cut.send_tokens, cut.recv_tokens):
-                send_s[r] += sent * rate
-                recv_s[r] += received * rate
+        if len(ranks) <= (_PAIRWISE_UP_TO if rate is not None else _MIXED_PAIRWISE_UP_TO):
             linked, R = self.linked, len(send_s)
+            if rate is not None:
+                # Every pair of these ranks on one link class: slot totals price the bytes.
+                for r, sent, received in zip(ranks, cut.send_tokens, cut.recv_tokens):
+                    send_s[r] += sent * rate
+                    recv_s[r] += received * rate
+                for j, i in cut.send_pairs:
+                    src, dst = ranks[j], ranks[i]
+                    if not linked[src * R + dst]:
+                        linked[src * R + dst] = 1
+                        send_s[src] += latency
+                        recv_s[dst] += latency
+                return
+            heads, tails, node, intra_s, inter_s = cut.heads, cut.tails, self.node, self.intra_s, self.inter_s
             for j, i in cut.send_pairs:
                 src, dst = ranks[j], ranks[i]
+                tokens = (heads[j] + (tails[j] if j > i else 0)) if tails[i] else heads[j]  # see Cut
+                seconds = tokens * (intra_s if node[src] == node[dst] else inter_s)
                 if not linked[src * R + dst]:
                     linked[src * R + dst] = 1
-                    send_s[src] += latency
-                    recv_s[dst] += latency
+                    seconds += latency
+                send_s[src] += seconds
+                recv_s[dst] += seconds
             return
         # Many ranks: each pair's tokens at its link's rate, in one array pass.
         R = len(send_s)
