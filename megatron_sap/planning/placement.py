@@ -399,8 +399,8 @@ class _Member(NamedTuple):
 
 
 class _Greedy:
-    """The greedy passes over one batch: costs, the document order and each document
-    kept whole are computed once and shared by the passes at every slack."""
+    """The greedy passes over one batch: costs and the document order are computed once
+    and shared by the passes at every slack."""
 
     def __init__(
         self,
@@ -423,7 +423,6 @@ class _Greedy:
         self.total = sum(self.cost)
         self.share = self.total / num_ranks
         self.order = sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-self.cost[d], d))
-        self.whole = {d: split_cut(lengths[d], 1, "contiguous", self.tile) for d in self.order}
 
     def build(self, split: str, members: Sequence[tuple[str, int, float, bool]]) -> Build:
         """The passes (name, index, slack, spread) with this split mode, built together
@@ -440,8 +439,8 @@ class _Greedy:
         whole = doc.whole_rank
         if whole is not None:
             if load[whole] + c <= limit:
-                return (whole,), self.whole[doc.d]
-            options.append((load[whole] + c, 1, [whole], self.whole[doc.d]))
+                return (whole,), split_cut(n, 1, "contiguous", self.tile)
+            options.append((load[whole] + c, 1, [whole], split_cut(n, 1, "contiguous", self.tile)))
         degrees = _split_degrees(c, doc.sorted_loads, limit, min(self.R, n))
         if spread and degrees and c > self.share and doc.widest > degrees[0]:
             # A document heavier than a rank's share: as wide as chunks of at least a
