@@ -367,6 +367,7 @@ class Build:
 
     names: tuple[str, ...]
     indices: tuple[int, ...]  # of each name among all candidates
+    index: int
     floor_s: float = 0.0
     placement: Placement | None = None
 
