@@ -89,8 +89,8 @@ class Cut:
     is a head chunk and a tail chunk later in the document, either possibly empty (an
     unpaired cut has empty tails).
 
-    The greedy weighs slots heaviest first (`order`, stable) with their tile-rounded
-    `heavy_costs`. Slot j sends slot i the forward KV tokens i needs
+    The greedy gives the heaviest slots (`order`, by tile-rounded `costs`, stable) to the
+    least-loaded ranks. Slot j sends slot i the forward KV tokens i needs
     before its own last piece: with a tail (after every head, and after the tails of
     later slots), every other head and the tails of later slots; without, the heads of
     earlier slots. The tally adds up the per-slot totals and the pairs that exchange
@@ -122,10 +122,6 @@ class Cut:
     def order(self) -> tuple[int, ...]:
         """Slots, heaviest first (stable)."""
         return tuple(sorted(range(len(self.costs)), key=self.costs.__getitem__, reverse=True))
-
-    @_memo
-    def heavy_costs(self) -> tuple[int, ...]:
-        return tuple([self.costs[i] for i in self.order])
 
     @_memo
     def local_costs(self) -> tuple[int, ...]:
@@ -229,6 +225,22 @@ def chunk_sizes(length: int, k: int) -> list[int]:
     for j in order[:extra]:
         sizes[j] += 1
     return sizes
+
+
+@lru_cache(maxsize=4096)
+def split_costs(length: int, k: int, split: str, tile: int) -> tuple[int, ...]:
+    """The tile-rounded costs of the slots of `split_cut(length, k, split, tile)`,
+    heaviest first, without making the cut (the greedy weighs more splits than it makes)."""
+    if split == "zigzag":
+        chunks = chunk_sizes(length, k)
+        offsets = list(accumulate(chunks, initial=0))
+        costs = [
+            _tile_pairs(tile, offsets[i], chunks[i]) + _tile_pairs(tile, offsets[2 * k - 1 - i], chunks[2 * k - 1 - i])
+            for i in range(k)
+        ]
+    else:
+        costs = [_tile_pairs(tile, length * i // k, length * (i + 1) // k - length * i // k) for i in range(k)]
+    return tuple(sorted(costs, reverse=True))
 
 
 def split_need(length: int, k: int, split: str) -> int:
@@ -436,12 +448,12 @@ class _Greedy:
         not depend on the slack is worked out once per document in `doc`."""
         n, c, load = doc.n, doc.c, doc.load
         limit = (1.0 + slack) * self.share
-        options: list[tuple[int, int, list[int], Cut]] = []  # (peak, k, ranks heaviest slot first, cut)
+        options: list[tuple[int, int, list[int]]] = []  # (peak, k, ranks heaviest slot first); k = 1: whole
         whole = doc.whole_rank
         if whole is not None:
             if load[whole] + c <= limit:
                 return (whole,), split_cut(n, 1, "contiguous", self.tile)
-            options.append((load[whole] + c, 1, [whole], split_cut(n, 1, "contiguous", self.tile)))
+            options.append((load[whole] + c, 1, [whole]))
         degrees = _split_degrees(c, doc.sorted_loads, limit, min(self.R, n))
         if spread and degrees and c > self.share and doc.widest > degrees[0]:
             # A document heavier than a rank's share: as wide as chunks of at least a
@@ -451,19 +463,21 @@ class _Greedy:
             split_k = doc.split_over(k, split)
             if split_k is None:
                 continue
-            cut, near, first, peak_near, peak_first = split_k
+            near, first, peak_near, peak_first = split_k
             # The heaviest slot goes to the least-loaded chosen rank.
-            best_here = (peak_near, k, near, cut)
+            best_here = (peak_near, k, near)
             if near is not first and peak_near > limit and peak_first < peak_near:
-                best_here = (peak_first, k, first, cut)
+                best_here = (peak_first, k, first)
             options.append(best_here)
             if best_here[0] <= limit:
                 break
         if not options:
             return doc.fragments()
         # The loop stops at the first k within the limit; else take the lowest peak.
-        best = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
-        return doc.slots(best[2], best[3])
+        _, k, chosen = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
+        if k == 1:
+            return (whole,), split_cut(n, 1, "contiguous", self.tile)
+        return doc.slots(chosen, split_cut(n, k, split, self.tile))
 
 
 class _DocChoices:
@@ -500,7 +514,7 @@ class _DocChoices:
         return self._widest
 
     def split_over(self, k: int, split: str) -> tuple | None:
-        """(cut, node-local ranks, least-loaded ranks, and the peak load of each) for the
+        """(node-local ranks, least-loaded ranks, and the peak load of each) for the
         document over k ranks; None if fewer than k ranks have room."""
         key = (k, split)
         if key in self._splits:
@@ -512,14 +526,14 @@ class _DocChoices:
         eligible = self.by_load if need <= self._least_room else [r for r in self.by_load if room[r] >= need]
         found = None
         if len(eligible) >= k:
-            cut = split_cut(self.n, k, split, g.tile)
+            heavy = split_costs(self.n, k, split, g.tile)
             first = eligible[:k]
             near = _node_local(eligible, k, g.node_index, g.num_nodes, load) if g.node_aware else first
             if near == first:
                 near = first
-            peak_first = max(map(add, map(load.__getitem__, first), cut.heavy_costs))
-            peak_near = peak_first if near is first else max(map(add, map(load.__getitem__, near), cut.heavy_costs))
-            found = (cut, near, first, peak_near, peak_first)
+            peak_first = max(map(add, map(load.__getitem__, first), heavy))
+            peak_near = peak_first if near is first else max(map(add, map(load.__getitem__, near), heavy))
+            found = (near, first, peak_near, peak_first)
         if self.shared:
             self._splits[key] = found
         return found
