@@ -358,7 +358,7 @@ def greedy(
     document heavier than one rank's share of the work is split as wide as the ranks'
     room and chunks of at least one tile allow, instead of over the fewest ranks."""
     passes = _Greedy(doc_starts, lengths, num_ranks, capacity, model, inner_size)
-    (placement,) = build_all([passes.build(split, [(greedy_name(slack, split, spread), 0, slack, spread)])]).values()
+    (placement,) = build_all([passes.build([(greedy_name(slack, split, spread), 0, slack, split, spread)])]).values()
     return placement
 
 
@@ -403,11 +403,12 @@ def build_all(builds: list[Build]) -> dict[str, Placement]:
 
 
 class _Member(NamedTuple):
-    """One greedy pass: its candidate name and index, its load slack and spread mode."""
+    """One greedy pass: its candidate name and index, its load slack, split and spread mode."""
 
     name: str
     index: int
     slack: float
+    split: str
     spread: bool
 
 
@@ -437,11 +438,11 @@ class _Greedy:
         self.share = self.total / num_ranks
         self.order = sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-self.cost[d], d))
 
-    def build(self, split: str, members: Sequence[tuple[str, int, float, bool]]) -> Build:
-        """The passes (name, index, slack, spread) with this split mode, built together
-        while they place documents alike."""
+    def build(self, members: Sequence[tuple[str, int, float, str, bool]]) -> Build:
+        """The passes (name, index, slack, split, spread), built together while they
+        place documents alike."""
         tally = Tally(self.R, self.inner_size, self.model)
-        return _GreedyBuild(self, split, tuple(_Member(*m) for m in members), tally, [self.capacity] * self.R, [], 0)
+        return _GreedyBuild(self, tuple(_Member(*m) for m in members), tally, [self.capacity] * self.R, [], 0)
 
     def choose(self, doc: _DocChoices, slack: float, split: str, spread: bool) -> tuple[tuple[int, ...], Cut]:
         """Where a pass at `slack` puts the document: (rank of each slot, cut). What does
@@ -569,11 +570,11 @@ class _DocChoices:
 
 
 class _GreedyBuild(Build):
-    """Greedy passes of one split mode that have placed every document alike so far."""
+    """Greedy passes that have placed every document alike so far."""
 
-    def __init__(self, greedy: _Greedy, split: str, members: tuple[_Member, ...], tally: Tally,
+    def __init__(self, greedy: _Greedy, members: tuple[_Member, ...], tally: Tally,
                  room: list[int], records: list[Record], position: int):
-        self.greedy, self.split, self.tally, self.room, self.records, self.position = greedy, split, tally, room, records, position
+        self.greedy, self.tally, self.room, self.records, self.position = greedy, tally, room, records, position
         self._join(members)
 
     def _join(self, members: tuple[_Member, ...]) -> None:
@@ -589,11 +590,11 @@ class _GreedyBuild(Build):
         doc = _DocChoices(g, d, self.tally.tiles, self.room, shared=len(self.members) > 1)
         if len(self.members) == 1:
             m = self.members[0]
-            self._place(d, g.choose(doc, m.slack, self.split, m.spread))
+            self._place(d, g.choose(doc, m.slack, m.split, m.spread))
             return [self]
         groups: dict[tuple, tuple[tuple[tuple[int, ...], Cut], list[_Member]]] = {}
         for m in self.members:
-            choice = g.choose(doc, m.slack, self.split, m.spread)
+            choice = g.choose(doc, m.slack, m.split, m.spread)
             groups.setdefault((choice[0], id(choice[1])), (choice, []))[1].append(m)
         parted = [self] + [self._copy() for _ in range(len(groups) - 1)]
         for build, (choice, members) in zip(parted, groups.values()):
@@ -603,7 +604,7 @@ class _GreedyBuild(Build):
         return parted
 
     def _copy(self) -> _GreedyBuild:
-        return _GreedyBuild(self.greedy, self.split, self.members, self.tally.copy(), self.room[:], self.records[:], self.position)
+        return _GreedyBuild(self.greedy, self.members, self.tally.copy(), self.room[:], self.records[:], self.position)
 
     def _place(self, d: int, choice: tuple[tuple[int, ...], Cut]) -> None:
         g, room = self.greedy, self.room
@@ -744,16 +745,17 @@ def candidates(
     that moves fewer bytes first; then one that spreads each document heavier than a
     rank's share over as many ranks as it can (balance when one document dominates the
     work, worth its traffic where links are fast); then the zigzag and contiguous
-    layouts. Greedy passes with one split mode start as one build."""
+    layouts. The greedy passes start as one build."""
     passes = _Greedy(doc_starts, lengths, num_ranks, capacity, model, inner_size)
-    members: dict[str, list[tuple[str, int, float, bool]]] = {"contiguous": [], "zigzag": []}
-    for i, s in enumerate(slacks):
-        for j, split in enumerate(("contiguous", "zigzag")):
-            members[split].append((greedy_name(s, split), 2 * i + j, s, False))
+    members = [
+        (greedy_name(s, split), 2 * i + j, s, split, False)
+        for i, s in enumerate(slacks)
+        for j, split in enumerate(("contiguous", "zigzag"))
+    ]
     builds: list[Build] = []
     if num_ranks > 1:
         spread_slack = min(slacks, default=0.0)
-        members["zigzag"].append((greedy_name(spread_slack, "zigzag", spread=True), 2 * len(slacks), spread_slack, True))
+        members.append((greedy_name(spread_slack, "zigzag", spread=True), 2 * len(slacks), spread_slack, "zigzag", True))
         builds.append(_ZigzagBuild(2 * len(slacks) + 1, doc_starts, lengths, capacity, Tally(num_ranks, inner_size, model)))
         builds.append(_ContiguousBuild(2 * len(slacks) + 2, doc_starts, lengths, capacity, Tally(num_ranks, inner_size, model)))
-    return [passes.build(split, ms) for split, ms in members.items() if ms] + builds
+    return [passes.build(members)] + builds if members else builds
