@@ -77,6 +77,19 @@ class _memo:
         return value
 
 
+@lru_cache(maxsize=256)  # bounded: a matrix over 128 ranks is 128 KiB, and cuts stay memoised much longer
+def _sends(heads: tuple[int, ...], tails: tuple[int, ...]) -> np.ndarray:
+    """`Cut.sends` of the slots with these head and tail chunks."""
+    k = len(heads)
+    h, tl = np.array(heads, dtype=np.int64), np.array(tails, dtype=np.int64)
+    j, i = np.arange(k)[:, None], np.arange(k)[None, :]
+    sends = np.where(tl[None, :] > 0, h[:, None] + np.where(j > i, tl[:, None], 0), np.where(j < i, h[:, None], 0))
+    sends[:, h + tl == 0] = 0
+    np.fill_diagonal(sends, 0)
+    sends.flags.writeable = False
+    return sends
+
+
 @lru_cache(maxsize=128)
 def _all_pairs(k: int) -> tuple[tuple[int, int], ...]:
     return tuple((j, i) for j in range(k) for i in range(k) if i != j)
@@ -190,23 +203,11 @@ class Cut:
                 pairs += [(j, i) for j in range(i) if h[j]]
         return tuple(pairs)
 
-    @_memo
+    @property
     def sends(self) -> np.ndarray | None:
-        """[k, k]: the forward KV tokens slot j sends slot i; None for a single slot."""
-        k = len(self.heads)
-        if k < 2:
-            return None
-        h, tl = np.array(self.heads, dtype=np.int64), np.array(self.tails, dtype=np.int64)
-        j, i = np.arange(k)[:, None], np.arange(k)[None, :]
-        sends = np.where(tl[None, :] > 0, h[:, None] + np.where(j > i, tl[:, None], 0), np.where(j < i, h[:, None], 0))
-        sends[:, h + tl == 0] = 0
-        np.fill_diagonal(sends, 0)
-        return sends
-
-    @_memo
-    def links(self) -> np.ndarray | None:
-        """[k, k] bool: slot j sends slot i something."""
-        return None if self.sends is None else self.sends > 0
+        """[k, k]: the forward KV tokens slot j sends slot i (read-only); None for a
+        single slot."""
+        return _sends(self.heads, self.tails) if len(self.heads) > 1 else None
 
     def slots(self) -> list[list[tuple[int, int]]]:
         """Per slot, its non-empty pieces as (offset in the document, size), in order."""

@@ -117,12 +117,13 @@ class Tally:
         R = len(send_s)
         rk = np.array(ranks)
         pairs = (rk[:, None] * R + rk).ravel()
-        new = cut.links & (self._linked[pairs].reshape(cut.links.shape) == 0)
+        sends = cut.sends
+        new = (sends > 0) & (self._linked[pairs].reshape(sends.shape) == 0)
         self._linked[pairs] |= new.ravel()
         if rate is None:
             node = self.node_array[rk]
             rate = np.where(node[:, None] == node[None, :], self.intra_s, self.inter_s)
-        seconds = cut.sends * rate + new * latency
+        seconds = sends * rate + new * latency
         for r, sent, received in zip(ranks, seconds.sum(1).tolist(), seconds.sum(0).tolist()):
             send_s[r] += sent
             recv_s[r] += received
