@@ -346,11 +346,16 @@ def plan_sequences(
         if floor_s + a2a_s > fastest * (1 + TIME_TOLERANCE):
             pruned.update((name, f + a2a_s) for f, _, b in queue for name in b.names)
             break
-        heapq.heappop(queue)
         if build.placement is None:
-            for b in build.step():
+            following = build.step()
+            if len(following) == 1:
+                heapq.heapreplace(queue, (following[0].floor_s, following[0].index, following[0]))
+                continue
+            heapq.heappop(queue)
+            for b in following:
                 heapq.heappush(queue, (b.floor_s, b.index, b))
             continue
+        heapq.heappop(queue)
         placement = build.placement
         ev = by_layout.get(placement.records)
         if ev is None:
