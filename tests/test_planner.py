@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import megatron_sap as sap
@@ -334,6 +334,7 @@ def test_default_cache_is_used_without_argument():
 # ---- candidates and statistics ----------------------------------------------------------------
 @SETTINGS
 @given(batches())
+@example(([0, 260], 2, 1))  # greedy passes that part at their last document: each keeps its own name
 def test_chosen_candidate_is_the_fastest(batch):
     """Candidates are built until one is within TIME_TOLERANCE of the lower bound (all
     compute spread evenly, no communication but the all-to-alls) or every other one is

@@ -599,9 +599,9 @@ class _GreedyBuild(Build):
             groups.setdefault((choice[0], id(choice[1])), (choice, []))[1].append(m)
         parted = [self] + [self._copy() for _ in range(len(groups) - 1)]
         for build, (choice, members) in zip(parted, groups.values()):
-            build._place(d, choice)
             if len(groups) > 1:
-                build._join(tuple(members))
+                build._join(tuple(members))  # before placing: a finished placement takes the first name
+            build._place(d, choice)
         return parted
 
     def _copy(self) -> _GreedyBuild:
