@@ -115,18 +115,15 @@ class Cut:
         n = len(chunks)
         k = n // 2 if paired else n
         self.heads, self.head_at = tuple(chunks[:k]), tuple(offsets[:k])
-        t = tile
         if paired:
             self.tails, self.tail_at = tuple(chunks[: k - 1 : -1]), tuple(offsets[n - 1 : k - 1 : -1])
-            self.costs = tuple([  # _tile_pairs of the head and of the tail
-                t * t * (nh * (nh + 1) // 2 + nh * -(-ho // t) + nt * (nt + 1) // 2 + nt * -(-to // t))
-                for nh, ho, nt, to in zip(
-                    [-(-h // t) for h in self.heads], self.head_at, [-(-x // t) for x in self.tails], self.tail_at
-                )
+            self.costs = tuple([
+                _tile_pairs(tile, ho, h) + _tile_pairs(tile, to, tl)
+                for h, ho, tl, to in zip(self.heads, self.head_at, self.tails, self.tail_at)
             ])
         else:
             self.tails, self.tail_at = (0,) * k, self.head_at
-            self.costs = tuple([_tile_pairs(t, ho, h) for h, ho in zip(self.heads, self.head_at)])
+            self.costs = tuple([_tile_pairs(tile, ho, h) for h, ho in zip(self.heads, self.head_at)])
         self.sizes = tuple(map(add, self.heads, self.tails))
         self.need = max(self.sizes, default=0)
         self.tile = tile
