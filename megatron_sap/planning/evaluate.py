@@ -42,15 +42,19 @@ class Evaluation:
     makespan_s: float
     ideal_s: float
 
-    @cached_property
+    @property
     def exact_pairs(self) -> np.ndarray:
         """Causal (q, k) pairs each rank computes, all heads."""
-        return rank_work(self.placement)[0]
+        return self._work[0]
 
-    @cached_property
+    @property
     def traffic_tokens(self) -> np.ndarray:
         """[R, R]: forward KV tokens the row rank sends the column rank."""
-        return rank_work(self.placement)[1]
+        return self._work[1]
+
+    @cached_property
+    def _work(self) -> tuple[np.ndarray, np.ndarray]:
+        return rank_work(self.placement)
 
 
 def rank_work(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
