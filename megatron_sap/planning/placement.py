@@ -229,15 +229,13 @@ def chunk_sizes(length: int, k: int) -> list[int]:
 def split_costs(length: int, k: int, split: str, tile: int) -> tuple[int, ...]:
     """The tile-rounded costs of the slots of `split_cut(length, k, split, tile)`,
     heaviest first, without making the cut (the greedy weighs more splits than it makes)."""
-    if split == "zigzag":
-        chunks = chunk_sizes(length, k)
-        offsets = list(accumulate(chunks, initial=0))
-        costs = [
-            _tile_pairs(tile, offsets[i], chunks[i]) + _tile_pairs(tile, offsets[2 * k - 1 - i], chunks[2 * k - 1 - i])
-            for i in range(k)
-        ]
-    else:
-        costs = [_tile_pairs(tile, length * i // k, length * (i + 1) // k - length * i // k) for i in range(k)]
+    chunks, paired = _split_chunks(length, k, split)
+    offsets = list(accumulate(chunks, initial=0))
+    last = len(chunks) - 1  # slot i of a paired cut also holds chunk last - i
+    costs = [
+        _tile_pairs(tile, offsets[i], chunks[i]) + (_tile_pairs(tile, offsets[last - i], chunks[last - i]) if paired else 0)
+        for i in range(k)
+    ]
     return tuple(sorted(costs, reverse=True))
 
 
@@ -260,10 +258,15 @@ def split_cut(length: int, k: int, split: str, tile: int) -> Cut:
     the greedy gives heavier pieces to lighter ranks and fills the rest with short
     documents.
     """
+    return Cut(*_split_chunks(length, k, split), tile)
+
+
+def _split_chunks(length: int, k: int, split: str) -> tuple[list[int], bool]:
+    """The chunk sizes of `split_cut` and whether they are paired."""
     if split == "zigzag":
-        return Cut(chunk_sizes(length, k), True, tile)
+        return chunk_sizes(length, k), True
     if split == "contiguous":
-        return Cut([length * (i + 1) // k - length * i // k for i in range(k)], False, tile)
+        return [length * (i + 1) // k - length * i // k for i in range(k)], False
     raise ValueError(f"unknown split {split!r}; expected 'zigzag' or 'contiguous'")
 
 
