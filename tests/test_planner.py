@@ -186,6 +186,42 @@ def test_cut_closed_forms_match_its_sends(paired, chunks):
     assert cut.tokens == sends.sum() and cut.order == tuple(sorted(range(k), key=lambda i: -cut.costs[i]))
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from([(24, 1), (8, 8), (16, 2), (8, 1)]),
+    st.lists(
+        st.tuples(st.booleans(), st.lists(st.sampled_from([0, 1, 3, 128, 200]), min_size=2, max_size=16), st.randoms()),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_tally_transfers_are_the_cuts_sends(layout, documents):
+    """Cut after cut (paired or not, empty chunks included) on ranks of one or several
+    nodes, the tally's send and receive seconds and message counts are those of every
+    pair's tokens in the cuts' `sends`: bytes over the pair's link plus one latency per
+    pair of ranks that ever exchanges anything."""
+    R, inner = layout
+    model = CostModel.preset("h100")
+    tally = Tally(R, inner, model)
+    traffic = np.zeros((R, R), dtype=np.int64)
+    for paired, chunks, rng in documents:
+        if paired and len(chunks) % 2:
+            chunks = chunks + [chunks[0]]
+        cut = Cut(chunks, paired, 128)
+        ranks = rng.sample(range(R), min(len(cut.heads), R))
+        cut = Cut(chunks[: len(ranks)], False, 128) if len(ranks) < len(cut.heads) else cut
+        tally.add(ranks, cut)
+        if cut.sends is not None:
+            traffic[np.ix_(ranks, ranks)] += cut.sends
+    node = np.array([model.node_of(r * inner) for r in range(R)])
+    bandwidth = np.where(node[:, None] == node[None, :], model.bandwidth("intra"), model.bandwidth("inter"))
+    seconds = traffic * (model.kv_bytes_per_token / inner) / bandwidth + (traffic > 0) * model.message_latency_us * 1e-6
+    np.testing.assert_allclose(tally.send_s, seconds.sum(1), rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(tally.recv_s, seconds.sum(0), rtol=1e-9, atol=1e-15)
+    assert tally.messages == (traffic > 0).sum(0).tolist()
+    assert tally.tokens == traffic.sum()
+
+
 @pytest.mark.parametrize("split", ["zigzag", "contiguous"])
 def test_split_need_and_costs_are_the_cuts(split):
     """What the greedy weighs before making a cut: its largest slot and its slot costs."""

@@ -119,7 +119,7 @@ def evaluate(placement: Placement, inner_size: int, model: CostModel) -> Evaluat
     # Transfer time: each message's latency plus its bytes over its link, the larger of
     # the send and the receive side; m is the number of messages received.
     xfer = np.maximum(np.array(tally.send_s), np.array(tally.recv_s))
-    messages = np.frombuffer(tally.linked, dtype=np.uint8).reshape(R, R).sum(axis=0)
+    messages = np.array(tally.messages)
 
     frac = 1.0 / U
     comp = model.compute_seconds(tile_pairs, head_fraction=frac)

@@ -22,6 +22,7 @@ alike are one build until they part.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
@@ -132,6 +133,18 @@ class Cut:
     def order(self) -> tuple[int, ...]:
         """Slots, heaviest first (stable)."""
         return tuple(sorted(range(len(self.costs)), key=self.costs.__getitem__, reverse=True))
+
+    @_memo
+    def pattern(self) -> str | None:
+        """Who sends whom: "all" when every slot holds a head and a tail (each sends
+        every other), "prefix" when every slot holds a head and none a tail (each sends
+        every later one), else None."""
+        if all(self.heads):
+            if all(self.tails):
+                return "all"
+            if not any(self.tails):
+                return "prefix"
+        return None
 
     @_memo
     def local_costs(self) -> tuple[int, ...]:
@@ -487,7 +500,7 @@ class _DocChoices:
     and kept for the other passes when `shared`."""
 
     __slots__ = ("greedy", "d", "load", "room", "n", "c", "by_load", "whole_rank", "shared",
-                 "_sorted_loads", "_least_room", "_widest", "_splits", "_slots", "_fragments")
+                 "_sorted_loads", "_rooms", "_widest", "_splits", "_slots", "_fragments")
 
     def __init__(self, greedy: _Greedy, d: int, load: list[int], room: list[int], shared: bool):
         self.greedy, self.d, self.load, self.room, self.shared = greedy, d, load, room, shared
@@ -495,7 +508,7 @@ class _DocChoices:
         self.by_load = sorted(range(greedy.R), key=load.__getitem__)
         self.whole_rank = next((r for r in self.by_load if room[r] >= n), None) if n <= greedy.capacity else None
         self._sorted_loads: list[int] | None = None
-        self._least_room: int | None = None
+        self._rooms: list[int] | None = None  # every rank's room, ascending
         self._widest: int | None = None
         self._splits: dict[tuple[int, str], tuple | None] = {}
         self._slots: dict[tuple[int, int], tuple[tuple[int, ...], Cut]] = {}
@@ -517,28 +530,52 @@ class _DocChoices:
 
     def split_over(self, k: int, split: str) -> tuple | None:
         """(node-local ranks, least-loaded ranks, and the peak load of each) for the
-        document over k ranks; None if fewer than k ranks have room."""
+        document over k ranks; None if fewer than k ranks have room. Node-local: the
+        first node to have k of the least-loaded ranks with room, else as few nodes as
+        possible (`_fewest_nodes`)."""
         key = (k, split)
         if key in self._splits:
             return self._splits[key]
-        g, load, room = self.greedy, self.load, self.room
-        need = split_need(self.n, k, split)
-        if self._least_room is None:
-            self._least_room = min(room)
-        eligible = self.by_load if need <= self._least_room else [r for r in self.by_load if room[r] >= need]
-        found = None
-        if len(eligible) >= k:
-            heavy = split_costs(self.n, k, split, g.tile)
-            first = eligible[:k]
-            near = _node_local(eligible, k, g.node_index, g.num_nodes, load) if g.node_aware else first
-            if near == first:
-                near = first
-            peak_first = max(map(add, map(load.__getitem__, first), heavy))
-            peak_near = peak_first if near is first else max(map(add, map(load.__getitem__, near), heavy))
-            found = (near, first, peak_near, peak_first)
+        found = self._weigh_split(k, split)
         if self.shared:
             self._splits[key] = found
         return found
+
+    def _weigh_split(self, k: int, split: str) -> tuple | None:
+        g, load, room = self.greedy, self.load, self.room
+        need = split_need(self.n, k, split)
+        if self._rooms is None:
+            self._rooms = sorted(room)
+        everyone = need <= self._rooms[0]
+        if not everyone and len(room) - bisect_left(self._rooms, need) < k:
+            return None
+        # The k least-loaded ranks with room, and, where nodes matter, the first node to
+        # gather k of them (its k-th is then the least loaded such); one walk, stopped early.
+        first: list[int] = []
+        near: list[int] | None = None
+        by_node: list[list[int]] | None = [[] for _ in range(g.num_nodes)] if g.node_aware else None
+        for r in self.by_load:
+            if not everyone and room[r] < need:
+                continue
+            if len(first) < k:
+                first.append(r)
+            if by_node is None:
+                if len(first) == k:
+                    break
+                continue
+            ranks = by_node[g.node_index[r]]
+            ranks.append(r)
+            if len(ranks) == k:
+                near = ranks
+                break
+        heavy = split_costs(self.n, k, split, g.tile)
+        if by_node is not None and near is None:
+            near = _fewest_nodes(by_node, self.by_load, k, g.node_index, load)
+        if near is None or near == first:
+            near = first
+        peak_first = max(map(add, map(load.__getitem__, first), heavy))
+        peak_near = peak_first if near is first else max(map(add, map(load.__getitem__, near), heavy))
+        return near, first, peak_near, peak_first
 
     def slots(self, chosen: list[int], cut: Cut) -> tuple[tuple[int, ...], Cut]:
         """The rank of each slot of `cut` when its heaviest slots go to `chosen` in order."""
@@ -629,31 +666,48 @@ class _ZigzagBuild(Build):
     document order. The longest document comes last and absorbs the rounding so that
     every rank ends with exactly `capacity` tokens; the layout is impossible when the
     others leave a rank over capacity. The first step lays out the slot sizes; each
-    step then cuts and tallies one document, the longest first."""
+    step then cuts and tallies one document, the longest first. Before the first step
+    the floor is the latency alone: a document of at least 2R tokens other than the
+    longest gives every rank a message from every other rank."""
 
     def __init__(self, index: int, doc_starts: list[int], lengths: list[int], capacity: int, tally: Tally):
         self.names, self.indices, self.index = ("zigzag",), (index,), index
         self.starts, self.lengths, self.capacity, self.tally = doc_starts, lengths, capacity, tally
         self.ranks: dict[int, tuple[int, ...]] | None = None  # per document, the rank of each slot
         self.records: dict[int, Record] = {}
+        R = len(tally.tiles)
+        if R > 1 and sum(1 for n in lengths if n >= 2 * R) >= 2:
+            self.floor_s = 2 * (R - 1) * tally.latency_s  # each pass waits for R - 1 messages
+        self._latency_floor_s = self.floor_s
 
     def _lay_out(self) -> bool:
-        """Each document's ranks, and the rounding the longest one absorbs; False if impossible."""
+        """Each document's ranks, and the rounding the longest one absorbs; False if impossible.
+
+        Chunk pair i of `chunk_sizes(n, R)` holds 2 * (n // 2R) tokens plus one for
+        i < n % 2R and one more for i < n % 2R - R: every rank gains the same even part,
+        so the ranks holding the fewest tokens are those with the fewest extra ones."""
         R, lengths = len(self.tally.tiles), self.lengths
         docs = [d for d, n in enumerate(lengths) if n > 0]
         if not docs:
             return False
         self.absorber = max(docs, key=lambda d: (lengths[d], -d))
-        held = [0] * R
+        even, extra_held = 0, [0] * R
+        fewest_first = tuple(range(R))
         self.ranks = {}
         for d in docs:
-            if d != self.absorber:
-                chunks = chunk_sizes(lengths[d], R)
-                # Pair i of chunk_sizes is the largest for small i: give it to the emptiest rank.
-                ranks = self.ranks[d] = tuple(sorted(range(R), key=held.__getitem__))  # stable: ties by rank
-                for i, r in enumerate(ranks):
-                    held[r] += chunks[i] + chunks[2 * R - 1 - i]
-        need = [self.capacity - h for h in held]
+            if d == self.absorber:
+                continue
+            # Pair i, the largest for small i, goes to the i-th emptiest rank (stable: ties by rank).
+            self.ranks[d] = fewest_first
+            base, extra = divmod(lengths[d], 2 * R)
+            even += 2 * base
+            if extra:
+                for r in fewest_first[: min(extra, R)]:
+                    extra_held[r] += 1
+                for r in fewest_first[: max(extra - R, 0)]:
+                    extra_held[r] += 1
+                fewest_first = tuple(sorted(range(R), key=extra_held.__getitem__))
+        need = [self.capacity - even - e for e in extra_held]
         if min(need) < 0:
             return False
         self.absorber_chunks = [need[r] // 2 for r in range(R)] + [need[r] - need[r] // 2 for r in reversed(range(R))]
@@ -669,7 +723,7 @@ class _ZigzagBuild(Build):
         cut = Cut(self.absorber_chunks, True, tile) if d == self.absorber else split_cut(self.lengths[d], R, "zigzag", tile)
         record = self.records[d] = Record(d, self.starts[d], self.ranks[d], cut)
         self.tally.add(record.ranks, record.cut)
-        self.floor_s = self.tally.floor_s
+        self.floor_s = max(self._latency_floor_s, self.tally.floor_s)
         if not self.pending:
             records = [self.records[d] for d in sorted(self.records) if d != self.absorber] + [self.records[self.absorber]]
             self.placement = _finish(self.capacity, R, records, "zigzag", self.tally)
@@ -696,20 +750,16 @@ class _ContiguousBuild(Build):
         return [self]
 
 
-def _node_local(eligible: list[int], k: int, node_index: list[int], num_nodes: int, load: list[int]) -> list[int]:
-    """k of the eligible ranks (given least-loaded first) spread over as few nodes as
-    possible, least-loaded first. `node_index[r]` numbers rank r's node among the
-    `num_nodes` nodes."""
-    by_node: list[list[int]] = [[] for _ in range(num_nodes)]
-    seen: list[list[int]] = []  # the nodes' rank lists, in the order the nodes first appear
-    for r in eligible:
+def _fewest_nodes(by_node: list[list[int]], by_load: list[int], k: int, node_index: list[int], load: list[int]) -> list[int]:
+    """k ranks spread over as few nodes as possible when no node has k: the nodes with
+    the most of the eligible ranks `by_node` first (ties: the node whose least-loaded
+    eligible rank comes first in `by_load`), each node's least loaded first; the result
+    least-loaded first."""
+    seen: list[list[int]] = []  # the nodes' eligible ranks, in the order the nodes first appear
+    for r in by_load:
         ranks = by_node[node_index[r]]
-        if not ranks:
+        if ranks and ranks[0] == r:
             seen.append(ranks)
-        ranks.append(r)
-        if len(ranks) == k:
-            # The first node to gather k eligible ranks: its k-th least-loaded one is the least loaded.
-            return ranks
     chosen: list[int] = []
     for ranks in sorted(seen, key=len, reverse=True):
         chosen.extend(ranks[: k - len(chosen)])

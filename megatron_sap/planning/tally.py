@@ -4,34 +4,34 @@ Candidates are built document by document (the heaviest first, in the greedy). T
 tally keeps, per outer rank, the tile pairs it computes (and those whose keys it
 holds), the seconds its KV sends and receives take (bytes over its links' bandwidth,
 plus the latency of each message: one per pair of ranks that exchange anything), and
-`floor_s`: the slowest rank's compute or transfers, forward and backward. Every pass of a
-rank's pipeline (see `evaluate`) takes at least its compute and, if the rank receives
-anything, at least its transfer time, and adding documents shrinks neither, so
-`floor_s` bounds from below the modelled layer time of every placement that completes
-the candidate. A candidate whose floor is already slower than the fastest one so far is
+`floor_s`: the slowest rank's floor, forward and backward. A pass of a rank's pipeline
+(see `evaluate`) that receives m messages takes
+
+    T = max(C_local, x) + (m - 1) * max(r, x) + r  >=  C + (m - 1)/m * max(0, X - C_remote)
+
+(x = X/m, r = C_remote/m), and at least its transfers X; a rank that receives nothing
+takes its compute C. Adding documents lowers none of these bounds (C grows at least as
+fast as C_remote, and (m - 1)/m only grows), so `floor_s` bounds from below the
+modelled layer time of every placement that completes the candidate. A candidate whose floor is already slower than the fastest one so far is
 given up there. Once every document is in, the tally holds all that `evaluate` needs.
 """
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from typing import Sequence
 
 import numpy as np
 
 from .cost_model import LINK_INTER, LINK_INTRA, CostModel
 
-# Documents over at most this many ranks add their messages pair by pair; wider ones
-# as one array update (over ranks of several nodes, that pays from fewer ranks on).
-_PAIRWISE_UP_TO = 8
-_MIXED_PAIRWISE_UP_TO = 4
-
-
 class Tally:
     """Compute and transfers of the documents placed so far over `num_ranks` outer ranks
     of `inner_size` ranks each: per rank, `tiles` (tile pairs computed), `local` (those
-    whose keys it holds) and `send_s` / `recv_s` (seconds of its forward sends and
-    receives); `linked[src * R + dst]` is 1 once src sends dst anything; `tokens` is
-    the forward KV tokens moved in all."""
+    whose keys it holds), `send_s` / `recv_s` (seconds of its forward sends and
+    receives) and `messages` (the ranks it receives from); `sends_to[r]` and
+    `receives_from[r]` are bit masks of the ranks r sends to and receives from;
+    `tokens` is the forward KV tokens moved in all."""
 
     def __init__(self, num_ranks: int, inner_size: int, model: CostModel):
         self.inner_size, self.model = inner_size, model
@@ -45,21 +45,22 @@ class Tally:
         self.latency_s = model.message_latency_us * 1e-6
         self.pair_s = model.compute_seconds(1.0, head_fraction=1.0 / inner_size)
         self.backward_factor = model.backward_factor
+        self.bit = [1 << r for r in range(num_ranks)]
         self.tiles = [0] * num_ranks
         self.local = [0] * num_ranks
         self.send_s = [0.0] * num_ranks
         self.recv_s = [0.0] * num_ranks
+        self.messages = [0] * num_ranks
+        self.sends_to = [0] * num_ranks
+        self.receives_from = [0] * num_ranks
         self.tokens = 0
         self.floor_s = 0.0
-        self.linked = bytearray(num_ranks * num_ranks)
-        self._linked = np.frombuffer(self.linked, dtype=np.uint8)  # the same bytes, for array updates
 
     def copy(self) -> Tally:
         """An independent tally of the same documents."""
         other = copy.copy(self)
         other.tiles, other.local, other.send_s, other.recv_s = self.tiles[:], self.local[:], self.send_s[:], self.recv_s[:]
-        other.linked = bytearray(self.linked)
-        other._linked = np.frombuffer(other.linked, dtype=np.uint8)
+        other.messages, other.sends_to, other.receives_from = self.messages[:], self.sends_to[:], self.receives_from[:]
         return other
 
     def matches(self, inner_size: int, model: CostModel) -> bool:
@@ -73,60 +74,127 @@ class Tally:
             local[r] += lc
         if len(ranks) > 1:
             self._add_transfers(ranks, cut)
-        # No pass is faster than its compute, nor, on a rank that receives (the model
-        # overlaps a rank's sends only with its own receive steps), than its transfers.
-        pair_s, backward, send_s, recv_s = self.pair_s, self.backward_factor, self.send_s, self.recv_s
+        # Each pass of a rank that receives: the larger of its transfers and the pipeline
+        # bound (see the module docstring); of one that receives nothing, its compute.
+        pair_s, backward, send_s, recv_s, messages = self.pair_s, self.backward_factor, self.send_s, self.recv_s, self.messages
         floor = self.floor_s
         for r in ranks:
-            c, x = tiles[r] * pair_s, (send_s[r] if send_s[r] > recv_s[r] else recv_s[r]) if recv_s[r] else 0.0
-            rank_floor = (c if c > x else x) + (backward * c if backward * c > x else x)
+            c = tiles[r] * pair_s
+            m = messages[r]
+            if m:
+                x = send_s[r] if send_s[r] > recv_s[r] else recv_s[r]
+                x_over = x - (c - local[r] * pair_s)  # X - C_remote
+                share = (m - 1) / m
+                forward = c + share * x_over if x_over > 0 else c
+                x_over = x - backward * (c - local[r] * pair_s)
+                back = backward * c + share * x_over if x_over > 0 else backward * c
+                rank_floor = (forward if forward > x else x) + (back if back > x else x)
+            else:
+                rank_floor = (1.0 + backward) * c
             if rank_floor > floor:
                 floor = rank_floor
         self.floor_s = floor
 
     def _add_transfers(self, ranks: Sequence[int], cut) -> None:
-        send_s, recv_s, latency = self.send_s, self.recv_s, self.latency_s
+        """Bytes and messages of the document's KV exchange. A cut whose slots all hold
+        a head and a tail (every slot sends every other) or all a head and no tail (each
+        sends the later ones) is priced per slot from its totals, in O(k); any other
+        pair by pair."""
         self.tokens += cut.tokens
-        rate = self._link_rate(ranks)
-        if len(ranks) <= (_PAIRWISE_UP_TO if rate is not None else _MIXED_PAIRWISE_UP_TO):
-            linked, R = self.linked, len(send_s)
-            if rate is not None:
-                # Every pair of these ranks on one link class: slot totals price the bytes.
-                for r, sent, received in zip(ranks, cut.send_tokens, cut.recv_tokens):
-                    send_s[r] += sent * rate
-                    recv_s[r] += received * rate
-                for j, i in cut.send_pairs:
-                    src, dst = ranks[j], ranks[i]
-                    if not linked[src * R + dst]:
-                        linked[src * R + dst] = 1
-                        send_s[src] += latency
-                        recv_s[dst] += latency
-                return
-            heads, tails, node, intra_s, inter_s = cut.heads, cut.tails, self.node, self.intra_s, self.inter_s
-            for j, i in cut.send_pairs:
-                src, dst = ranks[j], ranks[i]
-                tokens = (heads[j] + (tails[j] if j > i else 0)) if tails[i] else heads[j]  # see Cut
-                seconds = tokens * (intra_s if node[src] == node[dst] else inter_s)
-                if not linked[src * R + dst]:
-                    linked[src * R + dst] = 1
-                    seconds += latency
-                send_s[src] += seconds
-                recv_s[dst] += seconds
+        pattern = cut.pattern
+        if pattern is None:
+            self._add_pairs(ranks, cut)
             return
-        # Many ranks: each pair's tokens at its link's rate, in one array pass.
-        R = len(send_s)
-        rk = np.array(ranks)
-        pairs = (rk[:, None] * R + rk).ravel()
-        sends = cut.sends
-        new = (sends > 0) & (self._linked[pairs].reshape(sends.shape) == 0)
-        self._linked[pairs] |= new.ravel()
-        if rate is None:
-            node = self.node_array[rk]
-            rate = np.where(node[:, None] == node[None, :], self.intra_s, self.inter_s)
-        seconds = sends * rate + new * latency
-        for r, sent, received in zip(ranks, seconds.sum(1).tolist(), seconds.sum(0).tolist()):
-            send_s[r] += sent
-            recv_s[r] += received
+        send_s, recv_s, sent, received = self.send_s, self.recv_s, cut.send_tokens, cut.recv_tokens
+        rate = self._link_rate(ranks)
+        if rate is not None:
+            for r, out, into in zip(ranks, sent, received):
+                send_s[r] += out * rate
+                recv_s[r] += into * rate
+        else:
+            intra, inter = self.intra_s, self.inter_s
+            for r, out, into, out_intra, into_intra in zip(ranks, sent, received, *self._intra_tokens(ranks, cut, pattern)):
+                send_s[r] += out_intra * intra + (out - out_intra) * inter
+                recv_s[r] += into_intra * intra + (into - into_intra) * inter
+        # Messages: between every two slots ("all"), or from each slot to every later one ("prefix").
+        bit = self.bit
+        if pattern == "all":
+            group = 0
+            for r in ranks:
+                group |= bit[r]
+            for r in ranks:
+                self._link(r, group ^ bit[r], group ^ bit[r])
+            return
+        later, after = [0] * len(ranks), 0
+        for j in range(len(ranks) - 1, -1, -1):
+            later[j] = after
+            after |= bit[ranks[j]]
+        earlier = 0
+        for r, dsts in zip(ranks, later):
+            self._link(r, dsts, earlier)
+            earlier |= bit[r]
+
+    def _link(self, r: int, dsts: int, srcs: int) -> None:
+        """Rank r sends to the ranks in bit mask `dsts` and receives from those in `srcs`:
+        one message's latency for each pair new to the tally."""
+        new = dsts & ~self.sends_to[r]
+        if new:
+            self.sends_to[r] |= new
+            self.send_s[r] += new.bit_count() * self.latency_s
+        new = srcs & ~self.receives_from[r]
+        if new:
+            self.receives_from[r] |= new
+            count = new.bit_count()
+            self.messages[r] += count
+            self.recv_s[r] += count * self.latency_s
+
+    def _intra_tokens(self, ranks: Sequence[int], cut, pattern: str) -> tuple[list[int], list[int]]:
+        """Per slot, the KV tokens it sends to and receives from slots on its own node."""
+        node, heads, tails = self.node, cut.heads, cut.tails
+        nodes = [node[r] for r in ranks]
+        k = len(ranks)
+        out_intra, into_intra = [0] * k, [0] * k
+        if pattern == "all":
+            # Slot j sends slot i its head, and its tail too when j > i.
+            size, head_sum = Counter(nodes), Counter()
+            for g, h in zip(nodes, heads):
+                head_sum[g] += h
+            before, tails_after = Counter(), Counter()
+            for j, g in enumerate(nodes):
+                out_intra[j] = heads[j] * (size[g] - 1) + tails[j] * before[g]
+                before[g] += 1
+            for i in range(k - 1, -1, -1):
+                g = nodes[i]
+                into_intra[i] = head_sum[g] - heads[i] + tails_after[g]
+                tails_after[g] += tails[i]
+        else:
+            # Slot j sends its head to every later slot.
+            heads_before, later = Counter(), Counter()
+            for i, g in enumerate(nodes):
+                into_intra[i] = heads_before[g]
+                heads_before[g] += heads[i]
+            for j in range(k - 1, -1, -1):
+                g = nodes[j]
+                out_intra[j] = heads[j] * later[g]
+                later[g] += 1
+        return out_intra, into_intra
+
+    def _add_pairs(self, ranks: Sequence[int], cut) -> None:
+        """Any cut: each pair of slots that exchanges anything, at its link's rate."""
+        send_s, recv_s, latency = self.send_s, self.recv_s, self.latency_s
+        bit, sends_to, receives_from, messages = self.bit, self.sends_to, self.receives_from, self.messages
+        heads, tails, node, intra_s, inter_s = cut.heads, cut.tails, self.node, self.intra_s, self.inter_s
+        for j, i in cut.send_pairs:
+            src, dst = ranks[j], ranks[i]
+            tokens = (heads[j] + (tails[j] if j > i else 0)) if tails[i] else heads[j]  # see Cut
+            seconds = tokens * (intra_s if node[src] == node[dst] else inter_s)
+            if not sends_to[src] & bit[dst]:
+                sends_to[src] |= bit[dst]
+                receives_from[dst] |= bit[src]
+                messages[dst] += 1
+                seconds += latency
+            send_s[src] += seconds
+            recv_s[dst] += seconds
 
     def _link_rate(self, ranks: Sequence[int]) -> float | None:
         """Seconds per token when all of these ranks share a node or none do, else None."""
