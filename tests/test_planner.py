@@ -14,7 +14,7 @@ import megatron_sap as sap
 from megatron_sap.plan import main as plan_cli
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
 from megatron_sap.planning.evaluate import evaluate, rank_work, ulysses_cost, whole_documents_s
-from megatron_sap.planning.placement import Cut, build_all, candidates, greedy, split_costs, split_cut, split_need
+from megatron_sap.planning.placement import Cut, build_all, candidates, greedy, split_cut, split_need
 from megatron_sap.planning.tally import Tally
 from megatron_sap.planning.plan import DEFAULT_SLACKS, TIME_TOLERANCE
 
@@ -223,13 +223,14 @@ def test_tally_transfers_are_the_cuts_sends(layout, documents):
 
 
 @pytest.mark.parametrize("split", ["zigzag", "contiguous"])
-def test_split_need_and_costs_are_the_cuts(split):
-    """What the greedy weighs before making a cut: its largest slot and its slot costs."""
+def test_split_need_and_heavy_costs_are_the_cuts(split):
+    """What the greedy weighs of a cut: its largest slot (known before the cut is made)
+    and its slot costs, heaviest first."""
     for length in [*range(1, 300), 1000, 4097, 12345]:
         for k in range(1, 12):
             cut = split_cut(length, k, split, 128)
             assert split_need(length, k, split) == cut.need == max(cut.sizes)
-            assert split_costs(length, k, split, 128) == tuple(sorted(cut.costs, reverse=True))
+            assert cut.heavy == tuple(sorted(cut.costs, reverse=True)) == tuple(cut.costs[i] for i in cut.order)
 
 
 def layer_time_from(tiles: list[int], local: list[int], traffic: np.ndarray, capacity: int, inner: int, model: CostModel) -> np.ndarray:

@@ -135,6 +135,11 @@ class Cut:
         return tuple(sorted(range(len(self.costs)), key=self.costs.__getitem__, reverse=True))
 
     @_memo
+    def heavy(self) -> tuple[int, ...]:
+        """The slots' costs, heaviest first."""
+        return tuple(sorted(self.costs, reverse=True))
+
+    @_memo
     def pattern(self) -> str | None:
         """Who sends whom: "all" when every slot holds a head and a tail (each sends
         every other), "prefix" when every slot holds a head and none a tail (each sends
@@ -238,20 +243,6 @@ def chunk_sizes(length: int, k: int) -> list[int]:
     return sizes
 
 
-@lru_cache(maxsize=4096)
-def split_costs(length: int, k: int, split: str, tile: int) -> tuple[int, ...]:
-    """The tile-rounded costs of the slots of `split_cut(length, k, split, tile)`,
-    heaviest first, without making the cut (the greedy weighs more splits than it makes)."""
-    chunks, paired = _split_chunks(length, k, split)
-    offsets = list(accumulate(chunks, initial=0))
-    last = len(chunks) - 1  # slot i of a paired cut also holds chunk last - i
-    costs = [
-        _tile_pairs(tile, offsets[i], chunks[i]) + (_tile_pairs(tile, offsets[last - i], chunks[last - i]) if paired else 0)
-        for i in range(k)
-    ]
-    return tuple(sorted(costs, reverse=True))
-
-
 def split_need(length: int, k: int, split: str) -> int:
     """The largest slot of `split_cut(length, k, split)`, without making the cut."""
     if split == "zigzag":  # slot 0: chunk 0 gets the first extra token, chunk 2k-1 the (k+1)-th
@@ -263,7 +254,8 @@ def split_need(length: int, k: int, split: str) -> int:
 @lru_cache(maxsize=4096)  # a 128K-token batch weighs about 500 cuts (lengths recur across batches)
 def split_cut(length: int, k: int, split: str, tile: int) -> Cut:
     """How a document of `length` tokens is cut over k ranks; memoised, because the
-    greedy weighs the same cuts at every slack (and lengths recur across batches).
+    greedy weighs the same cuts at every slack and for every degree it tries (and
+    lengths recur across batches).
 
     ``zigzag``: 2k chunks paired head-to-tail, equal causal work per rank.
     ``contiguous``: k consecutive equal pieces. Later pieces carry more causal work but
@@ -568,7 +560,7 @@ class _DocChoices:
             if len(ranks) == k:
                 near = ranks
                 break
-        heavy = split_costs(self.n, k, split, g.tile)
+        heavy = split_cut(self.n, k, split, g.tile).heavy
         if by_node is not None and near is None:
             near = _fewest_nodes(by_node, self.by_load, k, g.node_index, load)
         if near is None or near == first:

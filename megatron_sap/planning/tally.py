@@ -18,7 +18,6 @@ given up there. Once every document is in, the tally holds all that `evaluate` n
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from typing import Sequence
 
 import numpy as np
@@ -36,6 +35,7 @@ class Tally:
     def __init__(self, num_ranks: int, inner_size: int, model: CostModel):
         self.inner_size, self.model = inner_size, model
         self.node = [model.node_of(r * inner_size) for r in range(num_ranks)]
+        self.num_nodes = self.node[-1] + 1 if num_ranks else 0  # node ids count up from 0
         nodes = len(set(self.node))
         self.one_node, self.node_per_rank = nodes == 1, nodes == num_ranks
         kv_bytes = model.kv_bytes_per_token / inner_size
@@ -150,29 +150,32 @@ class Tally:
 
     def _intra_tokens(self, ranks: Sequence[int], cut, pattern: str) -> tuple[list[int], list[int]]:
         """Per slot, the KV tokens it sends to and receives from slots on its own node."""
-        node, heads, tails = self.node, cut.heads, cut.tails
-        nodes = [node[r] for r in ranks]
-        k = len(ranks)
+        heads, tails = cut.heads, cut.tails
+        nodes = [self.node[r] for r in ranks]
+        k, per_node = len(ranks), [0] * self.num_nodes
         out_intra, into_intra = [0] * k, [0] * k
         if pattern == "all":
-            # Slot j sends slot i its head, and its tail too when j > i.
-            size, head_sum = Counter(nodes), Counter()
+            # Slot j sends slot i its head, and its tail too when j > i: each slot sends
+            # its head to the rest of its node, and its tail to the slots before it there.
+            for g in nodes:
+                per_node[g] += 1
+            before = [0] * self.num_nodes
+            for j, g in enumerate(nodes):
+                out_intra[j] = heads[j] * (per_node[g] - 1) + tails[j] * before[g]
+                before[g] += 1
+            head_sum, tails_after = [0] * self.num_nodes, [0] * self.num_nodes
             for g, h in zip(nodes, heads):
                 head_sum[g] += h
-            before, tails_after = Counter(), Counter()
-            for j, g in enumerate(nodes):
-                out_intra[j] = heads[j] * (size[g] - 1) + tails[j] * before[g]
-                before[g] += 1
             for i in range(k - 1, -1, -1):
                 g = nodes[i]
                 into_intra[i] = head_sum[g] - heads[i] + tails_after[g]
                 tails_after[g] += tails[i]
         else:
             # Slot j sends its head to every later slot.
-            heads_before, later = Counter(), Counter()
             for i, g in enumerate(nodes):
-                into_intra[i] = heads_before[g]
-                heads_before[g] += heads[i]
+                into_intra[i] = per_node[g]  # the heads before slot i on its node
+                per_node[g] += heads[i]
+            later = [0] * self.num_nodes
             for j in range(k - 1, -1, -1):
                 g = nodes[j]
                 out_intra[j] = heads[j] * later[g]
