@@ -541,30 +541,28 @@ class _DocChoices:
         everyone = need <= self._rooms[0]
         if not everyone and len(room) - bisect_left(self._rooms, need) < k:
             return None
-        # The k least-loaded ranks with room, and, where nodes matter, the first node to
-        # gather k of them (its k-th is then the least loaded such); one walk, stopped early.
-        first: list[int] = []
-        near: list[int] | None = None
-        by_node: list[list[int]] | None = [[] for _ in range(g.num_nodes)] if g.node_aware else None
-        for r in self.by_load:
-            if not everyone and room[r] < need:
-                continue
-            if len(first) < k:
-                first.append(r)
-            if by_node is None:
-                if len(first) == k:
-                    break
-                continue
-            ranks = by_node[g.node_index[r]]
-            ranks.append(r)
-            if len(ranks) == k:
-                near = ranks
-                break
         heavy = split_cut(self.n, k, split, g.tile).heavy
-        if by_node is not None and near is None:
-            near = _fewest_nodes(by_node, self.by_load, k, g.node_index, load)
-        if near is None or near == first:
-            near = first
+        if not g.node_aware:
+            first = near = self.by_load[:k] if everyone else [r for r in self.by_load if room[r] >= need][:k]
+        else:
+            # The k least-loaded ranks with room, and the first node to gather k of them
+            # (its k-th is then the least loaded such); one walk, stopped there.
+            first, near = [], None
+            by_node: list[list[int]] = [[] for _ in range(g.num_nodes)]
+            for r in self.by_load:
+                if not everyone and room[r] < need:
+                    continue
+                if len(first) < k:
+                    first.append(r)
+                ranks = by_node[g.node_index[r]]
+                ranks.append(r)
+                if len(ranks) == k:
+                    near = ranks
+                    break
+            if near is None:
+                near = _fewest_nodes(by_node, self.by_load, k, g.node_index, load)
+            if near == first:
+                near = first
         peak_first = max(map(add, map(load.__getitem__, first), heavy))
         peak_near = peak_first if near is first else max(map(add, map(load.__getitem__, near), heavy))
         return near, first, peak_near, peak_first
