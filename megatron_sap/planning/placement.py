@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from itertools import accumulate, chain
 from operator import add, itemgetter
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -330,19 +330,27 @@ def _finish(capacity: int, num_ranks: int, records: list[Record], strategy: str,
     return Placement(capacity, num_ranks, tuple(records), strategy, tuple([int(x) for x in pairs]), tally)
 
 
-def contiguous(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: int, tile: int) -> Placement:
-    """Rank r holds the packed positions [r*capacity, (r+1)*capacity)."""
-    records = []
+def _contiguous_chunks(doc_starts: list[int], lengths: list[int], capacity: int) -> Iterator[tuple[int, int, int, list[int]]]:
+    """(document, start, first rank, chunks) of each non-empty document when rank r holds
+    the packed positions [r*capacity, (r+1)*capacity): chunk i on rank first + i."""
     for d, (s, n) in enumerate(zip(doc_starts, lengths)):
         if n == 0:
             continue
         first, last = s // capacity, (s + n - 1) // capacity
         if first == last:
-            records.append(Record(d, s, (first,), split_cut(n, 1, "contiguous", tile)))
+            yield d, s, first, [n]
             continue
         bounds = [s, *range((first + 1) * capacity, last * capacity + 1, capacity), s + n]
-        chunks = [b - a for a, b in zip(bounds, bounds[1:])]
-        records.append(Record(d, s, tuple(range(first, last + 1)), Cut(chunks, False, tile)))
+        yield d, s, first, [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def contiguous(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: int, tile: int) -> Placement:
+    """Rank r holds the packed positions [r*capacity, (r+1)*capacity)."""
+    records = [
+        Record(d, s, (first,), split_cut(chunks[0], 1, "contiguous", tile)) if len(chunks) == 1
+        else Record(d, s, tuple(range(first, first + len(chunks))), Cut(chunks, False, tile))
+        for d, s, first, chunks in _contiguous_chunks(doc_starts, lengths, capacity)
+    ]
     return _finish(capacity, num_ranks, records, "contiguous")
 
 
@@ -656,19 +664,15 @@ class _ZigzagBuild(Build):
     document order. The longest document comes last and absorbs the rounding so that
     every rank ends with exactly `capacity` tokens; the layout is impossible when the
     others leave a rank over capacity. The first step lays out the slot sizes; each
-    step then cuts and tallies one document, the longest first. Before the first step
-    the floor is the latency alone: a document of at least 2R tokens other than the
-    longest gives every rank a message from every other rank."""
+    step then cuts and tallies one document, the longest first. Its floor before the
+    first step is that of the transfers alone (`_transfer_floor_s`)."""
 
     def __init__(self, index: int, doc_starts: list[int], lengths: list[int], capacity: int, tally: Tally):
         self.names, self.indices, self.index = ("zigzag",), (index,), index
         self.starts, self.lengths, self.capacity, self.tally = doc_starts, lengths, capacity, tally
         self.ranks: dict[int, tuple[int, ...]] | None = None  # per document, the rank of each slot
         self.records: dict[int, Record] = {}
-        R = len(tally.tiles)
-        if R > 1 and sum(1 for n in lengths if n >= 2 * R) >= 2:
-            self.floor_s = 2 * (R - 1) * tally.latency_s  # each pass waits for R - 1 messages
-        self._latency_floor_s = self.floor_s
+        self.floor_s = self._transfer_floor = _transfer_floor_s(lengths, tally)
 
     def _lay_out(self) -> bool:
         """Each document's ranks, and the rounding the longest one absorbs; False if impossible.
@@ -713,25 +717,54 @@ class _ZigzagBuild(Build):
         cut = Cut(self.absorber_chunks, True, tile) if d == self.absorber else split_cut(self.lengths[d], R, "zigzag", tile)
         record = self.records[d] = Record(d, self.starts[d], self.ranks[d], cut)
         self.tally.add(record.ranks, record.cut)
-        self.floor_s = max(self._latency_floor_s, self.tally.floor_s)
+        self.floor_s = max(self._transfer_floor, self.tally.floor_s)
         if not self.pending:
             records = [self.records[d] for d in sorted(self.records) if d != self.absorber] + [self.records[self.absorber]]
             self.placement = _finish(self.capacity, R, records, "zigzag", self.tally)
         return [self]
 
 
+def _transfer_floor_s(lengths: list[int], tally: Tally) -> float:
+    """A floor on the zigzag layout's passes from its transfers, before it is laid out.
+
+    Every document but the longest (which absorbs the rounding) is cut into 2R chunks of
+    at least n // 2R tokens, one pair per rank, and every rank receives at least the
+    head chunk of every other: that many tokens over each pair's link, and a message
+    from each of the other R - 1 ranks once one document has 2R tokens. The busiest
+    rank receives at least the mean, and each pass waits for what it receives."""
+    R = len(tally.tiles)
+    positive = [n for n in lengths if n > 0]
+    if R < 2 or len(positive) < 2:
+        return 0.0
+    others = sorted(positive)[:-1]
+    head_tokens = sum(n // (2 * R) for n in others)  # per ordered pair of ranks, at least
+    if not head_tokens:
+        return 0.0
+    node_size = Counter(tally.node)
+    pair_seconds = sum((node_size[g] - 1) * tally.intra_s + (R - node_size[g]) * tally.inter_s for g in tally.node)
+    return 2 * (head_tokens * pair_seconds / R + (R - 1) * tally.latency_s)
+
+
 class _ContiguousBuild(Build):
-    """The contiguous layout (see `contiguous`), built whole, then tallied a document at
-    a time, the widest first; its compute floor comes first."""
+    """The contiguous layout (see `contiguous`): its compute floor first, from the chunk
+    sizes alone; built whole at its first step, then tallied a document at a time, the
+    widest first."""
 
     def __init__(self, index: int, doc_starts: list[int], lengths: list[int], capacity: int, tally: Tally):
         self.names, self.indices, self.index, self.tally = ("contiguous",), (index,), index, tally
-        self._built = contiguous(doc_starts, lengths, len(tally.tiles), capacity, tally.model.tile)
-        self._pending = sorted(self._built.records, key=lambda rec: rec.cut.need * len(rec.ranks))
-        self._compute_s = max(self._built.tile_pairs, default=0) * tally.pair_s * (1.0 + tally.backward_factor)
+        self.starts, self.lengths, self.capacity = doc_starts, lengths, capacity
+        tile, tiles = tally.model.tile, [0] * len(tally.tiles)
+        for _, _, first, chunks in _contiguous_chunks(doc_starts, lengths, capacity):
+            for r, offset, size in zip(range(first, first + len(chunks)), accumulate(chunks, initial=0), chunks):
+                tiles[r] += _tile_pairs(tile, offset, size)
+        self._compute_s = max(tiles, default=0) * tally.pair_s * (1.0 + tally.backward_factor)
         self.floor_s = self._compute_s
+        self._built: Placement | None = None
 
     def step(self) -> list[Build]:
+        if self._built is None:
+            self._built = contiguous(self.starts, self.lengths, len(self.tally.tiles), self.capacity, self.tally.model.tile)
+            self._pending = sorted(self._built.records, key=lambda rec: rec.cut.need * len(rec.ranks))
         record = self._pending.pop()
         self.tally.add(record.ranks, record.cut)
         self.floor_s = max(self._compute_s, self.tally.floor_s)
