@@ -186,6 +186,32 @@ def test_cut_closed_forms_match_its_sends(paired, chunks):
     assert cut.tokens == sends.sum() and cut.order == tuple(sorted(range(k), key=lambda i: -cut.costs[i]))
 
 
+CHUNK_SIZES = st.sampled_from([0, 1, 5, 127, 128, 129, 4096, 10**6])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.booleans(), st.one_of(st.lists(CHUNK_SIZES, min_size=1, max_size=12), st.lists(CHUNK_SIZES, min_size=64, max_size=140)))
+def test_cut_costs_are_each_slots_tile_pairs(paired, chunks):
+    """A slot's cost is the tile-rounded pairs of its head chunk plus those of its tail
+    (a causal diagonal and one full block over the earlier keys of the document), for
+    narrow cuts and for wide ones (priced in array operations) alike."""
+    if paired and len(chunks) % 2:
+        chunks = chunks + [chunks[0]]
+    cut, t = Cut(chunks, paired, 128), 128
+
+    def tile_pairs(offset: int, size: int) -> int:
+        rows = -(-size // t)
+        return sum(t * t * (i + 1 + -(-offset // t)) for i in range(rows))
+
+    offsets = np.cumsum([0, *chunks]).tolist()
+    k = len(chunks) // 2 if paired else len(chunks)
+    expected = [
+        tile_pairs(offsets[i], chunks[i]) + (tile_pairs(offsets[-2 - i], chunks[-1 - i]) if paired else 0)
+        for i in range(k)
+    ]
+    assert cut.costs == tuple(expected) and all(type(c) is int for c in cut.costs)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.sampled_from([(24, 1), (8, 8), (16, 2), (8, 1)]),

@@ -96,6 +96,20 @@ def _all_pairs(k: int) -> tuple[tuple[int, int], ...]:
     return tuple((j, i) for j in range(k) for i in range(k) if i != j)
 
 
+_ARRAY_CHUNKS = 64  # from this many chunks, slot costs in array operations (their call overhead pays from there)
+
+
+def _array_slot_costs(chunks: Sequence[int], k: int, paired: bool, tile: int) -> tuple[int, ...]:
+    """`Cut.costs` of many chunks: each chunk's tile pairs (see `_tile_pairs`), plus its
+    partner's in a paired cut."""
+    sizes = np.array(chunks, dtype=np.int64)
+    tiles = -(-sizes // tile)
+    pairs = tiles * (tiles + 1) // 2 + tiles * -(-(np.cumsum(sizes) - sizes) // tile)
+    if paired:
+        pairs = pairs[:k] + pairs[: k - 1 : -1]
+    return tuple((pairs * (tile * tile)).tolist())
+
+
 class Cut:
     """A document cut into consecutive chunks of the given sizes and dealt to slots, one
     slot per rank: `paired`, 2k chunks with slot i holding chunks i and 2k-1-i
@@ -118,12 +132,16 @@ class Cut:
         self.heads, self.head_at = tuple(chunks[:k]), tuple(offsets[:k])
         if paired:
             self.tails, self.tail_at = tuple(chunks[: k - 1 : -1]), tuple(offsets[n - 1 : k - 1 : -1])
+        else:
+            self.tails, self.tail_at = (0,) * k, self.head_at
+        if n >= _ARRAY_CHUNKS:
+            self.costs = _array_slot_costs(chunks, k, paired, tile)
+        elif paired:
             self.costs = tuple([
                 _tile_pairs(tile, ho, h) + _tile_pairs(tile, to, tl)
                 for h, ho, tl, to in zip(self.heads, self.head_at, self.tails, self.tail_at)
             ])
         else:
-            self.tails, self.tail_at = (0,) * k, self.head_at
             self.costs = tuple([_tile_pairs(tile, ho, h) for h, ho in zip(self.heads, self.head_at)])
         self.sizes = tuple(map(add, self.heads, self.tails))
         self.need = max(self.sizes, default=0)
