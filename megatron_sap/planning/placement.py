@@ -518,7 +518,7 @@ class _DocChoices:
     and kept for the other passes when `shared`."""
 
     __slots__ = ("greedy", "d", "load", "room", "n", "c", "by_load", "whole_rank", "shared",
-                 "_sorted_loads", "_rooms", "_widest", "_splits", "_slots", "_fragments")
+                 "_sorted_loads", "_rooms", "_node_ranks", "_position", "_widest", "_splits", "_slots", "_fragments")
 
     def __init__(self, greedy: _Greedy, d: int, load: list[int], room: list[int], shared: bool):
         self.greedy, self.d, self.load, self.room, self.shared = greedy, d, load, room, shared
@@ -527,6 +527,8 @@ class _DocChoices:
         self.whole_rank = next((r for r in self.by_load if room[r] >= n), None) if n <= greedy.capacity else None
         self._sorted_loads: list[int] | None = None
         self._rooms: list[int] | None = None  # every rank's room, ascending
+        self._node_ranks: list[list[int]] | None = None  # per node, its ranks least loaded first
+        self._position: list[int] | None = None  # of each rank in by_load
         self._widest: int | None = None
         self._splits: dict[tuple[int, str], tuple | None] = {}
         self._slots: dict[tuple[int, int], tuple[tuple[int, ...], Cut]] = {}
@@ -568,30 +570,34 @@ class _DocChoices:
         if not everyone and len(room) - bisect_left(self._rooms, need) < k:
             return None
         heavy = split_cut(self.n, k, split, g.tile).heavy
-        if not g.node_aware:
-            first = near = self.by_load[:k] if everyone else [r for r in self.by_load if room[r] >= need][:k]
-        else:
-            # The k least-loaded ranks with room, and the first node to gather k of them
-            # (its k-th is then the least loaded such); one walk, stopped there.
-            first, near = [], None
-            by_node: list[list[int]] = [[] for _ in range(g.num_nodes)]
-            for r in self.by_load:
-                if not everyone and room[r] < need:
-                    continue
-                if len(first) < k:
-                    first.append(r)
-                ranks = by_node[g.node_index[r]]
-                ranks.append(r)
-                if len(ranks) == k:
-                    near = ranks
-                    break
-            if near is None:
-                near = _fewest_nodes(by_node, self.by_load, k, g.node_index, load)
+        first = self.by_load[:k] if everyone else [r for r in self.by_load if room[r] >= need][:k]
+        near = first
+        if g.node_aware:
+            near = self._node_local(k, need, everyone)
             if near == first:
                 near = first
         peak_first = max(map(add, map(load.__getitem__, first), heavy))
         peak_near = peak_first if near is first else max(map(add, map(load.__getitem__, near), heavy))
         return near, first, peak_near, peak_first
+
+    def _node_local(self, k: int, need: int, everyone: bool) -> list[int]:
+        """k ranks with room for `need` tokens: of the node whose k-th least-loaded such
+        rank is the least loaded (the first node to gather k of them, going through the
+        ranks by load), else over as few nodes as possible (`_fewest_nodes`)."""
+        g = self.greedy
+        if self._node_ranks is None:
+            self._node_ranks = [[] for _ in range(g.num_nodes)]
+            for r in self.by_load:
+                self._node_ranks[g.node_index[r]].append(r)
+            self._position = [0] * g.R
+            for i, r in enumerate(self.by_load):
+                self._position[r] = i
+        room, position = self.room, self._position
+        per_node = self._node_ranks if everyone else [[r for r in ranks if room[r] >= need] for ranks in self._node_ranks]
+        kth = [(position[ranks[k - 1]], ranks) for ranks in per_node if len(ranks) >= k]
+        if kth:
+            return min(kth)[1][:k]
+        return _fewest_nodes(per_node, position, k, self.load)
 
     def slots(self, chosen: list[int], cut: Cut) -> tuple[tuple[int, ...], Cut]:
         """The rank of each slot of `cut` when its heaviest slots go to `chosen` in order."""
@@ -791,16 +797,12 @@ class _ContiguousBuild(Build):
         return [self]
 
 
-def _fewest_nodes(by_node: list[list[int]], by_load: list[int], k: int, node_index: list[int], load: list[int]) -> list[int]:
+def _fewest_nodes(per_node: list[list[int]], position: list[int], k: int, load: list[int]) -> list[int]:
     """k ranks spread over as few nodes as possible when no node has k: the nodes with
-    the most of the eligible ranks `by_node` first (ties: the node whose least-loaded
-    eligible rank comes first in `by_load`), each node's least loaded first; the result
-    least-loaded first."""
-    seen: list[list[int]] = []  # the nodes' eligible ranks, in the order the nodes first appear
-    for r in by_load:
-        ranks = by_node[node_index[r]]
-        if ranks and ranks[0] == r:
-            seen.append(ranks)
+    the most of the eligible ranks `per_node` (each least loaded first) first, ties to
+    the node whose least-loaded one comes first in the ranks by load (`position`); the
+    result least-loaded first."""
+    seen = sorted((ranks for ranks in per_node if ranks), key=lambda ranks: position[ranks[0]])
     chosen: list[int] = []
     for ranks in sorted(seen, key=len, reverse=True):
         chosen.extend(ranks[: k - len(chosen)])
