@@ -518,7 +518,7 @@ class _DocChoices:
     and kept for the other passes when `shared`."""
 
     __slots__ = ("greedy", "d", "load", "room", "n", "c", "by_load", "whole_rank", "shared",
-                 "_sorted_loads", "_rooms", "_node_ranks", "_position", "_widest", "_splits", "_slots", "_fragments")
+                 "_sorted_loads", "_rooms", "_node_ranks", "_widest", "_splits", "_slots", "_fragments")
 
     def __init__(self, greedy: _Greedy, d: int, load: list[int], room: list[int], shared: bool):
         self.greedy, self.d, self.load, self.room, self.shared = greedy, d, load, room, shared
@@ -528,7 +528,6 @@ class _DocChoices:
         self._sorted_loads: list[int] | None = None
         self._rooms: list[int] | None = None  # every rank's room, ascending
         self._node_ranks: list[list[int]] | None = None  # per node, its ranks least loaded first
-        self._position: list[int] | None = None  # of each rank in by_load
         self._widest: int | None = None
         self._splits: dict[tuple[int, str], tuple | None] = {}
         self._slots: dict[tuple[int, int], tuple[tuple[int, ...], Cut]] = {}
@@ -589,12 +588,9 @@ class _DocChoices:
             self._node_ranks = [[] for _ in range(g.num_nodes)]
             for r in self.by_load:
                 self._node_ranks[g.node_index[r]].append(r)
-            self._position = [0] * g.R
-            for i, r in enumerate(self.by_load):
-                self._position[r] = i
-        room, position = self.room, self._position
+        room, position = self.room, self.by_load.index
         per_node = self._node_ranks if everyone else [[r for r in ranks if room[r] >= need] for ranks in self._node_ranks]
-        kth = [(position[ranks[k - 1]], ranks) for ranks in per_node if len(ranks) >= k]
+        kth = [(position(ranks[k - 1]), ranks) for ranks in per_node if len(ranks) >= k]
         if kth:
             return min(kth)[1][:k]
         return _fewest_nodes(per_node, position, k, self.load)
@@ -797,12 +793,12 @@ class _ContiguousBuild(Build):
         return [self]
 
 
-def _fewest_nodes(per_node: list[list[int]], position: list[int], k: int, load: list[int]) -> list[int]:
+def _fewest_nodes(per_node: list[list[int]], position: Callable[[int], int], k: int, load: list[int]) -> list[int]:
     """k ranks spread over as few nodes as possible when no node has k: the nodes with
     the most of the eligible ranks `per_node` (each least loaded first) first, ties to
-    the node whose least-loaded one comes first in the ranks by load (`position`); the
-    result least-loaded first."""
-    seen = sorted((ranks for ranks in per_node if ranks), key=lambda ranks: position[ranks[0]])
+    the node whose least-loaded one comes first in the ranks by load (`position` of a
+    rank there); the result least-loaded first."""
+    seen = sorted((ranks for ranks in per_node if ranks), key=lambda ranks: position(ranks[0]))
     chosen: list[int] = []
     for ranks in sorted(seen, key=len, reverse=True):
         chosen.extend(ranks[: k - len(chosen)])
