@@ -463,6 +463,9 @@ class _Greedy:
         ranks_per_node = Counter(rank_node)
         node_ids = {node: i for i, node in enumerate(ranks_per_node)}
         self.node_index, self.num_nodes = [node_ids[node] for node in rank_node], len(node_ids)
+        self.node_ranks: list[list[int]] = [[] for _ in range(self.num_nodes)]  # each node's ranks, ascending
+        for r, node in enumerate(self.node_index):
+            self.node_ranks[node].append(r)
         # With one node, or one rank per node, the node-local choice is the least-loaded ranks.
         self.node_aware = 1 < len(ranks_per_node) < num_ranks
         self.cost = [_tile_pairs(self.tile, 0, n) for n in lengths]
@@ -585,9 +588,7 @@ class _DocChoices:
         ranks by load), else over as few nodes as possible (`_fewest_nodes`)."""
         g = self.greedy
         if self._node_ranks is None:
-            self._node_ranks = [[] for _ in range(g.num_nodes)]
-            for r in self.by_load:
-                self._node_ranks[g.node_index[r]].append(r)
+            self._node_ranks = [sorted(ranks, key=self.load.__getitem__) for ranks in g.node_ranks]
         room, position = self.room, self.by_load.index
         per_node = self._node_ranks if everyone else [[r for r in ranks if room[r] >= need] for ranks in self._node_ranks]
         kth = [(position(ranks[k - 1]), ranks) for ranks in per_node if len(ranks) >= k]
