@@ -12,8 +12,9 @@ plus the latency of each message: one per pair of ranks that exchange anything),
 (x = X/m, r = C_remote/m), and at least its transfers X; a rank that receives nothing
 takes its compute C. Adding documents lowers none of these bounds (C grows at least as
 fast as C_remote, and (m - 1)/m only grows), so `floor_s` bounds from below the
-modelled layer time of every placement that completes the candidate. A candidate whose floor is already slower than the fastest one so far is
-given up there. Once every document is in, the tally holds all that `evaluate` needs.
+modelled layer time of every placement that completes the candidate. A candidate whose
+floor is already slower than the fastest one so far is given up there. Once every
+document is in, the tally holds all that `evaluate` needs.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from .cost_model import LINK_INTER, LINK_INTRA, CostModel
+
 
 class Tally:
     """Compute and transfers of the documents placed so far over `num_ranks` outer ranks
