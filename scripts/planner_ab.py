@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""Planning time, this checkout against another revision, row by row in one process.
+
+    python scripts/planner_ab.py REV [UxR ...]      # default layouts: 1x8 8x8 1x64
+
+The speed of plain Python on a shared machine moves by tens of percent from minute to
+minute, so two separate `make bench` runs say little about a planner change. This
+script extracts `megatron_sap/` at REV into a temporary directory (as the package
+`megatron_sap_at_rev`), packs 128K-token rows of both corpora that each layout has not
+seen, and plans every row with both versions, alternating which goes first, the plan
+cache bypassed. Times are the process's CPU time (a minute when other work holds the
+cores counts less). It checks that both versions place every token alike and prints
+the median fresh-plan time of each and their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+OLD = "megatron_sap_at_rev"
+
+
+def import_revision(rev: str, into: Path):
+    """The planner module of `megatron_sap` at `rev`, imported under another package name."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "megatron_sap"], check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    (into / "megatron_sap").rename(into / OLD)
+    for path in (into / OLD).rglob("*.py"):
+        path.write_text(path.read_text().replace("megatron_sap", OLD))
+    sys.path.insert(0, str(into))
+    return importlib.import_module(f"{OLD}.planning.plan")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rev", help="the git revision to compare with")
+    parser.add_argument("layouts", nargs="*", default=["1x8", "8x8", "1x64"], help="U x R layouts")
+    parser.add_argument("--rows", type=int, default=24, help="rows per corpus and layout")
+    args = parser.parse_args()
+
+    from megatron_sap.bench.data import CORPORA, document_lengths
+    from megatron_sap.bench.packing import pack
+    from megatron_sap.planning import plan as new
+
+    with tempfile.TemporaryDirectory() as tmp:
+        old = import_revision(args.rev, Path(tmp))
+        for corpus in CORPORA:
+            for index, layout in enumerate(args.layouts):
+                inner, outer = map(int, layout.split("x"))
+                times: dict[str, list[float]] = {"rev": [], "now": []}
+                for i, cu in enumerate(pack(document_lengths(corpus), 128 * 1024, args.rows, seed=5 + index)):
+                    order = (("rev", old), ("now", new)) if i % 2 == 0 else (("now", new), ("rev", old))
+                    pieces = {}
+                    for name, module in order:
+                        start = time.process_time()
+                        plan = module.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
+                        times[name].append(time.process_time() - start)
+                        pieces[name] = [tuple(rank) for rank in plan.placement.ranks]
+                    if pieces["rev"] != pieces["now"]:
+                        print(f"{corpus} {layout} row {i}: the placements differ")
+                rev_ms, now_ms = (statistics.median(times[k]) * 1e3 for k in ("rev", "now"))
+                print(f"{corpus:9s} {layout:5s} {args.rev}: {rev_ms:6.2f} ms   now: {now_ms:6.2f} ms   ratio {now_ms / rev_ms:.2f}",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

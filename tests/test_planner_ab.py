@@ -1,0 +1,19 @@
+"""scripts/planner_ab.py: this checkout's planner against a git revision, row by row."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs a git checkout")
+def test_compares_with_a_revision() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "planner_ab.py"), "HEAD", "2x4", "--rows", "2"],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if "ratio" in line]
+    assert len(lines) == 2 and all(" 2x4 " in line and "HEAD:" in line for line in lines), result.stdout
