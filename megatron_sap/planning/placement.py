@@ -459,15 +459,12 @@ class _Greedy:
     ):
         self.starts, self.lengths, self.R, self.capacity = doc_starts, lengths, num_ranks, capacity
         self.model, self.inner_size, self.tile = model, inner_size, model.tile
-        rank_node = [model.node_of(r * inner_size) for r in range(num_ranks)]
-        ranks_per_node = Counter(rank_node)
-        node_ids = {node: i for i, node in enumerate(ranks_per_node)}
-        self.node_index, self.num_nodes = [node_ids[node] for node in rank_node], len(node_ids)
-        self.node_ranks: list[list[int]] = [[] for _ in range(self.num_nodes)]  # each node's ranks, ascending
-        for r, node in enumerate(self.node_index):
-            self.node_ranks[node].append(r)
+        by_node: dict[int, list[int]] = {}
+        for r in range(num_ranks):
+            by_node.setdefault(model.node_of(r * inner_size), []).append(r)
+        self.node_ranks = list(by_node.values())  # each node's ranks, ascending
         # With one node, or one rank per node, the node-local choice is the least-loaded ranks.
-        self.node_aware = 1 < len(ranks_per_node) < num_ranks
+        self.node_aware = 1 < len(self.node_ranks) < num_ranks
         self.cost = [_tile_pairs(self.tile, 0, n) for n in lengths]
         self.total = sum(self.cost)
         self.share = self.total / num_ranks
