@@ -34,7 +34,7 @@ def import_revision(rev: str, into: Path):
     """The planner module of `megatron_sap` at `rev`, imported under another package name."""
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "megatron_sap"], check=True, capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
+        tar.extractall(into, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))  # Python >= 3.11.4
     (into / "megatron_sap").rename(into / OLD)
     for path in (into / OLD).rglob("*.py"):
         path.write_text(path.read_text().replace("megatron_sap", OLD))
