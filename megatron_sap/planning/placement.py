@@ -91,11 +91,6 @@ def _sends(heads: tuple[int, ...], tails: tuple[int, ...]) -> np.ndarray:
     return sends
 
 
-@lru_cache(maxsize=128)
-def _all_pairs(k: int) -> tuple[tuple[int, int], ...]:
-    return tuple((j, i) for j in range(k) for i in range(k) if i != j)
-
-
 _ARRAY_CHUNKS = 64  # from this many chunks, slot costs in array operations (their call overhead pays from there)
 
 
@@ -223,11 +218,10 @@ class Cut:
 
     @_memo
     def send_pairs(self) -> tuple[tuple[int, int], ...]:
-        """(j, i) for every slot j that sends slot i something."""
+        """(j, i) for every slot j that sends slot i something (the tally needs them only
+        for cuts without a `pattern`)."""
         h, t = self.heads, self.tails
         k = len(h)
-        if all(h) and all(t):
-            return _all_pairs(k)
         pairs = []
         for i in range(k):
             if t[i]:
