@@ -99,7 +99,7 @@ def describe(plan: Plan) -> str:
         mark = "  <- chosen" if name == plan.strategy else ""
         lines.append(f"  {seconds * 1e3:9.3f} ms  {name}{mark}")
     for name, seconds in sorted(plan.pruned.items(), key=lambda kv: kv[1]):
-        lines.append(f"  >={seconds * 1e3:7.3f} ms  {name}  (not evaluated: its busiest rank's compute alone)")
+        lines.append(f"  >={seconds * 1e3:7.3f} ms  {name}  (given up at this floor)")
     return "\n".join(lines)
 
 

@@ -419,11 +419,15 @@ def test_chosen_candidate_is_the_fastest(batch):
     assert considered[plan.strategy] == plan.evaluation.makespan_s
     fastest = min(considered.values())
     assert plan.evaluation.makespan_s <= fastest * (1 + TIME_TOLERANCE) + 1e-15
-    # A pruned candidate's floor is a floor, and puts it out of reach of the choice.
+    # A pruned candidate's floor is a floor, and puts it out of reach of the choice:
+    # over TIME_TOLERANCE slower than the fastest, or no faster than a candidate built
+    # that moves fewer tokens than it does.
     by_name = {p.strategy: p for p in placements}
     for name, floor in pruned.items():
-        assert floor > fastest * (1 + TIME_TOLERANCE)
-        assert evaluate(by_name[name], inner, model).makespan_s >= floor * (1 - 1e-9)
+        ev = evaluate(by_name[name], inner, model)
+        assert ev.makespan_s >= floor * (1 - 1e-9)
+        outmoved_by = [c for c, t in considered.items() if t <= floor and evaluate(by_name[c], inner, model).traffic_total < ev.traffic_total]
+        assert floor > fastest * (1 + TIME_TOLERANCE) or outmoved_by, name
     assert plan.stats()["candidates_modelled_time_s"] == considered
     assert plan.stats()["candidates_pruned_floor_s"] == pruned
 
@@ -488,6 +492,17 @@ def test_pruning_does_not_change_the_plan(seed, outer, inner):
 def test_pruning_skips_most_candidates_on_one_node():
     """On one node the busiest rank's compute decides most candidates."""
     assert sum(pruned_count(seed, 8, 1) for seed in range(3)) >= 3
+
+
+def test_candidates_outmoved_near_the_fastest_are_given_up():
+    """A candidate near the fastest that already moves more tokens than a finished one
+    no slower than its floor is given up (its floor within TIME_TOLERANCE of the fastest)."""
+    outmoved = 0
+    for seed, (outer, inner) in enumerate([(8, 1), (8, 8), (4, 2)]):
+        plan = sap.plan_sequences(realistic_cu_seqlens(65536, seed), outer_size=outer, inner_size=inner, cache=None)
+        fastest = min(plan.considered.values())
+        outmoved += sum(floor <= fastest * (1 + TIME_TOLERANCE) for floor in plan.pruned.values())
+    assert outmoved > 0
 
 
 def candidates_of(cu: list[int], outer: int, inner: int) -> list:

@@ -14,7 +14,7 @@ import torch
 from ..validation import check_divisible, cu_seqlens_to_list
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, ulysses_cost, whole_documents_s
-from .placement import Placement, candidates
+from .placement import Build, Placement, candidates
 from .program import RankProgram, _Layout, compile_program
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -276,6 +276,15 @@ def _cache_key_values(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[int, ..
     return None
 
 
+def _outmoved(build: Build, floor_s: float, evaluated: list[tuple[int, Placement, Evaluation]]) -> bool:
+    """Whether a finished candidate no slower than `build` can finish (its floor) moves
+    fewer KV tokens than `build` already does: then `build` loses to it whenever both
+    are near the fastest, is out of reach whenever it is not, and cannot lower the
+    fastest time; it can never be chosen."""
+    tokens = build.tally.tokens
+    return any(ev.makespan_s <= floor_s and ev.traffic_total < tokens for _, _, ev in evaluated)
+
+
 def plan_sequences(
     cu_seqlens: Sequence[int] | torch.Tensor,
     outer_size: int = 1,
@@ -294,7 +303,8 @@ def plan_sequences(
     candidate within 1% of the lower bound (all compute spread evenly, no
     communication but the Ulysses all-to-alls), which no other candidate could beat
     by more than that; a candidate is given up as soon as the compute or the transfers
-    of one of its ranks alone make it over 1% slower than the fastest so far
+    of one of its ranks alone make it over 1% slower than the fastest so far, or when
+    it already moves more KV tokens than a finished candidate no slower than its floor
     (`Plan.pruned`).
     Plans are cached by (cu_seqlens, sizes, cost model): a repeated batch shape costs a
     dictionary lookup. Pass `cache=None` to bypass the cache.
@@ -346,6 +356,10 @@ def plan_sequences(
         if floor_s + a2a_s > fastest * (1 + TIME_TOLERANCE):
             pruned.update((name, f + a2a_s) for f, _, b in queue for name in b.names)
             break
+        if build.placement is None and _outmoved(build, floor_s + a2a_s, evaluated):
+            heapq.heappop(queue)
+            pruned.update((name, floor_s + a2a_s) for name in build.names)
+            continue
         if build.placement is None:
             following = build.step()
             if len(following) == 1:
