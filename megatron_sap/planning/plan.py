@@ -356,7 +356,7 @@ def plan_sequences(
         if floor_s + a2a_s > fastest * (1 + TIME_TOLERANCE):
             pruned.update((name, f + a2a_s) for f, _, b in queue for name in b.names)
             break
-        if build.placement is None and _outmoved(build, floor_s + a2a_s, evaluated):
+        if build.placement is None and floor_s + a2a_s >= fastest and _outmoved(build, floor_s + a2a_s, evaluated):
             heapq.heappop(queue)
             pruned.update((name, floor_s + a2a_s) for name in build.names)
             continue
