@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .comm.p2p import PendingExchange, post_exchange
+from .comm.p2p import PendingExchange, collective_device, mark_ready, post_exchange, ready_for_batched_p2p
 from .comm.ulysses import GatherHeads, ScatterHeads, check_heads, replicate_kv_heads
 from .kernels import merge_into, varlen_backward, varlen_forward
 from .planning import Plan, RankProgram
@@ -220,8 +220,7 @@ def verify_plan_agreement(plan: Plan, groups) -> None:
     use of a plan with a group.
     """
     mine = int(plan.signature(), 16) & ((1 << 62) - 1)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(groups.cp_group) == "nccl" else torch.device("cpu")
-    values = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    values = torch.tensor([mine, -mine], dtype=torch.int64, device=collective_device(groups.cp_group))
     try:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=groups.cp_group)
     except Exception as exc:  # a dead or stuck rank: the backend's error type varies (gloo, NCCL)
@@ -237,6 +236,7 @@ def verify_plan_agreement(plan: Plan, groups) -> None:
             f"{plan.inner_size}x{plan.outer_size}), the group has hashes from {low:x} to {high:x}"
         )
     plan.__dict__.setdefault("_agreed_groups", set()).add(id(groups.cp_group))
+    mark_ready(groups.cp_group)  # the outer group too when it is the CP group (U = 1)
 
 
 def sap_attention(
@@ -267,6 +267,8 @@ def sap_attention(
         _check_agreement(plan, groups)
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
     outer = _Outer(groups)
+    if outer.group is not None:
+        ready_for_batched_p2p(outer.group, f"outer group (cp_rank {groups.cp_rank})")
     U = 1 if groups is None else groups.inner_size
     if U == 1:
         return _SAPOuterAttention.apply(q, k, v, plan, outer, scale, backend, recompute_kv)

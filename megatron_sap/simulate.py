@@ -39,7 +39,12 @@ def _timer(device: torch.device):
         def stop(ev):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            return lambda: ev.elapsed_time(end) / 1e3
+
+            def seconds() -> float:
+                end.synchronize()  # elapsed_time raises until the device has reached both events
+                return ev.elapsed_time(end) / 1e3
+
+            return seconds
 
         return start, stop
     import time

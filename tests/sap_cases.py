@@ -109,3 +109,37 @@ def run_rank(
         result["a2a_bytes"] = log.total_bytes("a2a")
         result["stats"] = plan.stats(plan.cost_model.with_shape(heads, kv_heads, dim, ql.element_size()))
     return result
+
+
+def collective_order(rank: int, world: int, cu: list[int], inner: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The collectives and batched P2P calls (kind, group ranks) of two sap_attention
+    calls without the agreement check, after forgetting which groups were used before."""
+    import torch.distributed as dist
+
+    import megatron_sap as sap
+    from megatron_sap.comm import p2p
+
+    groups = groups_for(inner, world // inner)
+    plan = sap.plan_sequences(cu, outer_size=world // inner, inner_size=inner)
+    log: list[tuple[str, tuple[int, ...]]] = []
+    real_all_reduce, real_batch = dist.all_reduce, dist.batch_isend_irecv
+
+    def all_reduce(tensor, *args, group=None, **kwargs):
+        log.append(("all_reduce", tuple(dist.get_process_group_ranks(group))))
+        return real_all_reduce(tensor, *args, group=group, **kwargs)
+
+    def batch_isend_irecv(ops):
+        log.append(("p2p", tuple(dist.get_process_group_ranks(ops[0].group))))
+        return real_batch(ops)
+
+    p2p._ready_groups.clear()
+    dist.all_reduce, dist.batch_isend_irecv = all_reduce, batch_isend_irecv
+    try:
+        q, k, v, dout = make_inputs(cu, 4, 2, 8, seed=0)
+        idx = plan.local_indices(groups.cp_rank)
+        for _ in range(2):
+            ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
+            sap.sap_attention(ql, kl, vl, plan, groups, check_agreement=False).backward(dout[idx])
+    finally:
+        dist.all_reduce, dist.batch_isend_irecv = real_all_reduce, real_batch
+    return log

@@ -8,7 +8,7 @@ import torch
 
 from dist_pool import make_pool_fixture
 from megatron_sap.reference import dense_attention
-from sap_cases import make_inputs, random_cu_seqlens, run_rank
+from sap_cases import collective_order, make_inputs, random_cu_seqlens, run_rank
 
 pool2 = make_pool_fixture(2, timeout=120)
 pool3 = make_pool_fixture(3, timeout=120)
@@ -156,3 +156,19 @@ def test_bytes_sent_match_plan(pool4, inner, kv):
         assert r["p2p_bytes"] + r["a2a_bytes"] == pytest.approx(stats["sent_bytes_per_rank"][r["cp_rank"]])
     assert any(r["p2p_bytes"] for r in results) == (inner < 4)
     assert all(r["a2a_bytes"] for r in results) == (inner > 1)
+
+
+@pytest.mark.parametrize("inner", [1, 2])
+def test_outer_group_runs_a_collective_before_its_first_exchange(pool4, inner):
+    """NCCL builds a group's communicator on its first call, which every rank of the group
+    must make; a rank whose program moves nothing would leave the others waiting in their
+    first batched P2P. So each outer group runs one all-reduce first, once per group."""
+    cu = random_cu_seqlens(random.Random(3), 4 * 64, "mixture")
+    for log in pool4.run(collective_order, cu, inner):
+        exchanges = [ranks for kind, ranks in log if kind == "p2p"]
+        assert exchanges, "the plan moves nothing: pick a batch with transfers"
+        outer = exchanges[0]
+        assert all(ranks == outer for ranks in exchanges)
+        first_exchange = log.index(("p2p", outer))
+        assert log[:first_exchange].count(("all_reduce", outer)) == 1
+        assert log.count(("all_reduce", outer)) == 1

@@ -480,6 +480,36 @@ def _fake_flash_attn(new_api: bool):
     return package, interface
 
 
+@pytest.mark.parametrize("version, interface_loads, usable", [
+    ("2.7.4.post1", True, True), ("2.1.0", True, True), ("2.0.9", True, False), (None, True, False),
+    ("2.7.4", False, False),
+])
+def test_flash_attn_counts_only_when_it_imports_and_is_2_1_or_newer(monkeypatch, version, interface_loads, usable):
+    """A flash_attn older than 2.1 (top-left causal masks, another return layout) or one
+    whose compiled kernels fail to load (built against another torch) is not offered."""
+    from megatron_sap import kernels
+
+    package, interface = _fake_flash_attn(new_api=True)
+    if version is not None:
+        package.__version__ = version
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    if interface_loads:
+        monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+    else:  # its compiled extension does not load (undefined symbol): importing the interface raises OSError
+        del package.flash_attn_interface
+        monkeypatch.delitem(sys.modules, "flash_attn.flash_attn_interface", raising=False)
+
+        def missing_symbol(name: str):
+            raise OSError(f"flash_attn_2_cuda.so: undefined symbol (loading {name})")
+
+        package.__getattr__ = missing_symbol
+    kernels._flash_attn_importable.cache_clear()
+    try:
+        assert kernels._flash_attn_importable() is usable
+    finally:
+        kernels._flash_attn_importable.cache_clear()
+
+
 @pytest.mark.parametrize("new_api", [False, True], ids=["flash-attn-2.3", "flash-attn-2.7"])
 def test_flash_attn_adapter_across_versions(monkeypatch, new_api):
     """The flash-attn backend's calling conventions, against a stand-in package (the real one needs CUDA)."""

@@ -69,6 +69,36 @@ def post_exchange(
 
 
 _local_depth = 0
+_ready_groups: dict[int, dist.ProcessGroup] = {}  # by id; the group kept, so that its id is not reused
+
+
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a collective's tensors live on `group`: the current GPU with NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def mark_ready(group: dist.ProcessGroup) -> None:
+    """Record that `group` has run a collective (see `ready_for_batched_p2p`)."""
+    _ready_groups[id(group)] = group
+
+
+def ready_for_batched_p2p(group: dist.ProcessGroup | None, what: str) -> None:
+    """Run one collective on `group` before its first batched P2P call (once per group).
+
+    With NCCL, the first call on a group creates its communicator and must include every
+    rank of the group, while a batch of exchanges that follows may involve only some:
+    an outer rank whose program moves nothing would otherwise leave the others waiting
+    in their first exchange. Every rank of the group calls this (they run the same layer).
+    """
+    if group is None or _local_depth or _ready_groups.get(id(group)) is group:
+        return
+    try:
+        dist.all_reduce(torch.zeros(1, device=collective_device(group)), group=group)
+    except Exception as exc:  # a dead or stuck rank: the backend's error type varies (gloo, NCCL)
+        raise RuntimeError(f"SAP first collective on the {what} failed: {exc}") from exc
+    mark_ready(group)
 
 
 @contextlib.contextmanager

@@ -114,5 +114,5 @@ def replicate_kv_heads(k: torch.Tensor, v: torch.Tensor, size: int) -> tuple[tor
     num_kv_heads = k.shape[1]
     if num_kv_heads % size == 0:
         return k, v
-    index = (torch.arange(size) * num_kv_heads // size).to(k.device)
+    index = torch.arange(size, device=k.device) * num_kv_heads // size  # made on the device: no copy, no sync
     return k.index_select(1, index), v.index_select(1, index)

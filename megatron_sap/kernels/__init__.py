@@ -24,7 +24,7 @@ flash_attn package, CUDA fp16/bf16). "auto" picks the fastest available.
 from __future__ import annotations
 
 import functools
-import importlib.util
+import re
 
 import torch
 from torch import Tensor
@@ -46,9 +46,20 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
+_MIN_FLASH_ATTN = (2, 1)  # bottom-right causal alignment and the 8-value varlen forward
+
+
 @functools.cache
 def _flash_attn_importable() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """Whether the flash_attn package imports (a build compiled against another torch
+    fails here, not at the first call) and is at least 2.1."""
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_interface  # noqa: F401  (loads the compiled kernels)
+    except (ImportError, OSError, RuntimeError):
+        return False
+    version = tuple(int(part) for part in re.findall(r"\d+", getattr(flash_attn, "__version__", "0"))[:2])
+    return version >= _MIN_FLASH_ATTN
 
 
 def available_backends(device: torch.device | str | None = None) -> list[str]:

@@ -14,8 +14,9 @@ The backward pass runs the same steps with the roles reversed: the gradients of 
 received rows go back to their owner, which adds them at `send_rows`.
 
 Within one call every query row and every key row appears at most once, so outputs
-merge with plain indexed copies and gradients accumulate without atomics (bitwise
-deterministic on every device).
+merge with plain indexed copies and gradients accumulate without atomics (the merges
+are bitwise deterministic on every device; the flash kernels' own backward follows
+torch's deterministic setting, see docs/architecture.md).
 """
 from __future__ import annotations
 
