@@ -399,8 +399,8 @@ def main() -> int:
     global CALIBRATION_OUT
     CALIBRATION_OUT = args.out.with_name("calibration.json")
     if not torch.cuda.is_available():
-        print("gpu_check: CUDA is not available on this machine; nothing to check, no report written.")
-        return 0
+        print("gpu_check: CUDA is not available to this Python (a CPU build of torch?); no report written.")
+        return 2
 
     try:
         import flash_attn

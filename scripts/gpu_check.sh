@@ -1,6 +1,20 @@
 #!/usr/bin/env bash
-# Check the CUDA attention kernels on this machine's GPU; writes docs/gpu_results.json.
+# Check the CUDA attention kernels on this machine's GPU; writes docs/gpu_results.json and
+# docs/calibration.json (and copies both to $OUT when that is set).
+#
+#   bash scripts/gpu_check.sh --prepare   # where the tokenizer and corpus packages are installed:
+#                                         # cache the real corpora's document lengths in .cache/megatron_sap
+#   bash scripts/gpu_check.sh             # on the GPU machine, with .cache/ copied along
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}"
-exec "$PYTHON" scripts/gpu_check.py --out docs/gpu_results.json "$@"
+export MEGATRON_SAP_CACHE="${MEGATRON_SAP_CACHE:-$PWD/.cache/megatron_sap}"
+PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3 || echo python )}"
+if [ "${1:-}" = "--prepare" ]; then
+    exec "$PYTHON" -m megatron_sap.bench.data --cache "$MEGATRON_SAP_CACHE"
+fi
+status=0
+"$PYTHON" scripts/gpu_check.py --out docs/gpu_results.json "$@" || status=$?
+if [ -n "${OUT:-}" ]; then
+    cp docs/gpu_results.json docs/calibration.json "$OUT"/ 2>/dev/null || true
+fi
+exit "$status"

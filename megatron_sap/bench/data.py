@@ -15,6 +15,7 @@ version, in ``$MEGATRON_SAP_CACHE`` or ``~/.cache/megatron_sap``.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -136,10 +137,17 @@ def token_lengths(texts: Iterator[str] | list[str]) -> np.ndarray:
 
 
 def document_lengths(corpus: str) -> np.ndarray:
-    """Token length of every non-empty document of a real corpus (``stdlib`` or ``sharegpt``), cached."""
+    """Token length of every non-empty document of a real corpus (``stdlib`` or ``sharegpt``), cached.
+
+    Where the tokenizer or corpus packages are missing (the GPU machine), the lengths
+    cached by a machine that has them are used: copy its cache directory over and point
+    ``$MEGATRON_SAP_CACHE`` at it."""
     if corpus not in _READERS:
         raise ValueError(f"unknown corpus {corpus!r}; known: {list(CORPORA)}")
-    path = cache_path(corpus)
+    try:
+        path = cache_path(corpus)
+    except metadata.PackageNotFoundError as missing:
+        return _cached_elsewhere(corpus, missing)
     if path.exists():
         return np.load(path)
     lengths = token_lengths(_READERS[corpus]())
@@ -148,6 +156,19 @@ def document_lengths(corpus: str) -> np.ndarray:
     np.save(tmp, lengths)
     os.replace(tmp, path)  # atomic: concurrent runs never read a half-written file
     return lengths
+
+
+def _cached_elsewhere(corpus: str, missing: metadata.PackageNotFoundError) -> np.ndarray:
+    """The lengths of `corpus` cached on another machine (the newest such file), when this
+    one cannot tokenise it."""
+    found = sorted(cache_dir().glob(f"lengths_{corpus}_{ENCODING}_*.npy"))
+    if not found:
+        raise RuntimeError(
+            f"corpus {corpus!r} needs the package {missing.name!r} to be tokenised, and {cache_dir()} holds no "
+            f"cached lengths of it: run `python -m megatron_sap.bench.data --cache DIR` where the packages are "
+            "installed, copy DIR here and set MEGATRON_SAP_CACHE=DIR"
+        )
+    return np.load(max(found, key=lambda p: p.stat().st_mtime))
 
 
 # ---- synthetic mixes --------------------------------------------------------------------
@@ -189,3 +210,20 @@ def describe(lengths: np.ndarray) -> dict[str, float]:
         "share_tokens_over_32k": float(lengths[lengths > 32768].sum() / total),
         "share_docs_under_2k": float((lengths < 2048).mean()),
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Tokenise the real corpora and cache their document lengths (for a machine without
+    the tokenizer packages: copy the cache directory there)."""
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--cache", help="cache directory (default: $MEGATRON_SAP_CACHE or ~/.cache/megatron_sap)")
+    args = parser.parse_args(argv)
+    if args.cache:
+        os.environ["MEGATRON_SAP_CACHE"] = args.cache
+    for corpus in CORPORA:
+        lengths = document_lengths(corpus)
+        print(f"{corpus}: {lengths.size} documents, {int(lengths.sum())} tokens in {cache_path(corpus)}")
+
+
+if __name__ == "__main__":
+    main()
