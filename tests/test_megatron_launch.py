@@ -114,6 +114,36 @@ def test_bad_flag_combinations_are_rejected(flags: str, match: str) -> None:
         sap_settings_from_args(_parse(flags))
 
 
+@pytest.mark.parametrize(
+    "model, shape",
+    [
+        (dict(num_attention_heads=32, group_query_attention=True, num_query_groups=8, kv_channels=128,
+              tensor_model_parallel_size=2, bf16=True), (16, 4, 128, 2)),
+        (dict(num_attention_heads=16, num_query_groups=4, hidden_size=1024), (16, 16, 64, 4)),  # no GQA flag: MHA
+        (dict(num_attention_heads=8, group_query_attention=True, num_query_groups=2, kv_channels=64,
+              tensor_model_parallel_size=4, fp16=True), (2, 1, 64, 2)),
+        ({}, None),
+    ],
+)
+def test_cost_model_takes_the_model_shape_and_tp_from_the_flags(monkeypatch, model: dict, shape) -> None:
+    """The planner weighs the attention one CP rank computes (the model's heads over TP, its
+    head dim and precision) and counts the CP ranks of a node as its GPUs over TP."""
+    from megatron_sap.megatron.plans import plan_for
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    args = _parse("--context-parallel-size 4")
+    for name, value in model.items():
+        setattr(args, name, value)
+    options = sap_settings_from_args(args).options
+    assert options.model_shape == shape
+    tp = model.get("tensor_model_parallel_size", 1)
+    assert (options.gpus_per_node, options.tensor_parallel_size) == (8, tp)
+    cost_model = plan_for([0, 100, 400], None).cost_model
+    if shape is not None:
+        assert (cost_model.num_heads, cost_model.num_kv_heads, cost_model.head_dim, cost_model.bytes_per_element) == shape
+    assert cost_model.gpus_per_node == 8 // tp
+
+
 def test_unknown_backend_is_an_argparse_error() -> None:
     with pytest.raises(SystemExit):
         _parse("--sap-backend nonsense")

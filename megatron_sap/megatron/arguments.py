@@ -8,6 +8,7 @@ flags (SAP levels default from `--hierarchical-context-parallel-sizes`) and appl
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -102,6 +103,7 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
         raise ValueError(
             f"--sap-inner-size {inner} x --sap-outer-size {outer} must equal --context-parallel-size {cp_size}"
         )
+    local_gpus = os.environ.get("LOCAL_WORLD_SIZE", "")  # GPUs of this node, as torchrun sets it
     options = set_sap_options(
         backend=args.sap_backend,
         cost_preset=args.sap_cost_preset,
@@ -109,5 +111,23 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
         plan_cache_size=args.sap_plan_cache_size,
         check_agreement=args.sap_check_agreement,
         recompute_kv=args.sap_recompute_kv,
+        model_shape=model_shape_from_args(args),
+        gpus_per_node=int(local_gpus) if local_gpus.isdigit() else None,
+        tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
     )
     return SAPSettings(inner_size=inner, outer_size=outer, options=options)
+
+
+def model_shape_from_args(args: argparse.Namespace) -> Optional[tuple[int, int, int, int]]:
+    """(query heads, key/value heads, head dim, bytes per element) of one CP rank's attention
+    from Megatron-LM's model flags: the heads over the TP size; None without them."""
+    heads = getattr(args, "num_attention_heads", None)
+    hidden = getattr(args, "hidden_size", None)
+    head_dim = getattr(args, "kv_channels", None) or (hidden // heads if heads and hidden else None)
+    if not heads or not head_dim:
+        return None
+    groups = (getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None) or heads
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    nbytes = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4
+    return max(heads // tp, 1), max(groups // tp, 1), int(head_dim), nbytes
+

@@ -24,6 +24,12 @@ class SAPOptions:
         layer that all CP ranks planned the same batch (one small all-reduce); a mismatch would
         otherwise deadlock or corrupt attention.
     recompute_kv: fetch remote K/V again in backward instead of keeping it from forward.
+    model_shape: (query heads, key/value heads, head dim, bytes per element) that one CP rank's
+        attention computes (the model's heads over TP), which the cost model weighs; None: the
+        preset's shape.
+    gpus_per_node / tensor_parallel_size: the cost model takes gpus_per_node (None: the preset's)
+        over the TP size as the CP ranks sharing a node (Megatron orders TP fastest), which
+        decides the link class of each transfer.
     """
 
     backend: str = "auto"
@@ -32,6 +38,9 @@ class SAPOptions:
     plan_cache_size: Optional[int] = None
     check_agreement: bool = True
     recompute_kv: bool = False
+    model_shape: Optional[tuple[int, int, int, int]] = None
+    gpus_per_node: Optional[int] = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -40,6 +49,11 @@ class SAPOptions:
             raise ValueError(f"plan_cache_size must be >= 1, got {self.plan_cache_size}")
         if self.cost_preset is not None and self.calibration_file is not None:
             raise ValueError("give either a SAP cost preset or a calibration file, not both")
+        if self.model_shape is not None and (len(self.model_shape) != 4 or min(self.model_shape) < 1):
+            raise ValueError(f"model_shape must be four positive integers (heads, kv heads, head dim, bytes), got {self.model_shape}")
+        if (self.gpus_per_node is not None and self.gpus_per_node < 1) or self.tensor_parallel_size < 1:
+            raise ValueError(f"gpus_per_node and tensor_parallel_size must be >= 1, got {self.gpus_per_node}, "
+                             f"{self.tensor_parallel_size}")
 
 
 _OPTIONS = SAPOptions()

@@ -6,6 +6,7 @@ the host (no device sync per layer); other tensors go through the planner's cach
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional
 
@@ -14,6 +15,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 import megatron_sap as sap
 from megatron_sap.planning import PlanCache
+from megatron_sap.planning.plan import DEFAULT_COST_MODEL
 
 from .options import get_sap_options
 
@@ -33,13 +35,27 @@ def _cache(size: Optional[int]) -> Optional[PlanCache]:
 
 
 @functools.lru_cache(maxsize=8)
-def _cost_model(preset: Optional[str], calibration_file: Optional[str]) -> Optional["sap.CostModel"]:
-    """The cost model the options name (read once per file), or None for the planner's default."""
+def _cost_model(
+    preset: Optional[str],
+    calibration_file: Optional[str],
+    model_shape: Optional[tuple[int, int, int, int]] = None,
+    gpus_per_node: Optional[int] = None,
+    tensor_parallel_size: int = 1,
+) -> Optional["sap.CostModel"]:
+    """The cost model the options name (a calibration file read once), with the model's shape
+    and CP ranks per node (GPUs per node over TP) when known; None for the planner's default."""
     if preset is not None:
-        return sap.CostModel.preset(preset)
-    if calibration_file is not None:
-        return sap.CostModel.from_calibration(calibration_file)
-    return None
+        model = sap.CostModel.preset(preset)
+    elif calibration_file is not None:
+        model = sap.CostModel.from_calibration(calibration_file)
+    elif model_shape is None and gpus_per_node is None and tensor_parallel_size == 1:
+        return None
+    else:
+        model = DEFAULT_COST_MODEL
+    if model_shape is not None:
+        model = model.with_shape(*model_shape)
+    per_node = max((gpus_per_node or model.gpus_per_node) // tensor_parallel_size, 1)
+    return dataclasses.replace(model, gpus_per_node=per_node)
 
 
 def plan_for(cu_seqlens: torch.Tensor | list[int], groups: Optional["sap.SAPGroups"]) -> "sap.Plan":
@@ -54,7 +70,8 @@ def plan_for(cu_seqlens: torch.Tensor | list[int], groups: Optional["sap.SAPGrou
     cache = _cache(options.plan_cache_size)
     if cache is not None:
         kwargs["cache"] = cache
-    model = _cost_model(options.cost_preset, options.calibration_file)
+    model = _cost_model(options.cost_preset, options.calibration_file, options.model_shape, options.gpus_per_node,
+                        options.tensor_parallel_size)
     if model is not None:
         kwargs["cost_model"] = model
     plan = sap.plan_sequences(cu_seqlens, outer_size=outer, inner_size=inner, **kwargs)
