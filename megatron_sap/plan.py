@@ -5,17 +5,27 @@ Examples::
     python -m megatron_sap.plan --cu-seqlens 0,3000,3100,8192 --outer-size 4 --inner-size 2
     python -m megatron_sap.plan --lengths-from sharegpt --tokens 131072 --seed 0 \\
         --outer-size 16 --inner-size 4 --png layout.png
+    python -m megatron_sap.plan --lengths-file my_lengths.txt --tokens 131072 --rows 8 --cp-size 32
 
 Prints which document pieces every outer rank holds, its tokens, causal pairs, KV
 traffic in and out, the imbalance, the modelled and ideal layer times and every
-candidate placement's modelled time; optionally draws the layout as a PNG.
+candidate placement's modelled time; optionally draws the layout as a PNG. With
+`--cp-size P` instead of `--outer-size`, it compares every layout U x R = P the heads
+allow within a node (modelled time, mean over `--rows` packed rows) and prints the
+Megatron flags of the fastest: which `--hierarchical-context-parallel-sizes` to run
+with on your own document lengths (`--lengths-file`: one length per line, or a .npy
+array).
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+import numpy as np
 
 from .planning import PRESETS, CostModel, Plan, plan_sequences
 
@@ -26,32 +36,137 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatron_sap.plan", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--cu-seqlens", help="comma-separated document boundaries, e.g. 0,100,4096")
-    source.add_argument("--lengths-from", choices=("stdlib", "sharegpt"), help="pack one row of real document lengths")
-    parser.add_argument("--tokens", type=int, help="tokens T of the packed row (with --lengths-from)")
-    parser.add_argument("--seed", type=int, default=0, help="packing seed (with --lengths-from)")
-    parser.add_argument("--outer-size", type=int, required=True, help="outer (P2P) CP size R")
-    parser.add_argument("--inner-size", type=int, default=1, help="inner (Ulysses) CP size U")
+    source.add_argument("--lengths-from", choices=("stdlib", "sharegpt"), help="pack rows of real document lengths")
+    source.add_argument("--lengths-file", type=Path, help="pack rows of these document lengths (one per line, or .npy)")
+    parser.add_argument("--tokens", type=int, help="tokens T of a packed row (with --lengths-from/--lengths-file)")
+    parser.add_argument("--seed", type=int, default=0, help="packing seed")
+    parser.add_argument("--rows", type=int, default=1, help="packed rows to average over (with --cp-size)")
+    layout = parser.add_mutually_exclusive_group(required=True)
+    layout.add_argument("--outer-size", type=int, help="outer (P2P) CP size R: show this layout")
+    layout.add_argument("--cp-size", type=int, help="CP size P: compare every layout U x R = P")
+    parser.add_argument("--inner-size", type=int, default=1, help="inner (Ulysses) CP size U (with --outer-size)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="TP size (with --cp-size): U * TP GPUs must fit in a node, and each rank has 1/TP of the heads")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h100", help="cost-model preset")
-    parser.add_argument("--png", type=Path, help="also draw the layout into this PNG file")
+    parser.add_argument("--num-heads", type=int, help="query heads of the model (default: the preset's)")
+    parser.add_argument("--num-kv-heads", type=int, help="key/value heads of the model (default: the preset's)")
+    parser.add_argument("--head-dim", type=int, help="head dimension (default: the preset's)")
+    parser.add_argument("--png", type=Path, help="also draw the layout into this PNG file (with --outer-size)")
     args = parser.parse_args(argv)
-    if args.lengths_from and args.tokens is None:
-        parser.error("--lengths-from needs --tokens")
+    packed = args.lengths_from or args.lengths_file
+    if packed and args.tokens is None:
+        parser.error("--lengths-from and --lengths-file need --tokens")
     if args.cu_seqlens and args.tokens is not None:
-        parser.error("--tokens only applies to --lengths-from; --cu-seqlens gives T itself")
+        parser.error("--tokens only applies to --lengths-from/--lengths-file; --cu-seqlens gives T itself")
+    if args.rows < 1 or (args.rows > 1 and not packed):
+        parser.error("--rows must be >= 1, and more than one row needs --lengths-from or --lengths-file")
+    if args.cp_size is not None and (args.inner_size != 1 or args.png):
+        parser.error("--inner-size and --png go with --outer-size; --cp-size compares every inner size")
     return args
 
 
-def batch_from_args(args: argparse.Namespace) -> list[int]:
-    """The cu_seqlens of the batch to show."""
+def batches_from_args(args: argparse.Namespace) -> list[list[int]]:
+    """The cu_seqlens of the batches to show (one, unless `--rows` packs several)."""
     if args.cu_seqlens is not None:
         try:
-            return [int(x) for x in args.cu_seqlens.split(",")]
+            return [[int(x) for x in args.cu_seqlens.split(",")]]
         except ValueError:
             raise ValueError(f"--cu-seqlens must be comma-separated integers, got {args.cu_seqlens!r}") from None
-    from .bench.data import document_lengths
     from .bench.packing import pack
 
-    return pack(document_lengths(args.lengths_from), args.tokens, 1, seed=args.seed)[0]
+    if args.lengths_file is not None:
+        lengths = read_lengths(args.lengths_file)
+    else:
+        from .bench.data import document_lengths
+
+        lengths = document_lengths(args.lengths_from)
+    return pack(lengths, args.tokens, args.rows, seed=args.seed)
+
+
+def read_lengths(path: Path) -> np.ndarray:
+    """Document lengths from a .npy array or a text file of one integer per line."""
+    try:
+        with warnings.catch_warnings():  # an empty file: reported below
+            warnings.simplefilter("ignore", UserWarning)
+            lengths = np.load(path) if path.suffix == ".npy" else np.loadtxt(path, dtype=np.int64, ndmin=1)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read document lengths from {path}: {err}") from None
+    if lengths.ndim != 1 or lengths.size == 0 or not np.issubdtype(lengths.dtype, np.integer) or (lengths < 0).any():
+        raise ValueError(f"{path} must hold a non-empty list of non-negative integer document lengths")
+    return lengths[lengths > 0]
+
+
+@dataclass(frozen=True)
+class LayoutResult:
+    """One layout U x R over the compared rows (means over rows)."""
+
+    inner_size: int
+    outer_size: int
+    modelled_s: float
+    ideal_s: float
+    sent_bytes: float  # per rank per layer, forward + backward
+    candidate: str  # the candidate chosen on most rows
+
+
+def inner_sizes(cp_size: int, model: CostModel, tensor_parallel_size: int = 1) -> list[int]:
+    """Inner sizes U a CP group of `cp_size` ranks can use: U divides P, U * TP GPUs fit
+    in a node, and the heads of a TP rank split over U (`check_heads`)."""
+    from .comm.ulysses import check_heads
+
+    heads, kv_heads = model.num_heads // tensor_parallel_size, max(1, model.num_kv_heads // tensor_parallel_size)
+    sizes = []
+    for U in range(1, cp_size + 1):
+        if cp_size % U or U * tensor_parallel_size > model.gpus_per_node:
+            continue
+        try:
+            check_heads(heads, kv_heads, U)
+        except ValueError:
+            continue
+        sizes.append(U)
+    return sizes
+
+
+def compare_layouts(batches: list[list[int]], cp_size: int, model: CostModel, tensor_parallel_size: int = 1) -> list[LayoutResult]:
+    """Every usable layout U x R = `cp_size` (`inner_sizes`), modelled on `batches`."""
+    if tensor_parallel_size < 1 or model.num_heads % tensor_parallel_size:
+        raise ValueError(f"the {model.num_heads} query heads do not split over tensor-parallel size {tensor_parallel_size}")
+    sizes = inner_sizes(cp_size, model, tensor_parallel_size)
+    if not sizes:
+        raise ValueError(f"no inner size U divides CP size {cp_size} and fits the heads and a node")
+    shaped = model.with_shape(model.num_heads // tensor_parallel_size, max(1, model.num_kv_heads // tensor_parallel_size),
+                              model.head_dim)
+    results = []
+    for U in sizes:
+        plans = [plan_sequences(cu, outer_size=cp_size // U, inner_size=U, cost_model=shaped, cache=None) for cu in batches]
+        stats = [plan.stats() for plan in plans]
+        strategies = [plan.strategy for plan in plans]
+        results.append(LayoutResult(
+            U, cp_size // U,
+            float(np.mean([s["modelled_time_s"] for s in stats])),
+            float(np.mean([s["ideal_time_s"] for s in stats])),
+            float(np.mean([np.mean(s["sent_bytes_per_rank"]) for s in stats])),
+            max(set(strategies), key=strategies.count),
+        ))
+    return results
+
+
+def layouts_table(results: list[LayoutResult], cp_size: int) -> str:
+    """The compared layouts, fastest marked, and the Megatron flags to run it."""
+    best = min(results, key=lambda r: r.modelled_s)
+    lines = [f"{'U x R':>8} {'modelled ms':>12} {'vs ideal':>9} {'MiB sent/rank':>14}  candidate (most rows)"]
+    for r in results:
+        mark = "  <- fastest" if r is best else ""
+        lines.append(
+            f"{r.inner_size:>3} x {r.outer_size:<3} {r.modelled_s * 1e3:>12.3f} {r.modelled_s / r.ideal_s:>8.2f}x "
+            f"{r.sent_bytes / 2**20:>14.1f}  {r.candidate}{mark}"
+        )
+    flags = f"--context-parallel-size {cp_size} --cp-comm-type sap"
+    if best.inner_size > 1 and best.outer_size > 1:
+        flags += f" --hierarchical-context-parallel-sizes {best.inner_size} {best.outer_size}"
+    elif best.outer_size == 1:
+        flags += f" --sap-inner-size {best.inner_size}"
+    lines += ["", f"fastest: {best.inner_size} x {best.outer_size}:  {flags}"]
+    return "\n".join(lines)
 
 
 def _piece_text(plan: Plan, doc: int, start: int, end: int) -> str:
@@ -142,13 +257,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (2 on invalid input)."""
     args = parse_args(argv)
     try:
-        cu = batch_from_args(args)
-        plan = plan_sequences(
-            cu, outer_size=args.outer_size, inner_size=args.inner_size, cost_model=CostModel.preset(args.preset), cache=None
-        )
+        model = CostModel.preset(args.preset)
+        model = model.with_shape(args.num_heads or model.num_heads, args.num_kv_heads or model.num_kv_heads,
+                                 args.head_dim or model.head_dim)
+        batches = batches_from_args(args)
+        if args.cp_size is not None:
+            results = compare_layouts(batches, args.cp_size, model, args.tensor_parallel_size)
+        else:
+            plan = plan_sequences(batches[0], outer_size=args.outer_size, inner_size=args.inner_size, cost_model=model,
+                                  cache=None)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.cp_size is not None:
+        print(f"layouts of CP size {args.cp_size}, T = {batches[0][-1]}, mean over {len(batches)} row(s), "
+              f"{args.preset} preset, Hq={model.num_heads} Hkv={model.num_kv_heads} D={model.head_dim}, "
+              f"TP={args.tensor_parallel_size}, {model.gpus_per_node} GPUs per node:")
+        print(layouts_table(results, args.cp_size))
+        return 0
     print(describe(plan))
     if args.png is not None:
         draw(plan, args.png)

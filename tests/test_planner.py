@@ -651,7 +651,56 @@ def test_cli_reports_bad_input(argv, message, capsys):
 def test_cli_needs_tokens_with_lengths_from(capsys):
     with pytest.raises(SystemExit):
         plan_cli(["--lengths-from", "stdlib", "--outer-size", "2"])
-    assert "--lengths-from needs --tokens" in capsys.readouterr().err
+    assert "--lengths-from and --lengths-file need --tokens" in capsys.readouterr().err
+
+
+def test_cli_compares_layouts_on_your_own_lengths(tmp_path, capsys):
+    """--cp-size models every layout the heads allow within a node on rows packed from a
+    lengths file, marks the fastest and prints its Megatron flags."""
+    from megatron_sap.bench.packing import pack
+    from megatron_sap.plan import compare_layouts
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in [9000, 300, 12000, 40, 2500, 700, 6000, 150] * 3) + "\n")
+    assert plan_cli(["--lengths-file", str(lengths), "--tokens", "16384", "--rows", "2", "--cp-size", "16"]) == 0
+    out = capsys.readouterr().out
+    model = CostModel.preset("h100")
+    rows = pack(np.array([9000, 300, 12000, 40, 2500, 700, 6000, 150] * 3), 16384, 2, seed=0)
+    results = compare_layouts(rows, 16, model)
+    assert [(r.inner_size, r.outer_size) for r in results] == [(1, 16), (2, 8), (4, 4), (8, 2)]
+    for r in results:
+        plans = [sap.plan_sequences(cu, outer_size=r.outer_size, inner_size=r.inner_size, cost_model=model, cache=None) for cu in rows]
+        assert r.modelled_s == pytest.approx(np.mean([p.evaluation.makespan_s for p in plans]))
+        assert f"{r.modelled_s * 1e3:.3f}" in out
+    best = min(results, key=lambda r: r.modelled_s)
+    assert out.count("<- fastest") == 1
+    flags = f"--context-parallel-size 16 --cp-comm-type sap"
+    if best.inner_size > 1:
+        flags += f" --hierarchical-context-parallel-sizes {best.inner_size} {best.outer_size}"
+    assert f"fastest: {best.inner_size} x {best.outer_size}:  {flags}" in out
+
+
+@pytest.mark.parametrize(
+    "argv, inner_sizes",
+    [
+        (["--num-heads", "12", "--num-kv-heads", "4"], [1, 2, 4]),  # 12 heads do not split over 8
+        (["--tensor-parallel-size", "2"], [1, 2, 4]),  # U * TP GPUs within a node of 8
+        (["--num-heads", "32", "--num-kv-heads", "2"], [1, 2, 4, 8]),  # 2 KV heads replicated for U = 4, 8
+    ],
+)
+def test_cli_compares_only_layouts_the_heads_and_a_node_allow(argv, inner_sizes, capsys):
+    assert plan_cli(["--cu-seqlens", "0,4000,4100,8192", "--cp-size", "8", *argv]) == 0
+    listed = [int(line.split()[0]) for line in capsys.readouterr().out.splitlines() if line.split()[:1] != ["U"]
+              and " x " in line and line.split()[0].isdigit()]
+    assert listed == inner_sizes
+
+
+@pytest.mark.parametrize("content, message", [("", "non-empty"), ("10\n-3\n", "non-negative"), ("1.5\n", "cannot read document lengths")])
+def test_cli_rejects_bad_lengths_files(tmp_path, content, message, capsys):
+    path = tmp_path / "lengths.txt"
+    path.write_text(content)
+    assert plan_cli(["--lengths-file", str(path), "--tokens", "64", "--cp-size", "2"]) == 2
+    assert message in capsys.readouterr().err
 
 
 # ---- cache regressions --------------------------------------------------------------------------
