@@ -674,7 +674,7 @@ def test_cli_compares_layouts_on_your_own_lengths(tmp_path, capsys):
         assert f"{r.modelled_s * 1e3:.3f}" in out
     best = min(results, key=lambda r: r.modelled_s)
     assert out.count("<- fastest") == 1
-    flags = f"--context-parallel-size 16 --cp-comm-type sap"
+    flags = "--context-parallel-size 16 --cp-comm-type sap"
     if best.inner_size > 1:
         flags += f" --hierarchical-context-parallel-sizes {best.inner_size} {best.outer_size}"
     assert f"fastest: {best.inner_size} x {best.outer_size}:  {flags}" in out

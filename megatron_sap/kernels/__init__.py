@@ -24,6 +24,7 @@ flash_attn package, CUDA fp16/bf16). "auto" picks the fastest available.
 from __future__ import annotations
 
 import functools
+import importlib
 import re
 
 import torch
@@ -55,7 +56,8 @@ def _flash_attn_importable() -> bool:
     fails here, not at the first call) and is at least 2.1."""
     try:
         import flash_attn
-        from flash_attn import flash_attn_interface  # noqa: F401  (loads the compiled kernels)
+
+        importlib.import_module("flash_attn.flash_attn_interface")  # loads the compiled kernels
     except (ImportError, OSError, RuntimeError):
         return False
     version = tuple(int(part) for part in re.findall(r"\d+", getattr(flash_attn, "__version__", "0"))[:2])
