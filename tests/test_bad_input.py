@@ -81,6 +81,26 @@ def test_plan_sequences_rejects_bad_input_through_the_cache() -> None:
     assert len(cache) == 0
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(cost_model=3), TypeError, "cost_model must be a CostModel or a preset name"),
+        (dict(cost_model="a100"), ValueError, "unknown cost-model preset 'a100'"),
+        (dict(slacks=(0.0, -0.5)), ValueError, "slacks must be non-negative"),
+        (dict(slacks=("0.1",)), ValueError, "slacks must be non-negative numbers"),
+    ],
+)
+def test_plan_sequences_rejects_bad_options(kwargs: dict, error: type, pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        sap.plan_sequences([0, 5, 16], outer_size=2, cache=None, **kwargs)
+
+
+def test_plan_sequences_takes_a_preset_by_name() -> None:
+    by_name = sap.plan_sequences([0, 5, 16], outer_size=2, cost_model="h200", cache=None)
+    assert by_name.cost_model == sap.CostModel.preset("h200")
+    assert sap.plan_sequences([0, 5, 16], outer_size=2, slacks=[0.0, 0.1]).placement is not None  # a list is fine
+
+
 def test_zero_length_documents_are_valid() -> None:
     """Empty documents anywhere (first, middle, last, repeated) plan and attend like the reference."""
     cu = [0, 0, 3, 3, 3, 7, 8, 8]

@@ -285,12 +285,23 @@ def _outmoved(build: Build, floor_s: float, evaluated: list[tuple[int, Placement
     return any(ev.makespan_s <= floor_s and ev.traffic_total < tokens for _, _, ev in evaluated)
 
 
+def _cost_model(cost_model: CostModel | str | None) -> CostModel:
+    """The cost model to plan with: the default, a given one, or a preset by name."""
+    if cost_model is None:
+        return DEFAULT_COST_MODEL
+    if isinstance(cost_model, str):
+        return CostModel.preset(cost_model)
+    if not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model must be a CostModel or a preset name, got {type(cost_model).__name__}")
+    return cost_model
+
+
 def plan_sequences(
     cu_seqlens: Sequence[int] | torch.Tensor,
     outer_size: int = 1,
     inner_size: int = 1,
     *,
-    cost_model: CostModel | None = None,
+    cost_model: CostModel | str | None = None,
     cache: PlanCache | None = DEFAULT_CACHE,
     slacks: tuple[float, ...] = DEFAULT_SLACKS,
 ) -> Plan:
@@ -306,13 +317,18 @@ def plan_sequences(
     of one of its ranks alone make it over 1% slower than the fastest so far, or when
     it already moves more KV tokens than a finished candidate no slower than its floor
     (`Plan.pruned`).
+    `cost_model` is a `CostModel` or a preset name (default: the `h100` preset); `slacks`
+    the load slacks of the greedy passes (non-negative).
     Plans are cached by (cu_seqlens, sizes, cost model): a repeated batch shape costs a
     dictionary lookup. Pass `cache=None` to bypass the cache.
     """
     for name, size in (("outer_size", outer_size), ("inner_size", inner_size)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"{name} must be a positive integer, got {size!r}")
-    model = cost_model or DEFAULT_COST_MODEL
+    model = _cost_model(cost_model)
+    slacks = tuple(slacks)
+    if any(not isinstance(s, (int, float)) or isinstance(s, bool) or not s >= 0 for s in slacks):
+        raise ValueError(f"slacks must be non-negative numbers (load over the ideal a pass allows), got {slacks}")
     values = _cache_key_values(cu_seqlens)
     key = None
     if cache is not None and values is not None:
