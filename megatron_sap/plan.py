@@ -19,6 +19,7 @@ array).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import warnings
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     layout.add_argument("--cp-size", type=int, help="CP size P: compare every layout U x R = P")
     parser.add_argument("--inner-size", type=int, default=1, help="inner (Ulysses) CP size U (with --outer-size)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="TP size (with --cp-size): U * TP GPUs must fit in a node, and each rank has 1/TP of the heads")
+                        help="TP size: each rank has 1/TP of the heads, a node GPUs/TP CP ranks (and U * TP GPUs must fit in it)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h100", help="cost-model preset")
     parser.add_argument("--num-heads", type=int, help="query heads of the model (default: the preset's)")
     parser.add_argument("--num-kv-heads", type=int, help="key/value heads of the model (default: the preset's)")
@@ -126,15 +127,22 @@ def inner_sizes(cp_size: int, model: CostModel, tensor_parallel_size: int = 1) -
     return sizes
 
 
+def per_tp_rank(model: CostModel, tensor_parallel_size: int) -> CostModel:
+    """The cost model of one TP rank's CP group: 1/TP of the heads, and GPUs per node over TP
+    CP ranks per node (Megatron places TP ranks next to each other)."""
+    tp = tensor_parallel_size
+    if tp < 1 or model.num_heads % tp:
+        raise ValueError(f"the {model.num_heads} query heads do not split over tensor-parallel size {tp}")
+    shaped = model.with_shape(model.num_heads // tp, max(1, model.num_kv_heads // tp), model.head_dim)
+    return dataclasses.replace(shaped, gpus_per_node=max(model.gpus_per_node // tp, 1))
+
+
 def compare_layouts(batches: list[list[int]], cp_size: int, model: CostModel, tensor_parallel_size: int = 1) -> list[LayoutResult]:
     """Every usable layout U x R = `cp_size` (`inner_sizes`), modelled on `batches`."""
-    if tensor_parallel_size < 1 or model.num_heads % tensor_parallel_size:
-        raise ValueError(f"the {model.num_heads} query heads do not split over tensor-parallel size {tensor_parallel_size}")
+    shaped = per_tp_rank(model, tensor_parallel_size)
     sizes = inner_sizes(cp_size, model, tensor_parallel_size)
     if not sizes:
         raise ValueError(f"no inner size U divides CP size {cp_size} and fits the heads and a node")
-    shaped = model.with_shape(model.num_heads // tensor_parallel_size, max(1, model.num_kv_heads // tensor_parallel_size),
-                              model.head_dim)
     results = []
     for U in sizes:
         plans = [plan_sequences(cu, outer_size=cp_size // U, inner_size=U, cost_model=shaped, cache=None) for cu in batches]
@@ -264,8 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cp_size is not None:
             results = compare_layouts(batches, args.cp_size, model, args.tensor_parallel_size)
         else:
-            plan = plan_sequences(batches[0], outer_size=args.outer_size, inner_size=args.inner_size, cost_model=model,
-                                  cache=None)
+            plan = plan_sequences(batches[0], outer_size=args.outer_size, inner_size=args.inner_size,
+                                  cost_model=per_tp_rank(model, args.tensor_parallel_size), cache=None)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

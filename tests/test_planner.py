@@ -695,6 +695,18 @@ def test_cli_compares_only_layouts_the_heads_and_a_node_allow(argv, inner_sizes,
     assert listed == inner_sizes
 
 
+def test_layouts_under_tp_are_modelled_per_tp_rank():
+    """With TP, a CP group computes 1/TP of the heads and a node holds GPUs/TP of its ranks."""
+    from megatron_sap.plan import compare_layouts, per_tp_rank
+
+    model = per_tp_rank(CostModel.preset("h100"), 2)
+    assert (model.num_heads, model.num_kv_heads, model.gpus_per_node) == (16, 4, 4)
+    cu = [0, 9000, 9100, 16384]
+    for r in compare_layouts([cu], 16, CostModel.preset("h100"), tensor_parallel_size=2):
+        plan = sap.plan_sequences(cu, outer_size=r.outer_size, inner_size=r.inner_size, cost_model=model, cache=None)
+        assert r.modelled_s == plan.evaluation.makespan_s
+
+
 @pytest.mark.parametrize("content, message", [("", "non-empty"), ("10\n-3\n", "non-negative"), ("1.5\n", "cannot read document lengths")])
 def test_cli_rejects_bad_lengths_files(tmp_path, content, message, capsys):
     path = tmp_path / "lengths.txt"
