@@ -316,3 +316,32 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
     for name in files:
         py_compile.compile(str(tmp_path / name), doraise=True)
     assert "sap_split_batch" in (tmp_path / "pretrain_gpt.py").read_text()
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(pipeline_model_parallel_size=3), "PP=3"),
+        (dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2), "PP=2, TP=2"),
+        (dict(context_parallel_size=2, mtp_num_layers=1), "multi-token prediction"),
+        (dict(hybrid_context_parallel=True), "hybrid-context-parallel"),
+    ],
+)
+def test_settings_sap_would_get_wrong_are_refused(settings: dict, match: str) -> None:
+    from megatron_sap.megatron.hooks import configure_sap
+
+    args = _parse("--context-parallel-size 2 --cp-comm-type sap")
+    for name, value in settings.items():
+        setattr(args, name, value)
+    with pytest.raises(ValueError, match=match):
+        configure_sap(args)
+
+
+def test_two_pipeline_stages_without_tp_are_fine_and_mla_rope_fusion_is_turned_off() -> None:
+    from megatron_sap.megatron.hooks import configure_sap
+
+    args = _parse("--context-parallel-size 2 --cp-comm-type sap")
+    args.pipeline_model_parallel_size, args.multi_latent_attention, args.apply_rope_fusion = 2, True, True
+    with pytest.warns(UserWarning, match="turns off --apply-rope-fusion for MLA"):
+        assert configure_sap(args) == [1, 2]
+    assert args.apply_rope_fusion is False

@@ -283,3 +283,56 @@ def test_layers_reuse_the_split_plan_without_replanning(monkeypatch) -> None:
     monkeypatch.setattr(megatron_sap, "plan_sequences", lambda *a, **k: pytest.fail("layer re-planned the batch"))
     q, k, v = _qkv(CU[-1])
     assert _attention()(q, k, v, None, packed_seq_params=params).shape == (CU[-1], 64)
+
+
+# ---- settings under which SAP would be silently wrong ---------------------------------------------
+def _two_ranks(monkeypatch) -> None:
+    """Layers built from here on see a CP group of two ranks (no process group needed to build one)."""
+    import megatron_sap.megatron.attention as attention_module
+
+    groups = SimpleNamespace(inner_size=1, outer_size=2, world_size=2, cp_rank=0)
+    monkeypatch.setattr(attention_module, "sap_groups_from_pg_collection", lambda pg: groups)
+
+
+def test_mla_with_fused_rope_is_refused_under_context_parallelism(monkeypatch) -> None:
+    """MLA's fused RoPE kernels place tokens by Megatron's own CP layout, not SAP's."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = MLATransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, attention_dropout=0.0,
+        use_cpu_initialization=True, apply_rope_fusion=True,
+    )
+    _attention(config=config)  # one rank: tokens are not permuted, the fused kernels are right
+    _two_ranks(monkeypatch)
+    with pytest.raises(ValueError, match="apply_rope_fusion=False for MLA"):
+        _attention(config=config)
+
+
+@pytest.mark.parametrize("name", ["cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"])
+def test_boundaries_must_be_the_split_tensor_under_context_parallelism(monkeypatch, name) -> None:
+    """RoPE finds a token's position through the cu_seqlens tensor the batch split registered;
+    an equal copy would miss it and rotate by Megatron's own layout."""
+    _two_ranks(monkeypatch)
+    attn = _attention()
+    q, k, v = _qkv(16)
+    params = _params([0, 7, 16])
+    setattr(params, name, params.cu_seqlens_q.clone())
+    with pytest.raises(ValueError, match=f"needs {name} to be None or the cu_seqlens_q tensor itself"):
+        attn(q, k, v, None, packed_seq_params=params)
+
+
+def test_a_layer_on_other_levels_than_the_split_is_refused() -> None:
+    """A layer built with other CP levels than the batch split would read tokens in another order."""
+    from megatron_sap.megatron.plans import plan_for
+
+    cu = torch.tensor([0, 7, 16], dtype=torch.int32)
+    plan_for(cu, None)
+    with pytest.raises(ValueError, match="split for SAP levels 1 x 1, but a layer runs with 1 x 2"):
+        plan_for(cu, SimpleNamespace(inner_size=1, outer_size=2))
+
+
+def test_rows_need_keys_for_every_query() -> None:
+    q = torch.randn(8, 1, 4, 16)
+    k = v = torch.randn(12, 1, 2, 16)
+    with pytest.raises(ValueError, match="KV cache for inference is not supported"):
+        _attention()(q, k, v, None)

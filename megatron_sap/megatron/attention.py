@@ -27,11 +27,6 @@ from .plans import plan_for
 _CAUSAL_MASKS = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
 
-def _same_boundaries(other: Optional[Tensor], cu_seqlens: Tensor) -> bool:
-    """`other` is absent, the same tensor (no device sync), or equal to `cu_seqlens`."""
-    return other is None or other is cu_seqlens or torch.equal(other.to(cu_seqlens.device), cu_seqlens)
-
-
 class SAPDotProductAttention(MegatronModule):
     """Core attention for packed (THD) and SBHD inputs with SAP context parallelism.
 
@@ -67,6 +62,12 @@ class SAPDotProductAttention(MegatronModule):
             raise ValueError(f"SAP attention does not support sliding windows (window_size={config.window_size})")
         if attn_mask_type not in _CAUSAL_MASKS:
             raise ValueError(f"SAP attention is causal self-attention, got attn_mask_type {attn_mask_type}")
+        self.groups = sap_groups_from_pg_collection(pg_collection)
+        if self.groups is not None and getattr(config, "multi_latent_attention", False) and getattr(config, "apply_rope_fusion", False):
+            raise ValueError(
+                "SAP with context parallelism needs apply_rope_fusion=False for MLA: the fused MLA RoPE finds each "
+                "token's position from Megatron's own CP layout (--no-rope-fusion)"
+            )
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -74,7 +75,6 @@ class SAPDotProductAttention(MegatronModule):
         # apply_query_key_layer_scaling divides the scale by layer_number and multiplies the logits
         # back in the softmax, a numerical trick for fp16 that leaves the result unchanged: ignore it.
         self.softmax_scale = softmax_scale
-        self.groups = sap_groups_from_pg_collection(pg_collection)
 
     def forward(
         self,
@@ -139,13 +139,22 @@ class SAPDotProductAttention(MegatronModule):
         if params.cu_seqlens_q is None:
             raise ValueError("packed_seq_params.cu_seqlens_q is required for packed SAP attention")
         cu = params.cu_seqlens_q
-        if not _same_boundaries(params.cu_seqlens_kv, cu):
-            raise ValueError("SAP attention is self-attention: cu_seqlens_q and cu_seqlens_kv must match")
-        if not _same_boundaries(params.cu_seqlens_q_padded, cu):
-            raise ValueError(
-                "SAP needs no per-document padding; pass cu_seqlens_q_padded=None or equal to cu_seqlens_q"
-            )
-        return self._attend(q, k, v, params.cu_seqlens_q)
+        for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            other = getattr(params, name, None)
+            if other is None or other is cu:
+                continue
+            if self.groups is not None:  # tokens are permuted: RoPE finds their positions through `cu` itself
+                raise ValueError(
+                    f"SAP attention with context parallelism needs {name} to be None or the cu_seqlens_q tensor "
+                    "itself, as sap_split_batch returns them (RoPE looks each token's position up by that tensor)"
+                )
+            if not torch.equal(other.to(cu.device), cu):
+                raise ValueError(
+                    "SAP attention is self-attention: cu_seqlens_q and cu_seqlens_kv must match"
+                    if name == "cu_seqlens_kv"
+                    else f"SAP needs no per-document padding; pass {name}=None or equal to cu_seqlens_q"
+                )
+        return self._attend(q, k, v, cu)
 
     def _rows(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """SBHD without packed params: every batch row is one sequence (CP size 1 only)."""
@@ -155,6 +164,11 @@ class SAPDotProductAttention(MegatronModule):
                 "(it returns the packed_seq_params the layers need)"
             )
         s, b = q.shape[:2]
+        if k.shape[:2] != (s, b):
+            raise ValueError(
+                f"SAP attention is self-attention over the same tokens: q has {s} positions, k/v {k.shape[0]} "
+                "(a KV cache for inference is not supported)"
+            )
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
         rows = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
         out = self._attend(*rows, cu)

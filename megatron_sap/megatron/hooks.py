@@ -74,16 +74,40 @@ def configure_sap(args: Any) -> Optional[list[int]]:
     The returned sizes (None at CP 1) are what `hierarchical_context_parallel_sizes` must be.
     """
     settings = sap_settings_from_args(args)
+    _refuse_unsupported(args)
     use_sap_core_attention()
     install_sap_rope()
     if args.context_parallel_size == 1:
         return None
+    if getattr(args, "multi_latent_attention", False) and getattr(args, "apply_rope_fusion", False):
+        # MLA's fused RoPE kernels find each token's position from Megatron's own CP layout.
+        warnings.warn("SAP turns off --apply-rope-fusion for MLA: the fused MLA RoPE assumes Megatron's CP layout")
+        args.apply_rope_fusion = False
     if not getattr(args, "calculate_per_token_loss", False):
         warnings.warn(
             "SAP gives CP ranks equal token counts but not equal loss-token counts: add "
             "--calculate-per-token-loss for a loss and gradients identical to CP=1"
         )
     return [settings.inner_size, settings.outer_size]
+
+
+def _refuse_unsupported(args: Any) -> None:
+    """Raise for the Megatron-LM settings under which SAP would compute a wrong attention."""
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if pp > 2 or (pp == 2 and tp > 1):
+        raise ValueError(
+            f"SAP through pretrain_gpt.py supports pipeline parallelism only as 2 stages without TP (got PP={pp}, "
+            f"TP={tp}): Megatron-LM 0.16.1 gives middle stages, and the last stage's non-source TP ranks, no "
+            "packed-sequence parameters, so their attention could not keep documents apart"
+        )
+    if (args.context_parallel_size or 1) > 1 and getattr(args, "mtp_num_layers", None):
+        raise ValueError(
+            "SAP does not support multi-token prediction with context parallelism (--mtp-num-layers): Megatron rolls "
+            "the MTP inputs and labels along its own CP layout"
+        )
+    if getattr(args, "hybrid_context_parallel", False):
+        raise ValueError("SAP replaces context parallelism; it cannot run with --hybrid-context-parallel")
 
 
 def wrap_initialize_model_parallel(initialize: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:

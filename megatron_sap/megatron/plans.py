@@ -63,7 +63,13 @@ def plan_for(cu_seqlens: torch.Tensor | list[int], groups: Optional["sap.SAPGrou
     inner, outer = (1, 1) if groups is None else (groups.inner_size, groups.outer_size)
     if isinstance(cu_seqlens, torch.Tensor):
         known = _PLANS_BY_TENSOR.get(cu_seqlens)
-        if known is not None and (known.inner_size, known.outer_size) == (inner, outer):
+        if known is not None:
+            if (known.inner_size, known.outer_size) != (inner, outer):
+                raise ValueError(
+                    f"this batch was split for SAP levels {known.inner_size} x {known.outer_size}, but a layer runs "
+                    f"with {inner} x {outer}: build the layers with the same CP groups as the batch split (a "
+                    "pg_collection with `hcp` when CP is hierarchical, or none to use parallel_state)"
+                )
             return known
     options = get_sap_options()
     kwargs: dict[str, Any] = {}
