@@ -25,7 +25,7 @@ def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--sap-inner-size", type=int, default=None,
         help="SAP inner (intra-node, Ulysses) level U; default: first entry of "
-        "--hierarchical-context-parallel-sizes, else 1",
+        "--hierarchical-context-parallel-sizes, else context-parallel size / R, else 1",
     )
     group.add_argument(
         "--sap-outer-size", type=int, default=None,
