@@ -1,12 +1,16 @@
-# Megatron-LM flags for a Llama-3-8B-like model trained on packed documents with SAP context
-# parallelism. Sourced by train_sap_slurm.sbatch and train_sap_local.sh; override the
+# Megatron-LM flags for a Llama-3.1-8B-like model (Llama-3 8B with the 3.1 RoPE scaling, for long
+# context) trained on packed documents with SAP context parallelism. Sourced by train_sap_slurm.sbatch and train_sap_local.sh; override the
 # variables below in the environment.
 #
 # Packed pretraining data: Megatron's GPT dataset with --reset-position-ids, whose position ids
 # restart at 0 after every EOD; SAP recovers the document boundaries (cu_seqlens) from them.
-# --calculate-per-token-loss makes the loss and gradients identical to CP=1.
+# --calculate-per-token-loss makes the loss and gradients identical to CP=1. SAP needs no attention
+# mask: --no-create-attention-mask-in-dataloader keeps the loader from building an S x S one (64 GiB
+# per sample at 128K tokens); the launcher hooks turn it off too.
+# Optional: SAVE_DIR (checkpoints every SAVE_INTERVAL iterations, resumed from there), and
+# EXIT_MINUTES (stop and save before the job's time limit).
 
-: "${SEQ_LENGTH:=131072}"          # tokens per packed row (divisible by the CP size)
+: "${SEQ_LENGTH:=131072}"          # tokens per packed row (Megatron wants it divisible by 2 * CP)
 : "${TP:=2}"                       # tensor parallel size
 : "${SAP_INNER:=4}"                # SAP inner level U (TP*U GPUs must sit on one node)
 : "${SAP_OUTER:=4}"                # SAP outer level R
@@ -22,7 +26,7 @@ MODEL_ARGS=(
     --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336
     --num-attention-heads 32 --group-query-attention --num-query-groups 8 --kv-channels 128
     --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
-    --position-embedding-type rope --rotary-base 500000 --use-rope-scaling
+    --position-embedding-type rope --rotary-base 500000 --use-rope-scaling --rope-scaling-factor 8
     --normalization RMSNorm --norm-epsilon 1e-5 --swiglu
     --untie-embeddings-and-output-weights --disable-bias-linear
     --attention-dropout 0.0 --hidden-dropout 0.0
@@ -45,7 +49,7 @@ SAP_ARGS=(
 DATA_ARGS=(
     --data-path "$DATA_PATH" --split 100,0,0
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
-    --reset-position-ids --eod-mask-loss --calculate-per-token-loss
+    --reset-position-ids --eod-mask-loss --calculate-per-token-loss --no-create-attention-mask-in-dataloader
     --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH"
 )
 
@@ -53,6 +57,8 @@ TRAIN_ARGS=(
     --train-iters "$TRAIN_ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 100
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02
     --log-interval 1 --eval-iters 0 --eval-interval "$TRAIN_ITERS" --distributed-timeout-minutes 30
+    ${SAVE_DIR:+--save "$SAVE_DIR" --load "$SAVE_DIR" --save-interval "${SAVE_INTERVAL:-200}"}
+    ${EXIT_MINUTES:+--exit-duration-in-mins "$EXIT_MINUTES"}
 )
 
 SAP_TRAINING_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${SAP_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAIN_ARGS[@]}")

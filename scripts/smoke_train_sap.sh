@@ -10,8 +10,8 @@ set -euo pipefail
 
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout}"
 : "${PYTHON:=python}"
-: "${NPROC:=$(nvidia-smi -L | wc -l)}"
-: "${SAP_INNER:=$(( NPROC >= 2 ? 2 : 1 ))}"
+: "${NPROC:=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}"  # the visible GPUs
+: "${SAP_INNER:=$(( NPROC % 2 == 0 ? 2 : 1 ))}"
 : "${SEQ_LENGTH:=8192}"
 : "${TRAIN_ITERS:=30}"
 SAP_OUTER=$((NPROC / SAP_INNER))
@@ -29,7 +29,7 @@ export PYTHONPATH="$MEGATRON_LM_PATH${PYTHONPATH:+:$PYTHONPATH}"
     --attention-dropout 0.0 --hidden-dropout 0.0 --bf16 --transformer-impl transformer_engine \
     --context-parallel-size "$NPROC" --cp-comm-type sap --sap-inner-size "$SAP_INNER" --sap-outer-size "$SAP_OUTER" \
     --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --split 100,0,0 \
-    --reset-position-ids --eod-mask-loss --calculate-per-token-loss \
+    --reset-position-ids --eod-mask-loss --calculate-per-token-loss --no-create-attention-mask-in-dataloader \
     --micro-batch-size 1 --global-batch-size 4 --train-iters "$TRAIN_ITERS" \
     --lr 1e-3 --lr-warmup-iters 5 --log-interval 1 --eval-iters 0 --eval-interval "$TRAIN_ITERS" \
     "$@" 2>&1 | tee "$LOG"

@@ -27,7 +27,7 @@ case "$DEVICE" in
         ;;
     cuda)
         : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout}"
-        : "${NPROC:=$(nvidia-smi -L | wc -l)}"
+        : "${NPROC:=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}"  # the visible GPUs
         : "${TP:=1}"
         : "${SAP_INNER:=$((NPROC / TP))}"
         : "${SAP_OUTER:=1}"

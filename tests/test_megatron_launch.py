@@ -345,3 +345,16 @@ def test_two_pipeline_stages_without_tp_are_fine_and_mla_rope_fusion_is_turned_o
     with pytest.warns(UserWarning, match="turns off --apply-rope-fusion for MLA"):
         assert configure_sap(args) == [1, 2]
     assert args.apply_rope_fusion is False
+
+
+def test_flags_are_added_once_and_the_dataloader_mask_is_turned_off() -> None:
+    """A patched pretrain_gpt.py adds the SAP flags itself and the launcher adds them again:
+    the second time is a no-op. SAP drops attention masks, so none is built per sample."""
+    from megatron_sap.megatron.hooks import configure_sap
+
+    parser = add_sap_args(_megatron_like_parser())
+    assert add_sap_args(parser) is parser
+    args = parser.parse_args("--context-parallel-size 2 --cp-comm-type sap".split())
+    args.create_attention_mask_in_dataloader = True
+    configure_sap(args)
+    assert args.create_attention_mask_in_dataloader is False

@@ -20,7 +20,10 @@ ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
 
 def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the `sap` argument group (used with `--cp-comm-type sap`)."""
+    """Add the `sap` argument group (used with `--cp-comm-type sap`); a parser that has it
+    already (a `pretrain_gpt.py` patched with patches/, run through the launcher) is returned as is."""
+    if "--sap-inner-size" in parser._option_string_actions:
+        return parser
     group = parser.add_argument_group(title="sap", description="Sequence-Aware Parallelism for packed sequences")
     group.add_argument(
         "--sap-inner-size", type=int, default=None,

@@ -77,6 +77,10 @@ def configure_sap(args: Any) -> Optional[list[int]]:
     _refuse_unsupported(args)
     use_sap_core_attention()
     install_sap_rope()
+    # SAP attends within documents by cu_seqlens and drops any mask: do not build an S x S one per
+    # sample (64 GiB at 128K tokens) in the data loader, nor broadcast it over TP.
+    if getattr(args, "create_attention_mask_in_dataloader", False):
+        args.create_attention_mask_in_dataloader = False
     if args.context_parallel_size == 1:
         return None
     if getattr(args, "multi_latent_attention", False) and getattr(args, "apply_rope_fusion", False):
