@@ -120,6 +120,7 @@ class _SAPOuterAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the exchanged gradients are not differentiable
     def backward(ctx, dout):
         q, k, v, out, lse, *received = ctx.saved_tensors
         outer, scale, backend = ctx.outer, ctx.scale, ctx.backend
@@ -130,9 +131,11 @@ class _SAPOuterAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
         n = len(program.transfers)
+        # The local blocks run while something is in flight: first, under the refetched K/V;
+        # else last, under the gradients returning to their owners (the cost model's pipeline).
         if ctx.recompute_kv:
             fetched = [_post_kv(program, i, kv, outer, _REFETCH_TAG) for i in range(n)]
-        _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
+            _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
         returns: list[tuple[PendingExchange, torch.Tensor | None]] = []
         for i, step in enumerate(program.transfers):
             if ctx.recompute_kv:
@@ -154,6 +157,8 @@ class _SAPOuterAttention(torch.autograd.Function):
                 f"backward step {step.offset} of {n} on outer rank {outer.rank}",
             )
             returns.append((handle, grad_in))
+        if not ctx.recompute_kv:
+            _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
         for step, (handle, grad_in) in zip(program.transfers, returns):
             handle.wait()
             if grad_in is not None:

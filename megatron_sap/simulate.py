@@ -118,12 +118,12 @@ def simulate_plan(
         recvs = [received(r, s.offset) if s.recv_tokens else None for s in programs[r].transfers]
         grads = []
         t0 = start()
-        _backward_calls(programs[r].local_calls, douts, qs[r], outs[r], lses[r], kvs[r], dqs[r], dkvs[r], scale, backend)
-        for step, recv in zip(programs[r].transfers, recvs):
+        for step, recv in zip(programs[r].transfers, recvs):  # the executor's order: remote blocks first
             if recv is not None:
                 grad = torch.zeros(recv.shape, dtype=acc_dtype, device=device)
                 _backward_calls(step.calls, douts, qs[r], outs[r], lses[r], recv, dqs[r], grad, scale, backend)
                 grads.append((step.offset, grad))
+        _backward_calls(programs[r].local_calls, douts, qs[r], outs[r], lses[r], kvs[r], dqs[r], dkvs[r], scale, backend)
         bwd_timers.append(stop(t0))
         for offset, grad in grads:  # deliver to the owner, as the backward exchange does
             src = (r - offset) % R

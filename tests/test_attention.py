@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+import megatron_sap as sap
 from dist_pool import make_pool_fixture
 from megatron_sap.reference import dense_attention
 from sap_cases import collective_order, make_inputs, random_cu_seqlens, run_rank
@@ -172,3 +173,15 @@ def test_outer_group_runs_a_collective_before_its_first_exchange(pool4, inner):
         first_exchange = log.index(("p2p", outer))
         assert log[:first_exchange].count(("all_reduce", outer)) == 1
         assert log.count(("all_reduce", outer)) == 1
+
+
+def test_double_backward_is_refused():
+    """The gradients exchanged in backward are not differentiable: asking for second-order
+    gradients raises instead of returning wrong ones."""
+    cu = [0, 5, 16]
+    plan = sap.plan_sequences(cu, cache=None)
+    q, k, v, dout = (t.requires_grad_() if i < 3 else t for i, t in enumerate(make_inputs(cu, 4, 2, 8, 0)))
+    out = sap.sap_attention(q, k, v, plan, None)
+    (dq,) = torch.autograd.grad(out, q, dout, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        torch.autograd.grad(dq.pow(2).sum(), q)

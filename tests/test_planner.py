@@ -494,6 +494,20 @@ def test_pruning_skips_most_candidates_on_one_node():
     assert sum(pruned_count(seed, 8, 1) for seed in range(3)) >= 3
 
 
+def test_signature_tells_apart_plans_that_place_pieces_differently():
+    """Ranks with different cost models can choose the same strategy with other pieces; the
+    agreement check hashes the signature, so it must see the pieces."""
+    differ = 0
+    for seed in range(40):
+        cu = realistic_cu_seqlens(16384, seed)
+        a = sap.plan_sequences(cu, outer_size=8, cost_model="h100", cache=None)
+        b = sap.plan_sequences(cu, outer_size=8, cost_model="cpu", cache=None)
+        same_pieces = a.placement.ranks == b.placement.ranks
+        assert (a.signature() == b.signature()) == (same_pieces and a.strategy == b.strategy)
+        differ += a.strategy == b.strategy and not same_pieces
+    assert differ > 0  # the case exists on these batches
+
+
 def test_candidates_outmoved_near_the_fastest_are_given_up():
     """A candidate near the fastest that already moves more tokens than a finished one
     no slower than its floor is given up (its floor within TIME_TOLERANCE of the fastest)."""

@@ -259,18 +259,16 @@ def ring_seconds(cost_model: CostModel, size: int, diagonal_pairs: int, off_diag
 
     transfer_s: the slowest link's time for one buffer (the ring moves at its pace).
     Forward step i overlaps the KV transfer for step i+1; backward step i overlaps
-    the next KV transfer and the dKV sent after step i-1; the last dKV hop is exposed.
+    the next KV transfer and the dKV sent after step i-1, both to the next rank over
+    the same link (two buffers' time); the last dKV hop is exposed.
     """
     total = 0.0
     for backward in (False, True):
         for step in range(size):
             pairs = diagonal_pairs if step == 0 else off_diagonal_pairs
             step_s = cost_model.compute_seconds(pairs, backward=backward, head_fraction=head_fraction)
-            if step + 1 < size:
-                step_s = max(step_s, transfer_s)
-            if backward and step >= 2:
-                step_s = max(step_s, transfer_s)
-            total += step_s
+            in_flight = (step + 1 < size) + (backward and step >= 2)
+            total += max(step_s, in_flight * transfer_s)
         if backward and size > 1:
             total += transfer_s
     return total

@@ -65,6 +65,7 @@ class ScatterHeads(torch.autograd.Function):
         return tuple(scatter_heads(tensors, group, step))
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # an all-to-all of gradients is not differentiable here
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (None, None, *gather_heads(grads, ctx.group, f"{ctx.step} (backward)"))
 
@@ -79,6 +80,7 @@ class GatherHeads(torch.autograd.Function):
         return tuple(gather_heads(tensors, group, step))
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # an all-to-all of gradients is not differentiable here
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (None, None, *scatter_heads(grads, ctx.group, f"{ctx.step} (backward)"))
 

@@ -68,9 +68,14 @@ class Plan:
         return self.placement.strategy
 
     def signature(self) -> str:
-        """A short hash of the batch and layout, equal on ranks that planned the same batch."""
-        text = f"{self.cu_seqlens}|{self.outer_size}|{self.inner_size}|{self.placement.strategy}"
-        return hashlib.sha1(text.encode()).hexdigest()[:16]
+        """A short hash of the batch, the layout and where every piece lives: equal on ranks
+        that planned the same batch alike (ranks with different cost models can choose the
+        same strategy with other pieces)."""
+        if "_signature" not in self.__dict__:
+            pieces = [[(p.start, p.end) for p in rank] for rank in self.placement.ranks]
+            text = f"{self.cu_seqlens}|{self.outer_size}|{self.inner_size}|{self.placement.strategy}|{pieces}"
+            self.__dict__["_signature"] = hashlib.sha1(text.encode()).hexdigest()[:16]
+        return self.__dict__["_signature"]
 
     # ---- placement ----------------------------------------------------------------
     def _check_rank(self, cp_rank: int) -> None:
