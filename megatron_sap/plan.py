@@ -200,7 +200,8 @@ def describe(plan: Plan) -> str:
         f"(longest {max(lengths)}, {sum(1 for n in lengths if n > plan.local_tokens)} longer than T/P={plan.local_tokens})",
         f"layout: P={plan.world_size} CP ranks = outer R={plan.outer_size} x inner U={plan.inner_size}; "
         f"{plan.capacity} tokens per outer rank; cost model {model.name!r}",
-        f"chosen: {plan.strategy}: modelled {stats['modelled_time_s'] * 1e3:.3f} ms, "
+        f"chosen: {plan.strategy}: modelled {stats['modelled_time_s'] * 1e3:.3f} ms (executor's schedule; "
+        f"planner's estimate {stats['planner_time_s'] * 1e3:.3f} ms), "
         f"ideal {stats['ideal_time_s'] * 1e3:.3f} ms (x{stats['modelled_time_s'] / stats['ideal_time_s']:.2f}), "
         f"pair imbalance {stats['imbalance']:.3f}",
         "",
@@ -213,7 +214,7 @@ def describe(plan: Plan) -> str:
             pieces = pieces[:MAX_PIECES_SHOWN] + [f"... +{len(pieces) - MAX_PIECES_SHOWN} more"]
         lines.append(
             f"{r:>5} {_cp_ranks(plan, r):>8} {plan.capacity:>7} {int(ev.exact_pairs[r]):>12} {int(kv_in[r]):>8} "
-            f"{int(kv_out[r]):>8} {kv_in[r] * kv_mb:>7.1f} {kv_out[r] * kv_mb:>7.1f} {ev.rank_time_s[r] * 1e3:>8.3f}  "
+            f"{int(kv_out[r]):>8} {kv_in[r] * kv_mb:>7.1f} {kv_out[r] * kv_mb:>7.1f} {stats['outer_rank_time_s'][r] * 1e3:>8.3f}  "
             + " ".join(pieces)
         )
     lines += ["", "KV in/out: forward tokens received/sent by the outer rank; MB per inner rank (its head slice).", ""]

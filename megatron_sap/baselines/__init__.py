@@ -6,7 +6,7 @@ Each method lives in one module exposing `NAME`, `layout(cu_seqlens, world_size,
 varlen kernels and count their sends with `megatron_sap.comm.traffic`.
 
   p2p         zigzag ring, Megatron / Transformer Engine `p2p` for THD  (ring_p2p)
-  all_gather  KV all-gather over contiguous shards, Llama-3 style       (all_gather)
+  all_gather  KV all-gather over contiguous shards, no load balancing  (all_gather)
   a2a         Ulysses head all-to-all                                    (ulysses)
   a2a+p2p     Ulysses in inner groups, zigzag ring across them           (hybrid)
 

@@ -1,4 +1,4 @@
-"""KV all-gather context parallelism over packed documents (Llama-3 style).
+"""KV all-gather context parallelism over packed documents, contiguous shards (no load balancing).
 
 Layout: the packed row, padded at its end to a multiple of P, split contiguously
 (rank r holds rows [r*n, (r+1)*n)). Every rank all-gathers K and V, then runs its

@@ -1,0 +1,109 @@
+"""The executor's own schedule, step by step, under the cost model.
+
+The planner scores candidates with `evaluate`, which treats a rank's steps as equal
+(its transfers and remote compute divided evenly over its messages) and rounds each
+piece's earlier keys to tiles as one block. This module times the compiled programs
+instead, in the order `sap_attention` runs them:
+
+- forward: step 0's exchange is posted, the local calls run, then for every step the
+  next exchange is posted, the current one waited for and its calls run;
+- backward: every step's calls run and its gradients are posted back at once; the
+  local calls run last (with `recompute_kv`, the K/V are fetched again first and the
+  local calls run while they arrive).
+
+Exchanges of one rank go one after another (one NCCL stream per group); an exchange
+takes its larger side (send or receive) over its link plus a latency per message.
+Kernel calls are tile-rounded per segment, as the kernels run them. Waits for peers
+that are late are not modelled, so this is still a lower bound on the real schedule,
+but a tighter one than `evaluate`'s; the benchmarks report it for SAP.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cost_model import CostModel
+from .evaluate import ulysses_cost
+from .program import KernelCall, RankProgram
+
+
+@dataclass(frozen=True)
+class RankSchedule:
+    """One outer rank's modelled forward and backward seconds (Ulysses all-to-alls included)."""
+
+    forward_s: float
+    backward_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+def _call_pairs(call: KernelCall, model: CostModel) -> int:
+    """Tile-rounded pairs of one kernel call, segment by segment."""
+    lengths_q = torch.diff(call.cu_seqlens_q).tolist()
+    lengths_k = torch.diff(call.cu_seqlens_k).tolist()
+    return sum(model.block_pairs(q, k, call.causal) for q, k in zip(lengths_q, lengths_k))
+
+
+def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: CostModel,
+                  recompute_kv: bool = False) -> RankSchedule:
+    """The forward and backward seconds of one outer rank's `program` (see module docstring)."""
+    U = inner_size
+    fraction = 1.0 / U
+
+    def compute(calls, backward: bool) -> float:
+        return model.compute_seconds(float(sum(_call_pairs(c, model) for c in calls)), backward=backward,
+                                     head_fraction=fraction)
+
+    kv_bytes = model.kv_bytes_per_token / U
+
+    def exchange(step) -> float:
+        sides = []
+        if step.send_rows is not None and len(step.send_rows):
+            sides.append(model.transfer_seconds(len(step.send_rows) * kv_bytes,
+                                                model.link_between(program.rank * U, step.send_peer * U)))
+        if step.recv_tokens:
+            sides.append(model.transfer_seconds(step.recv_tokens * kv_bytes,
+                                                model.link_between(program.rank * U, step.recv_peer * U)))
+        return max(sides, default=0.0)
+
+    steps = program.transfers
+    x = [exchange(s) for s in steps]
+    a2a_s = ulysses_cost(model, capacity, U)[1] / 2  # per pass
+
+    # Forward: post 0; local calls; per step: post the next (it starts when the previous
+    # exchange is done), wait for this one, run its calls.
+    done = x[:1]  # when each step's exchange completes
+    t = compute(program.local_calls, False)
+    for i, step in enumerate(steps):
+        if i + 1 < len(steps):
+            done.append(max(t, done[i]) + x[i + 1])
+        t = max(t, done[i]) + compute(step.calls, False)
+    forward = t + a2a_s
+
+    # Backward: with recompute_kv the K/V are fetched again (posted at once) under the local calls.
+    t, link_free = 0.0, 0.0
+    arrived = []
+    if recompute_kv:
+        for xi in x:
+            link_free += xi
+            arrived.append(link_free)
+        t = compute(program.local_calls, True)
+    for i, step in enumerate(steps):
+        if recompute_kv:
+            t = max(t, arrived[i])
+        t += compute(step.calls, True)
+        link_free = max(t, link_free) + x[i]  # the gradients go back to their owner
+    if not recompute_kv:
+        t += compute(program.local_calls, True)
+    backward = max(t, link_free) + a2a_s
+    return RankSchedule(forward, backward)
+
+
+def plan_schedule(plan, recompute_kv: bool = False, model: CostModel | None = None) -> list[RankSchedule]:
+    """Every outer rank's schedule for `plan` (a `Plan`), compiling its programs."""
+    model = model or plan.cost_model
+    return [rank_schedule(plan.program(r), plan.inner_size, plan.capacity, model, recompute_kv)
+            for r in range(plan.outer_size)]

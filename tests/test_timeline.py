@@ -1,0 +1,67 @@
+"""The executor's schedule of the compiled programs under the cost model (`planning.timeline`)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import megatron_sap as sap
+from megatron_sap.planning import CostModel
+from megatron_sap.planning.timeline import plan_schedule
+
+
+def test_two_ranks_by_hand():
+    """One document of two tiles over two ranks: rank 0 holds the second tile and receives the
+    first. Forward: its local diagonal runs under the transfer, then the full block. Backward:
+    the full block first, its gradients go back under the local diagonal."""
+    model = CostModel.preset("h100")
+    plan = sap.plan_sequences([0, 256], outer_size=2, cost_model=model, cache=None)
+    assert plan.pieces(0) == [(0, 128, 256)] and plan.pieces(1) == [(0, 0, 128)]
+    c_f = model.compute_seconds(128 * 128)
+    c_b = model.compute_seconds(128 * 128, backward=True)
+    x = model.transfer_seconds(128 * model.kv_bytes_per_token, "intra")
+    holder, owner = plan_schedule(plan)
+    assert holder.forward_s == pytest.approx(max(c_f, x) + c_f)
+    assert holder.backward_s == pytest.approx(max(2 * c_b, c_b + x))
+    assert owner.forward_s == pytest.approx(max(c_f, x))
+    assert owner.backward_s == pytest.approx(max(c_b, x))
+    assert plan.stats()["modelled_time_s"] == pytest.approx(max(holder.total_s, owner.total_s))
+
+
+def test_one_rank_is_its_compute():
+    plan = sap.plan_sequences([0, 300, 1024], outer_size=1, cache=None)
+    (only,) = plan_schedule(plan)
+    assert only.total_s == pytest.approx(plan.evaluation.makespan_s)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_schedule_bounds(seed):
+    """Never below the ideal, nor a rank below its own kernel time as the planner counts it."""
+    rng = random.Random(seed)
+    outer, inner = rng.choice([(2, 1), (4, 1), (4, 2), (8, 1), (2, 4)])
+    lengths = [rng.choice([1, 7, 130, 500, 2000, 5000]) for _ in range(rng.randint(1, 12))]
+    total = sum(lengths)
+    lengths[-1] += -total % (outer * inner)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
+    stats = plan.stats()
+    schedule = plan_schedule(plan)
+    assert stats["modelled_time_s"] >= stats["ideal_time_s"] * (1 - 1e-9)
+    model = plan.cost_model
+    tiles = plan.evaluation.tile_pairs
+    for r, rank in enumerate(schedule):
+        compute = (1 + model.backward_factor) * model.compute_seconds(float(tiles[r]), head_fraction=1 / inner)
+        assert rank.total_s >= compute * (1 - 1e-9)  # per-call tile rounding only adds tiles
+
+
+def test_refetching_kv_costs_its_transfers_in_backward():
+    """With recompute_kv a receiving rank waits for the K/V again before its remote blocks."""
+    model = CostModel.preset("h100")
+    plan = sap.plan_sequences([0, 256], outer_size=2, cost_model=model, cache=None)
+    c_b = model.compute_seconds(128 * 128, backward=True)
+    x = model.transfer_seconds(128 * model.kv_bytes_per_token, "intra")
+    holder = plan_schedule(plan, recompute_kv=True)[0]
+    # refetch (x) under the local diagonal (c_b), then the full block, then its gradients back
+    assert holder.backward_s == pytest.approx(max(c_b, x) + c_b + x)
