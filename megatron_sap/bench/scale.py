@@ -331,7 +331,7 @@ def scale_targets(rows: list[ScaleRow], gpus_per_node: int = 8) -> list[Target]:
             + (f"; at {len(unreachable)} of the {len(misses)} misses no SAP plan could reach 1.5x "
                f"(ceiling {min(r.ceiling for r in unreachable):.2f}-{max(r.ceiling for r in unreachable):.2f}x)"
                if unreachable else "")
-            + (f"; the other {len(needed)} would need SAP within {min(n for n, _ in needed):.2f}-"
+            + (f"; {'the other' if unreachable else 'the'} {len(needed)} would need SAP within {min(n for n, _ in needed):.2f}-"
                f"{max(n for n, _ in needed):.2f}x of the ideal (it is at {min(a for _, a in needed):.2f}-"
                f"{max(a for _, a in needed):.2f}x there)" if needed else ""),
         ))
