@@ -52,8 +52,11 @@ def _worker(rank: int, store_path: str, batches: list[list[int]], results) -> No
             with count_traffic() as ring_log:
                 out_ring = ring_p2p.attention(qr, kr, vr, ring, dist.group.WORLD)
                 out_ring.backward(shard(dout, ring, rank))
-            tensors = (out.detach(), ql.grad, kl.grad, vl.grad)
-            results.put((b, rank, idx, tensors, sap_log.total_bytes(), ring_log.total_bytes(), ring.padding_tokens))
+            # numpy arrays travel by value: shared tensor storages would need this process alive
+            # until the parent has read them
+            tensors = tuple(t.numpy() for t in (out.detach(), ql.grad, kl.grad, vl.grad))
+            results.put((b, rank, idx.numpy(), tensors, sap_log.total_bytes(), ring_log.total_bytes(),
+                         ring.padding_tokens))
     finally:
         dist.destroy_process_group()
 
@@ -112,7 +115,7 @@ def attention_demo(total: int = 8192, num_batches: int = 3, seed: int = 0, corpu
         row = sorted((g for g in got if g[0] == b), key=lambda g: g[1])
         for _, _, idx, tensors, *_ in row:
             for name, t in zip(("out", "dq", "dk", "dv"), tensors):
-                full[name][idx] = t
+                full[name][torch.from_numpy(idx)] = torch.from_numpy(t)
         print("  SAP vs dense float64 reference, max abs error: "
               + ", ".join(f"{n} {float((full[n] - ref[n]).abs().max()):.1e}" for n in full))
         sap_bytes, ring_bytes = [g[4] for g in row], [g[5] for g in row]
