@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import sys
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -153,7 +154,7 @@ def compare_layouts(batches: list[list[int]], cp_size: int, model: CostModel, te
             float(np.mean([s["modelled_time_s"] for s in stats])),
             float(np.mean([s["ideal_time_s"] for s in stats])),
             float(np.mean([np.mean(s["sent_bytes_per_rank"]) for s in stats])),
-            max(set(strategies), key=strategies.count),
+            Counter(strategies).most_common(1)[0][0],  # ties: the first row's
         ))
     return results
 
@@ -194,7 +195,7 @@ def describe(plan: Plan) -> str:
     """A human-readable report of the plan's layout, traffic and modelled times."""
     ev, stats, model = plan.evaluation, plan.stats(), plan.cost_model
     lengths = [b - a for a, b in zip(plan.cu_seqlens, plan.cu_seqlens[1:])]
-    kv_mb = model.kv_bytes_per_token / plan.inner_size / 1e6
+    kv_mb = model.inner_kv_bytes_per_token(plan.inner_size) / 1e6
     lines = [
         f"batch: T={plan.total_tokens} tokens, {len(lengths)} documents "
         f"(longest {max(lengths)}, {sum(1 for n in lengths if n > plan.local_tokens)} longer than T/P={plan.local_tokens})",
@@ -254,7 +255,7 @@ def draw(plan: Plan, path: Path) -> None:
     ax.set_xlim(0, plan.capacity)
     ax.set_xlabel("local token position")
     ax.set_title(
-        f"{plan.strategy}: modelled {plan.evaluation.makespan_s * 1e3:.3f} ms, "
+        f"{plan.strategy}: modelled {plan.stats()['modelled_time_s'] * 1e3:.3f} ms, "
         f"ideal {plan.evaluation.ideal_s * 1e3:.3f} ms (T={plan.total_tokens}, P={R}x{plan.inner_size})",
         fontsize=9,
     )

@@ -11,6 +11,7 @@ set -euo pipefail
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout}"
 : "${PYTHON:=python}"
 : "${NPROC:=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}"  # the visible GPUs
+if [ "${NPROC:-0}" -lt 1 ]; then echo "no visible GPU (NPROC=${NPROC:-})" >&2; exit 2; fi
 : "${SAP_INNER:=$(( NPROC % 2 == 0 ? 2 : 1 ))}"
 : "${SEQ_LENGTH:=8192}"
 : "${TRAIN_ITERS:=30}"

@@ -6,6 +6,7 @@ offending number, so a check that fires for the wrong reason does not pass.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,6 +89,7 @@ def test_plan_sequences_rejects_bad_input_through_the_cache() -> None:
         (dict(cost_model="a100"), ValueError, "unknown cost-model preset 'a100'"),
         (dict(slacks=(0.0, -0.5)), ValueError, "slacks must be non-negative"),
         (dict(slacks=("0.1",)), ValueError, "slacks must be non-negative numbers"),
+        (dict(slacks=()), ValueError, "slacks must be non-negative numbers"),
     ],
 )
 def test_plan_sequences_rejects_bad_options(kwargs: dict, error: type, pattern: str) -> None:
@@ -99,6 +101,7 @@ def test_plan_sequences_takes_a_preset_by_name() -> None:
     by_name = sap.plan_sequences([0, 5, 16], outer_size=2, cost_model="h200", cache=None)
     assert by_name.cost_model == sap.CostModel.preset("h200")
     assert sap.plan_sequences([0, 5, 16], outer_size=2, slacks=[0.0, 0.1]).placement is not None  # a list is fine
+    assert sap.plan_sequences([0, 5, 16], outer_size=2, slacks=(np.float32(0.1),), cache=None).placement is not None
 
 
 def test_zero_length_documents_are_valid() -> None:

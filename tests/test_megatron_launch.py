@@ -358,3 +358,11 @@ def test_flags_are_added_once_and_the_dataloader_mask_is_turned_off() -> None:
     args.create_attention_mask_in_dataloader = True
     configure_sap(args)
     assert args.create_attention_mask_in_dataloader is False
+
+
+def test_a_model_shape_given_as_a_list_is_kept_as_a_tuple() -> None:
+    from megatron_sap.megatron import set_sap_options
+    from megatron_sap.megatron.plans import plan_for
+
+    assert set_sap_options(model_shape=[16, 4, 64, 2]).model_shape == (16, 4, 64, 2)
+    assert plan_for([0, 100, 400], None).cost_model.num_heads == 16  # hashable: the cost model is cached

@@ -241,7 +241,7 @@ def test_tally_transfers_are_the_cuts_sends(layout, documents):
             traffic[np.ix_(ranks, ranks)] += cut.sends
     node = np.array([model.node_of(r * inner) for r in range(R)])
     bandwidth = np.where(node[:, None] == node[None, :], model.bandwidth("intra"), model.bandwidth("inter"))
-    seconds = traffic * (model.kv_bytes_per_token / inner) / bandwidth + (traffic > 0) * model.message_latency_us * 1e-6
+    seconds = traffic * model.inner_kv_bytes_per_token(inner) / bandwidth + (traffic > 0) * model.message_latency_us * 1e-6
     np.testing.assert_allclose(tally.send_s, seconds.sum(1), rtol=1e-9, atol=1e-15)
     np.testing.assert_allclose(tally.recv_s, seconds.sum(0), rtol=1e-9, atol=1e-15)
     assert tally.messages == (traffic > 0).sum(0).tolist()
@@ -266,7 +266,7 @@ def layer_time_from(tiles: list[int], local: list[int], traffic: np.ndarray, cap
     R = len(tiles)
     node = np.array([model.node_of(r * inner) for r in range(R)])
     bandwidth = np.where(node[:, None] == node[None, :], model.bandwidth("intra"), model.bandwidth("inter"))
-    message_s = np.where(traffic > 0, model.message_latency_us * 1e-6 + traffic * (model.kv_bytes_per_token / inner) / bandwidth, 0.0)
+    message_s = np.where(traffic > 0, model.message_latency_us * 1e-6 + traffic * model.inner_kv_bytes_per_token(inner) / bandwidth, 0.0)
     times = []
     for r in range(R):
         x_total, m = max(message_s[r].sum(), message_s[:, r].sum()), int((traffic[:, r] > 0).sum())
@@ -460,7 +460,7 @@ def test_floors_rise_to_a_floor(batch):
             tally.add(record.ranks, record.cut)
         assert tally.tiles == list(placement.tile_pairs)
         bandwidth = np.where(ev.intra, model.bandwidth("intra"), model.bandwidth("inter"))
-        seconds = ev.traffic_tokens * (model.kv_bytes_per_token / inner) / bandwidth
+        seconds = ev.traffic_tokens * model.inner_kv_bytes_per_token(inner) / bandwidth
         latency = (ev.traffic_tokens > 0) * model.message_latency_us * 1e-6
         np.testing.assert_allclose(tally.send_s, (seconds + latency).sum(1), rtol=1e-9, atol=1e-15)
         np.testing.assert_allclose(tally.recv_s, (seconds + latency).sum(0), rtol=1e-9, atol=1e-15)
@@ -750,3 +750,17 @@ def test_numpy_cu_seqlens_hit_the_cache(as_numpy):
     assert sap.plan_sequences(as_numpy(cu), outer_size=4, cache=cache) is first
     assert sap.plan_sequences(cu, outer_size=4, cache=cache) is first
     assert (cache.hits, cache.misses) == (2, 1)
+
+
+def test_an_inner_rank_moves_a_whole_head_when_kv_heads_are_fewer_than_ranks():
+    """With fewer KV heads than inner ranks each inner rank holds one replicated head, and
+    every byte count (tally, schedule, stats) moves that head, not a fraction of one."""
+    model = CostModel.preset("h100", num_heads=32, num_kv_heads=2)
+    one_head = 2 * model.head_dim * model.bytes_per_element
+    assert model.inner_kv_bytes_per_token(8) == one_head
+    assert model.inner_kv_bytes_per_token(2) == one_head and model.inner_kv_bytes_per_token(1) == 2 * one_head
+    plan = sap.plan_sequences([0, 4000, 8192], outer_size=2, inner_size=8, cost_model=model, cache=None)
+    stats = plan.stats()
+    tokens = stats["sent_tokens_per_outer_rank"][0] + stats["recv_tokens_per_outer_rank"][0]
+    assert tokens > 0
+    assert stats["sent_bytes_per_rank"][0] == pytest.approx(tokens * one_head + plan.evaluation.a2a_bytes)

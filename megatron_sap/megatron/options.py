@@ -49,6 +49,8 @@ class SAPOptions:
             raise ValueError(f"plan_cache_size must be >= 1, got {self.plan_cache_size}")
         if self.cost_preset is not None and self.calibration_file is not None:
             raise ValueError("give either a SAP cost preset or a calibration file, not both")
+        if self.model_shape is not None:
+            object.__setattr__(self, "model_shape", tuple(self.model_shape))  # a cache key downstream
         if self.model_shape is not None and (len(self.model_shape) != 4 or min(self.model_shape) < 1):
             raise ValueError(f"model_shape must be four positive integers (heads, kv heads, head dim, bytes), got {self.model_shape}")
         if (self.gpus_per_node is not None and self.gpus_per_node < 1) or self.tensor_parallel_size < 1:

@@ -121,6 +121,11 @@ class CostModel:
         """Bytes of one token's K and V over all KV heads."""
         return 2 * self.num_kv_heads * self.head_dim * self.bytes_per_element
 
+    def inner_kv_bytes_per_token(self, inner_size: int) -> float:
+        """Bytes of one token's K and V that one of `inner_size` inner ranks moves: its share
+        of the KV heads, or one whole (replicated) head when there are fewer heads than ranks."""
+        return self.kv_bytes_per_token * max(self.num_kv_heads, inner_size) / self.num_kv_heads / inner_size
+
     @property
     def q_bytes_per_token(self) -> int:
         """Bytes of one token's query (or output) over all query heads."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import numbers
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -152,7 +153,7 @@ class Plan:
         ev = self.evaluation if cost_model is None else evaluate(self.placement, self.inner_size, m)
         U = self.inner_size
         traffic = ev.traffic_tokens
-        kv = m.kv_bytes_per_token / U
+        kv = m.inner_kv_bytes_per_token(U)
         intra = ev.intra
         # forward sends KV it owns; backward sends dK/dV of what it received
         sent_intra = (traffic * intra).sum(1) + (traffic * intra).sum(0)
@@ -182,8 +183,8 @@ class Plan:
             "sent_bytes_intra_per_rank": [x + ev.a2a_bytes for x in expand(sent_intra * kv)],
             "sent_bytes_inter_per_rank": expand(sent_inter * kv),
             "peak_extra_bytes_per_rank": expand([max(x["forward"], x["backward"]) for x in memory]),
-            # The executor's schedule of the compiled programs (`timeline`); the planner's own
-            # faster estimate, which chose among the candidates, beside it.
+            # The executor's schedule of the compiled programs (`timeline`); beside it the
+            # planner's own estimate, which chose among the candidates (neither bounds the other).
             "modelled_time_s": max(r.total_s for r in schedule),
             "outer_rank_time_s": [r.total_s for r in schedule],
             "planner_time_s": ev.makespan_s,
@@ -338,7 +339,7 @@ def plan_sequences(
             raise ValueError(f"{name} must be a positive integer, got {size!r}")
     model = _cost_model(cost_model)
     slacks = tuple(slacks)
-    if any(not isinstance(s, (int, float)) or isinstance(s, bool) or not s >= 0 for s in slacks):
+    if not slacks or any(not isinstance(s, numbers.Real) or isinstance(s, bool) or not s >= 0 for s in slacks):
         raise ValueError(f"slacks must be non-negative numbers (load over the ideal a pass allows), got {slacks}")
     values = _cache_key_values(cu_seqlens)
     key = None

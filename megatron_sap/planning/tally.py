@@ -40,7 +40,7 @@ class Tally:
         self.num_nodes = self.node[-1] + 1 if num_ranks else 0  # node ids count up from 0
         nodes = len(set(self.node))
         self.one_node, self.node_per_rank = nodes == 1, nodes == num_ranks
-        kv_bytes = model.kv_bytes_per_token / inner_size
+        kv_bytes = model.inner_kv_bytes_per_token(inner_size)
         self.intra_s = kv_bytes / model.bandwidth(LINK_INTRA)  # seconds per KV token on each link class
         self.inter_s = kv_bytes / model.bandwidth(LINK_INTER)
         self.node_array = np.array(self.node)

@@ -14,8 +14,9 @@ instead, in the order `sap_attention` runs them:
 Exchanges of one rank go one after another (one NCCL stream per group); an exchange
 takes its larger side (send or receive) over its link plus a latency per message.
 Kernel calls are tile-rounded per segment, as the kernels run them. Waits for peers
-that are late are not modelled, so this is still a lower bound on the real schedule,
-but a tighter one than `evaluate`'s; the benchmarks report it for SAP.
+that are late are not modelled. Neither estimate bounds the other (`evaluate` also
+spreads a rank's transfers over its steps, and charges a rank that only sends its
+compute alone), but this one follows the executor; the benchmarks report it for SAP.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: C
         return model.compute_seconds(float(sum(_call_pairs(c, model) for c in calls)), backward=backward,
                                      head_fraction=fraction)
 
-    kv_bytes = model.kv_bytes_per_token / U
+    kv_bytes = model.inner_kv_bytes_per_token(U)
 
     def exchange(step) -> float:
         sides = []
