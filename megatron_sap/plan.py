@@ -110,18 +110,18 @@ class LayoutResult:
     candidate: str  # the candidate chosen on most rows
 
 
-def inner_sizes(cp_size: int, model: CostModel, tensor_parallel_size: int = 1) -> list[int]:
-    """Inner sizes U a CP group of `cp_size` ranks can use: U divides P, U * TP GPUs fit
-    in a node, and the heads of a TP rank split over U (`check_heads`)."""
+def inner_sizes(cp_size: int, rank_model: CostModel) -> list[int]:
+    """Inner sizes U a CP group of `cp_size` ranks can use, for the cost model of one TP
+    rank's CP group (`per_tp_rank`): U divides P, U of its ranks fit in a node, and its
+    heads split over U (`check_heads`)."""
     from .comm.ulysses import check_heads
 
-    heads, kv_heads = model.num_heads // tensor_parallel_size, max(1, model.num_kv_heads // tensor_parallel_size)
     sizes = []
     for U in range(1, cp_size + 1):
-        if cp_size % U or U * tensor_parallel_size > model.gpus_per_node:
+        if cp_size % U or U > rank_model.gpus_per_node:
             continue
         try:
-            check_heads(heads, kv_heads, U)
+            check_heads(rank_model.num_heads, rank_model.num_kv_heads, U)
         except ValueError:
             continue
         sizes.append(U)
@@ -141,7 +141,7 @@ def per_tp_rank(model: CostModel, tensor_parallel_size: int) -> CostModel:
 def compare_layouts(batches: list[list[int]], cp_size: int, model: CostModel, tensor_parallel_size: int = 1) -> list[LayoutResult]:
     """Every usable layout U x R = `cp_size` (`inner_sizes`), modelled on `batches`."""
     shaped = per_tp_rank(model, tensor_parallel_size)
-    sizes = inner_sizes(cp_size, model, tensor_parallel_size)
+    sizes = inner_sizes(cp_size, shaped)
     if not sizes:
         raise ValueError(f"no inner size U divides CP size {cp_size} and fits the heads and a node")
     results = []

@@ -133,4 +133,3 @@ def model_shape_from_args(args: argparse.Namespace) -> Optional[tuple[int, int, 
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     nbytes = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4
     return max(heads // tp, 1), max(groups // tp, 1), int(head_dim), nbytes
-

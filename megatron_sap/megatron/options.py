@@ -51,8 +51,9 @@ class SAPOptions:
             raise ValueError("give either a SAP cost preset or a calibration file, not both")
         if self.model_shape is not None:
             object.__setattr__(self, "model_shape", tuple(self.model_shape))  # a cache key downstream
-        if self.model_shape is not None and (len(self.model_shape) != 4 or min(self.model_shape) < 1):
-            raise ValueError(f"model_shape must be four positive integers (heads, kv heads, head dim, bytes), got {self.model_shape}")
+            if len(self.model_shape) != 4 or min(self.model_shape) < 1:
+                raise ValueError(f"model_shape must be four positive integers (heads, kv heads, head dim, bytes), "
+                                 f"got {self.model_shape}")
         if (self.gpus_per_node is not None and self.gpus_per_node < 1) or self.tensor_parallel_size < 1:
             raise ValueError(f"gpus_per_node and tensor_parallel_size must be >= 1, got {self.gpus_per_node}, "
                              f"{self.tensor_parallel_size}")
