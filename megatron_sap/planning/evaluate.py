@@ -40,7 +40,7 @@ class Evaluation:
     a2a_bytes: float  # per inner rank, forward + backward, intra-node
     rank_time_s: np.ndarray
     makespan_s: float
-    ideal_s: float
+    ideal_s: float  # every document computed whole, spread evenly, no communication (`whole_documents_s`)
 
     @property
     def exact_pairs(self) -> np.ndarray:
@@ -134,7 +134,7 @@ def evaluate(placement: Placement, inner_size: int, model: CostModel) -> Evaluat
 
     a2a_bytes, a2a_time = ulysses_cost(model, placement.capacity, U)
     rank_time = pass_time(1.0) + pass_time(model.backward_factor) + a2a_time
-    ideal = (1.0 + model.backward_factor) * model.compute_seconds(float(tile_pairs.sum())) / (R * U)
+    ideal = whole_documents_s([sum(record.cut.sizes) for record in placement.records], R * U, model)
     return Evaluation(
         placement=placement,
         tile_pairs=tile_pairs,

@@ -255,19 +255,61 @@ def chunk_sizes(length: int, k: int) -> list[int]:
     return sizes
 
 
-def split_need(length: int, k: int, split: str) -> int:
-    """The largest slot of `split_cut(length, k, split)`, without making the cut."""
-    if split == "zigzag":  # slot 0: chunk 0 gets the first extra token, chunk 2k-1 the (k+1)-th
-        base, extra = divmod(length, 2 * k)
-        return 2 * base + (extra >= 1) + (extra >= k + 1)
-    return -(-length // k)
+def tile_chunk_sizes(length: int, k: int, tile: int) -> list[int]:
+    """`chunk_sizes` in whole tiles: the document's ceil(length / tile) tiles dealt like
+    tokens there, the last chunk short by the partial tile. Every chunk but the last is
+    a whole number of tiles, so a kernel segment of several chunks (the keys one rank
+    sends another) rounds up nothing the document as a whole would not. Token-level
+    `chunk_sizes` where the document has fewer than 2k tiles."""
+    tiles = -(-length // tile)
+    if tiles < 2 * k:
+        return chunk_sizes(length, k)
+    sizes = [c * tile for c in chunk_sizes(tiles, k)]
+    sizes[-1] -= tiles * tile - length
+    return sizes
+
+
+def contiguous_chunk_sizes(length: int, k: int, tile: int) -> list[int]:
+    """k consecutive near-equal chunks, in whole tiles but the last (short by the partial
+    tile), the extra tiles on the first (lighter) chunks; token-level where the
+    document has fewer than k tiles."""
+    tiles = -(-length // tile)
+    if tiles < k:
+        return [length * (i + 1) // k - length * i // k for i in range(k)]
+    base, extra = divmod(tiles, k)
+    sizes = [(base + (i < extra)) * tile for i in range(k)]
+    sizes[-1] -= tiles * tile - length
+    return sizes
+
+
+def split_need(length: int, k: int, split: str, tile: int) -> int:
+    """The largest slot of `split_cut(length, k, split, tile)`, without making the cut."""
+    tiles = -(-length // tile)
+    short = tiles * tile - length  # the last chunk's partial tile
+    if split == "zigzag":
+        # Slot i holds head i and tail 2k-1-i; the extra units go to heads 0..k-1, then
+        # tails 2k-1 down to k, so slot 0 has the most units, slot 1 the next most.
+        if tiles < 2 * k:
+            unit, units, short = 1, length, 0
+        else:
+            unit, units = tile, tiles
+        base, extra = divmod(units, 2 * k)
+        slot0 = unit * (2 * base + (extra >= 1) + (extra >= k + 1)) - short
+        slot1 = unit * (2 * base + (extra >= 2) + (extra >= k + 2)) if k > 1 else 0
+        return max(slot0, slot1)
+    if k == 1:
+        return length
+    if tiles < k:
+        return -(-length // k)
+    return (tiles // k + (tiles % k > 0)) * tile
 
 
 @lru_cache(maxsize=4096)  # a 128K-token batch weighs about 500 cuts (lengths recur across batches)
 def split_cut(length: int, k: int, split: str, tile: int) -> Cut:
     """How a document of `length` tokens is cut over k ranks; memoised, because the
     greedy weighs the same cuts at every slack and for every degree it tries (and
-    lengths recur across batches).
+    lengths recur across batches). Chunks are whole tiles where the document has enough
+    of them (`tile_chunk_sizes`, `contiguous_chunk_sizes`).
 
     ``zigzag``: 2k chunks paired head-to-tail, equal causal work per rank.
     ``contiguous``: k consecutive equal pieces. Later pieces carry more causal work but
@@ -275,16 +317,18 @@ def split_cut(length: int, k: int, split: str, tile: int) -> Cut:
     the greedy gives heavier pieces to lighter ranks and fills the rest with short
     documents.
     """
-    return Cut(*_split_chunks(length, k, split), tile)
-
-
-def _split_chunks(length: int, k: int, split: str) -> tuple[list[int], bool]:
-    """The chunk sizes of `split_cut` and whether they are paired."""
     if split == "zigzag":
-        return chunk_sizes(length, k), True
+        return Cut(tile_chunk_sizes(length, k, tile), True, tile)
     if split == "contiguous":
-        return [length * (i + 1) // k - length * i // k for i in range(k)], False
+        return Cut(contiguous_chunk_sizes(length, k, tile), False, tile)
     raise ValueError(f"unknown split {split!r}; expected 'zigzag' or 'contiguous'")
+
+
+@lru_cache(maxsize=1024)
+def ring_cut(length: int, num_ranks: int, tile: int) -> Cut:
+    """The zigzag layout's cut of a document: `chunk_sizes` over every rank, token-level
+    like the ring's (memoised: lengths recur across batches)."""
+    return Cut(chunk_sizes(length, num_ranks), True, tile)
 
 
 class Record(NamedTuple):
@@ -556,7 +600,7 @@ class _DocChoices:
 
     def _weigh_split(self, k: int, split: str) -> tuple | None:
         g, load, room = self.greedy, self.load, self.room
-        need = split_need(self.n, k, split)
+        need = split_need(self.n, k, split, g.tile)
         if self._rooms is None:
             self._rooms = sorted(room)
         everyone = need <= self._rooms[0]
@@ -726,7 +770,7 @@ class _ZigzagBuild(Build):
             return []
         d = self.pending.pop()
         tile, R = self.tally.model.tile, len(self.tally.tiles)
-        cut = Cut(self.absorber_chunks, True, tile) if d == self.absorber else split_cut(self.lengths[d], R, "zigzag", tile)
+        cut = Cut(self.absorber_chunks, True, tile) if d == self.absorber else ring_cut(self.lengths[d], R, tile)
         record = self.records[d] = Record(d, self.starts[d], self.ranks[d], cut)
         self.tally.add(record.ranks, record.cut)
         self.floor_s = max(self._transfer_floor, self.tally.floor_s)
