@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .comm.p2p import PendingExchange, collective_device, mark_ready, post_exchange, ready_for_batched_p2p
 from .comm.ulysses import GatherHeads, ScatterHeads, check_heads, replicate_kv_heads
-from .kernels import merge_into, varlen_backward, varlen_forward
+from .kernels import merge_into, resolve_backend, varlen_backward, varlen_forward
 from .planning import Plan, RankProgram
 
 _BACKWARD_TAG = 1 << 20
@@ -266,6 +266,9 @@ def sap_attention(
     if not causal:
         raise ValueError("sap_attention computes causal attention only (causal=False is not supported)")
     _check_inputs(q, k, v, plan, groups)
+    # The backend and dtype are checked here, before any exchange is posted: an error
+    # raised between posting and waiting would leave the peers' transfers pending.
+    backend = resolve_backend(backend, q.device, q.dtype)
     if check_finite if check_finite is not None else os.environ.get("MEGATRON_SAP_CHECK_FINITE") == "1":
         _check_finite(q, k, v)
     if groups is not None and groups.world_size > 1 and check_agreement:

@@ -2,6 +2,7 @@
 
 Examples::
 
+    python -m megatron_sap.plan        # the worked example of docs/planner.md
     python -m megatron_sap.plan --cu-seqlens 0,3000,3100,8192 --outer-size 4 --inner-size 2
     python -m megatron_sap.plan --lengths-from sharegpt --tokens 131072 --seed 0 \\
         --outer-size 16 --inner-size 4 --png layout.png
@@ -32,9 +33,14 @@ import numpy as np
 from .planning import PRESETS, CostModel, Plan, plan_sequences
 
 MAX_PIECES_SHOWN = 8
+# Without arguments: five documents on 4 outer groups of 2 ranks (docs/planner.md).
+EXAMPLE_ARGS = ("--cu-seqlens", "0,3000,3100,3101,5000,8192", "--outer-size", "4", "--inner-size", "2")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        argv = list(EXAMPLE_ARGS)
     parser = argparse.ArgumentParser(prog="python -m megatron_sap.plan", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--cu-seqlens", help="comma-separated document boundaries, e.g. 0,100,4096")

@@ -76,15 +76,22 @@ def run_rank(
     fresh_plan: bool = False,
     perturb_doc: int | None = None,
     count_bytes: bool = False,
+    tile: int | None = None,
 ) -> dict:
-    """One rank's forward and backward of sap_attention; returns its slices and gradients."""
+    """One rank's forward and backward of sap_attention; returns its slices and gradients.
+    `tile`: plan with that kernel tile instead of the default model's (small tiles split
+    the short documents of these tests into whole-tile chunks)."""
+    from dataclasses import replace
+
     import megatron_sap as sap
     from megatron_sap.comm.traffic import count_traffic
-    from megatron_sap.planning import PlanCache
+    from megatron_sap.planning import CostModel, PlanCache
 
     outer = world // inner
     groups = groups_for(inner, outer)
-    plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=PlanCache() if fresh_plan else sap.planning.DEFAULT_CACHE)
+    model = None if tile is None else replace(CostModel.preset("h100"), tile=tile)
+    plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cost_model=model,
+                              cache=PlanCache() if fresh_plan else sap.planning.DEFAULT_CACHE)
     q, k, v, dout = make_inputs(cu, heads, kv_heads, dim, seed)
     if perturb_doc is not None:
         lo, hi = cu[perturb_doc], cu[perturb_doc + 1]

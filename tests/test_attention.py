@@ -90,6 +90,17 @@ def test_world8_float64(pool8, inner):
         check_against_reference(pool8, cu, inner, 8, 2, 8, "float64", seed=3)
 
 
+@pytest.mark.parametrize("inner", [1, 2])
+def test_world4_whole_tile_chunks(pool4, inner):
+    """With an 8-token tile the planner splits even these short documents into chunks of
+    whole tiles (the last one short); the result is still exact."""
+    rng = random.Random(40 + inner)
+    # The first row's 900-token document is split head-to-tail in 112- and 120-token chunks.
+    rows = [[0, 900, 950, 1000, 1024]] + [random_cu_seqlens(rng, 4 * rng.randint(64, 160), kind) for kind in ("long", "mixture")]
+    for cu in rows:
+        check_against_reference(pool4, cu, inner, 4, 2, 8, "float64", seed=inner, tile=8)
+
+
 def test_float32_and_recompute(pool4):
     rng = random.Random(5)
     cu = random_cu_seqlens(rng, 4 * 96, "mixture")

@@ -206,6 +206,23 @@ def test_sap_attention_rejects_heads_that_do_not_split(heads: int, kv_heads: int
         sap.sap_attention(q, k, v, plan, _fake_groups(inner, 1))
 
 
+@pytest.mark.parametrize(
+    ("backend", "dtype", "pattern"),
+    [
+        ("bogus", torch.float32, r"unknown attention backend 'bogus'"),
+        ("auto", torch.int32, r"unsupported dtype torch.int32"),
+        ("aten-flash", torch.float32, r"attention backend 'aten-flash' is not available on cpu"),
+    ],
+)
+def test_sap_attention_rejects_backend_and_dtype_before_communicating(backend: str, dtype: torch.dtype, pattern: str) -> None:
+    """Checked before any exchange is posted (the fake groups have no process groups to
+    post on): a pending transfer would leave the peers waiting for it."""
+    plan = _plan([0, 9, 16], outer=2)
+    q, k, v = _qkv(plan.local_tokens, dtype=dtype)
+    with pytest.raises(ValueError, match=pattern):
+        sap.sap_attention(q, k, v, plan, _fake_groups(1, 2), backend=backend, check_agreement=False)
+
+
 def test_sap_attention_rejects_non_causal() -> None:
     q, k, v = _qkv(8)
     with pytest.raises(ValueError, match=r"causal attention only \(causal=False is not supported\)"):
@@ -252,15 +269,26 @@ def _cu(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         (_cu([0, 4, 8]).float(), _cu([0, 4, 8]), r"cu_seqlens_q must be a 1-D int32/int64 tensor, got shape \(3,\) dtype torch.float32"),
         (_cu([0, 4, 8]), _cu([[0, 4, 8]]), r"cu_seqlens_k must be a 1-D int32/int64 tensor, got shape \(1, 3\)"),
         (_cu([0, 4, 8]), _cu([0, 4, 8]).to("meta"), r"must be on one device, got \['cpu', 'meta'\]"),
+        ([0, 4, 8], _cu([0, 4, 8]), r"cu_seqlens_q must be a tensor, got list"),
     ],
 )
-def test_kernels_reject_bad_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, pattern: str) -> None:
+def test_kernels_reject_bad_cu_seqlens(cu_q: torch.Tensor | list, cu_k: torch.Tensor, pattern: str) -> None:
     q, k, v = _qkv(8)
     with pytest.raises(ValueError, match=pattern):
         varlen_forward(q, k, v, cu_q, cu_k, 8, 8, causal=True)
     out, lse = torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
     with pytest.raises(ValueError, match=pattern):
         varlen_backward(q, q, k, v, out, lse, cu_q, cu_k, 8, 8, causal=True)
+
+
+@pytest.mark.parametrize(("max_q", "max_k", "pattern"), [(4, 8, r"max_seqlen for cu_seqlens_q is 4, below its longest segment \(5\)"),
+                                                         (5, 2, r"max_seqlen for cu_seqlens_k is 2, below its longest segment \(5\)")])
+def test_kernels_reject_max_seqlen_below_the_longest_segment(max_q: int, max_k: int, pattern: str) -> None:
+    """The flash kernels would silently skip the rest of a longer segment."""
+    q, k, v = _qkv(8)
+    cu = _cu([0, 3, 8])
+    with pytest.raises(ValueError, match=pattern):
+        varlen_forward(q, k, v, cu, cu, max_q, max_k, causal=True)
 
 
 @pytest.mark.parametrize(

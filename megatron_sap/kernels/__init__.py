@@ -85,6 +85,8 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> str:
     """Map "auto" to the fastest backend for (device, dtype); check an explicit name is usable there."""
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}; expected one of {list(_FLOAT_DTYPES)}")
     available = available_backends(device)
     if name == "auto":
         if dtype in _FLASH_DTYPES and available[0] != "torch":
@@ -99,8 +101,13 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype) -
     return name
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> None:
-    """Validate shapes, dtypes and devices; cu_seqlens values too when they live on the CPU (no device sync)."""
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                  max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """Validate shapes, dtypes and devices; cu_seqlens values and the max lengths too when
+    the boundaries live on the CPU (no device sync)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
@@ -127,8 +134,12 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
             f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
         )
     if cu_seqlens_q.device.type == "cpu":
-        check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
-        check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+        for name, cu, tokens, max_seqlen in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+                                             ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
+            check_cu_seqlens(cu, tokens, name)
+            longest = int(torch.diff(cu).max()) if cu.numel() > 1 else 0
+            if max_seqlen < longest:  # the flash kernels would silently skip the rest
+                raise ValueError(f"max_seqlen for {name} is {max_seqlen}, below its longest segment ({longest})")
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -166,7 +177,7 @@ def varlen_forward(
     cu_seqlens values are validated when they live on the CPU; on a GPU that
     would cost a host sync, so the flash backends trust them.
     """
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
     name = resolve_backend(backend, q.device, q.dtype)
     if q.shape[0] == 0 or k.shape[0] == 0:
@@ -200,7 +211,7 @@ def varlen_backward(
     out and lse may be the final results merged over several key blocks: the
     gradients are then this block's exact contribution (sum them over blocks).
     """
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if dout.shape != q.shape or out.shape != q.shape:
         raise ValueError(
             f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have q's shape {tuple(q.shape)}"

@@ -11,6 +11,8 @@ Every rank holds exactly `capacity` tokens. Candidate strategies:
 - ``zigzag``: every document split over all ranks in 2R paired chunks (the ring layout
   without padding).
 - ``contiguous``: the packed row cut into R equal contiguous slices (all-gather layout).
+- ``whole``: every document whole, every rank exactly full (a bounded search for such
+  a packing, where the greedy's choices leave rooms no remaining document fits).
 
 A placement is stored as one `Record` per document: the document's `Cut` (its slots,
 each the pieces one rank holds) and the rank of each slot. The evaluation works on the
@@ -272,9 +274,9 @@ def tile_chunk_sizes(length: int, k: int, tile: int) -> list[int]:
 def contiguous_chunk_sizes(length: int, k: int, tile: int) -> list[int]:
     """k consecutive near-equal chunks, in whole tiles but the last (short by the partial
     tile), the extra tiles on the first (lighter) chunks; token-level where the
-    document has fewer than k tiles."""
+    document has fewer than 2k tiles (so that the last chunk keeps more than a tile)."""
     tiles = -(-length // tile)
-    if tiles < k:
+    if tiles < 2 * k:
         return [length * (i + 1) // k - length * i // k for i in range(k)]
     base, extra = divmod(tiles, k)
     sizes = [(base + (i < extra)) * tile for i in range(k)]
@@ -299,9 +301,17 @@ def split_need(length: int, k: int, split: str, tile: int) -> int:
         return max(slot0, slot1)
     if k == 1:
         return length
-    if tiles < k:
+    if tiles < 2 * k:
         return -(-length // k)
     return (tiles // k + (tiles % k > 0)) * tile
+
+
+@lru_cache(maxsize=4096)
+def token_split_cut(length: int, k: int, split: str, tile: int) -> Cut:
+    """`split_cut` in token-level chunks, costed at `tile`: for a document that must fill
+    ranks whose room is not a whole number of tiles (its largest slot is
+    `split_need(length, k, split, 1)`)."""
+    return Cut(*_chunks(length, k, split, 1), tile)
 
 
 @lru_cache(maxsize=4096)  # a 128K-token batch weighs about 500 cuts (lengths recur across batches)
@@ -317,10 +327,15 @@ def split_cut(length: int, k: int, split: str, tile: int) -> Cut:
     the greedy gives heavier pieces to lighter ranks and fills the rest with short
     documents.
     """
+    return Cut(*_chunks(length, k, split, tile), tile)
+
+
+def _chunks(length: int, k: int, split: str, tile: int) -> tuple[list[int], bool]:
+    """The chunk sizes of a split in whole tiles of `tile` tokens, and whether they are paired."""
     if split == "zigzag":
-        return Cut(tile_chunk_sizes(length, k, tile), True, tile)
+        return tile_chunk_sizes(length, k, tile), True
     if split == "contiguous":
-        return Cut(contiguous_chunk_sizes(length, k, tile), False, tile)
+        return contiguous_chunk_sizes(length, k, tile), False
     raise ValueError(f"unknown split {split!r}; expected 'zigzag' or 'contiguous'")
 
 
@@ -506,7 +521,9 @@ class _Greedy:
         self.cost = [_tile_pairs(self.tile, 0, n) for n in lengths]
         self.total = sum(self.cost)
         self.share = self.total / num_ranks
-        self.order = sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-self.cost[d], d))
+        # Heaviest first; among equal costs (documents within one tile row of each other
+        # cost the same) the longest first, so that the short ones fill the room left.
+        self.order = sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-self.cost[d], -lengths[d], d))
 
     def build(self, members: Sequence[tuple[str, int, float, str, bool]]) -> Build:
         """The passes (name, index, slack, split, spread), built together while they
@@ -524,7 +541,7 @@ class _Greedy:
         if whole is not None:
             if load[whole] + c <= limit:
                 return (whole,), split_cut(n, 1, "contiguous", self.tile)
-            options.append((load[whole] + c, 1, [whole]))
+            options.append((load[whole] + c, 1, [whole], None))
         degrees = _split_degrees(c, doc.sorted_loads, limit, min(self.R, n))
         if spread and degrees and c > self.share and doc.widest > degrees[0]:
             # A document heavier than a rank's share: as wide as chunks of at least a
@@ -534,21 +551,21 @@ class _Greedy:
             split_k = doc.split_over(k, split)
             if split_k is None:
                 continue
-            near, first, peak_near, peak_first = split_k
+            near, first, peak_near, peak_first, cut_k = split_k
             # The heaviest slot goes to the least-loaded chosen rank.
-            best_here = (peak_near, k, near)
+            best_here = (peak_near, k, near, cut_k)
             if near is not first and peak_near > limit and peak_first < peak_near:
-                best_here = (peak_first, k, first)
+                best_here = (peak_first, k, first, cut_k)
             options.append(best_here)
             if best_here[0] <= limit:
                 break
         if not options:
             return doc.fragments()
         # The loop stops at the first k within the limit; else take the lowest peak.
-        _, k, chosen = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
+        _, k, chosen, cut_k = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
         if k == 1:
             return (whole,), split_cut(n, 1, "contiguous", self.tile)
-        return doc.slots(chosen, split_cut(n, k, split, self.tile))
+        return doc.slots(chosen, cut_k)
 
 
 class _DocChoices:
@@ -600,13 +617,19 @@ class _DocChoices:
 
     def _weigh_split(self, k: int, split: str) -> tuple | None:
         g, load, room = self.greedy, self.load, self.room
-        need = split_need(self.n, k, split, g.tile)
         if self._rooms is None:
             self._rooms = sorted(room)
-        everyone = need <= self._rooms[0]
-        if not everyone and len(room) - bisect_left(self._rooms, need) < k:
+        # Whole-tile chunks first; where too few ranks have room for them (a document
+        # that must fill ranks whose room is not whole tiles), token-level chunks.
+        for tile, make_cut in ((g.tile, split_cut), (1, token_split_cut)):
+            need = split_need(self.n, k, split, tile)
+            everyone = need <= self._rooms[0]
+            if everyone or len(room) - bisect_left(self._rooms, need) >= k:
+                break
+        else:
             return None
-        heavy = split_cut(self.n, k, split, g.tile).heavy
+        cut = make_cut(self.n, k, split, g.tile)
+        heavy = cut.heavy
         first = self.by_load[:k] if everyone else [r for r in self.by_load if room[r] >= need][:k]
         near = first
         if g.node_aware:
@@ -615,7 +638,7 @@ class _DocChoices:
                 near = first
         peak_first = max(map(add, map(load.__getitem__, first), heavy))
         peak_near = peak_first if near is first else max(map(add, map(load.__getitem__, near), heavy))
-        return near, first, peak_near, peak_first
+        return near, first, peak_near, peak_first, cut
 
     def _node_local(self, k: int, need: int, everyone: bool) -> list[int]:
         """k ranks with room for `need` tokens: of the node whose k-th least-loaded such
@@ -829,6 +852,93 @@ class _ContiguousBuild(Build):
         return [self]
 
 
+WHOLE_SEARCH_VISITS = 4096  # ranks looked at by the search for a whole-document packing, at most
+
+
+def whole_packing(lengths: Sequence[int], costs: Sequence[int], num_ranks: int, capacity: int,
+                  visits: int = WHOLE_SEARCH_VISITS) -> list[int] | None:
+    """A rank for every non-empty document such that every rank holds exactly `capacity`
+    tokens and no document is split, or None if the search finds none.
+
+    Documents go longest first (ties: heavier first); each to a rank with room for it:
+    one it fills exactly if there is one, else the least loaded (by tile-rounded cost),
+    so the packing is as balanced as the first fit allows. When a rank is left with less
+    room than the shortest document, the search backs up and tries the next rank (ranks
+    in the same state are one choice). It gives up after looking at `visits` ranks:
+    packing into exact capacities is NP-hard, and this is a candidate, not a guarantee.
+    """
+    docs = sorted((d for d, n in enumerate(lengths) if n > 0), key=lambda d: (-lengths[d], -costs[d], d))
+    if not docs or lengths[docs[0]] > capacity:
+        return None
+    shortest = lengths[docs[-1]]
+    room, load = [capacity] * num_ranks, [0] * num_ranks
+    where = [0] * len(lengths)
+    budget = visits
+
+    def options(n: int) -> list[int]:
+        nonlocal budget
+        budget -= num_ranks
+        fits, seen = [], set()
+        for r in range(num_ranks):
+            left = room[r] - n
+            if left < 0 or (0 < left < shortest) or (room[r], load[r]) in seen:
+                continue
+            seen.add((room[r], load[r]))
+            fits.append(r)
+        fits.sort(key=lambda r: (room[r] != n, load[r], r))
+        return fits
+
+    stack = [options(lengths[docs[0]])]
+    while stack:
+        i = len(stack) - 1
+        d = docs[i]
+        if i and budget <= 0:
+            return None
+        if not stack[-1]:  # no rank left for document i: undo document i - 1
+            stack.pop()
+            if stack:
+                prev = docs[len(stack) - 1]
+                room[where[prev]] += lengths[prev]
+                load[where[prev]] -= costs[prev]
+            continue
+        r = stack[-1].pop(0)
+        where[d] = r
+        room[r] -= lengths[d]
+        load[r] += costs[d]
+        if i + 1 == len(docs):
+            return where
+        stack.append(options(lengths[docs[i + 1]]))
+    return None
+
+
+class _WholeBuild(Build):
+    """Every document whole on one rank (`whole_packing`): no communication, as balanced
+    as the packing found. Absent where a document is longer than a rank holds or no
+    packing is found. Its floor before the search is the mean compute, which no
+    placement beats; the search and the tally are its one step."""
+
+    def __init__(self, index: int, doc_starts: list[int], lengths: list[int], capacity: int, tally: Tally):
+        self.names, self.indices, self.index, self.tally = ("whole",), (index,), index, tally
+        self.starts, self.lengths, self.capacity = doc_starts, lengths, capacity
+        tile = tally.model.tile
+        self.costs = [_tile_pairs(tile, 0, n) for n in lengths]
+        self.floor_s = sum(self.costs) / len(tally.tiles) * tally.pair_s * (1.0 + tally.backward_factor)
+
+    def step(self) -> list[Build]:
+        R, tile = len(self.tally.tiles), self.tally.model.tile
+        where = whole_packing(self.lengths, self.costs, R, self.capacity)
+        if where is None:
+            return []
+        records = []
+        for d, n in enumerate(self.lengths):
+            if n > 0:
+                records.append(Record(d, self.starts[d], (where[d],), split_cut(n, 1, "contiguous", tile)))
+                self.tally.add(records[-1].ranks, records[-1].cut)
+        self.floor_s = self.tally.floor_s
+        self.placement = _finish(self.capacity, R, records, "whole", self.tally)
+        return [self]
+
+
 def _fewest_nodes(per_node: list[list[int]], position: Callable[[int], int], k: int, load: list[int]) -> list[int]:
     """k ranks spread over as few nodes as possible when no node has k: the nodes with
     the most of the eligible ranks `per_node` (each least loaded first) first, ties to
@@ -870,8 +980,8 @@ def candidates(
     sequence-aware ones from the tightest slack (the most balanced) up, the split mode
     that moves fewer bytes first; then one that spreads each document heavier than a
     rank's share over as many ranks as it can (balance when one document dominates the
-    work, worth its traffic where links are fast); then the zigzag and contiguous
-    layouts. The greedy passes start as one build."""
+    work, worth its traffic where links are fast); then the zigzag, contiguous and
+    whole layouts. The greedy passes start as one build."""
     passes = _Greedy(doc_starts, lengths, num_ranks, capacity, model, inner_size)
     members = [
         (greedy_name(s, split), 2 * i + j, s, split, False)
@@ -884,4 +994,5 @@ def candidates(
         members.append((greedy_name(spread_slack, "zigzag", spread=True), 2 * len(slacks), spread_slack, "zigzag", True))
         builds.append(_ZigzagBuild(2 * len(slacks) + 1, doc_starts, lengths, capacity, Tally(num_ranks, inner_size, model)))
         builds.append(_ContiguousBuild(2 * len(slacks) + 2, doc_starts, lengths, capacity, Tally(num_ranks, inner_size, model)))
+        builds.append(_WholeBuild(2 * len(slacks) + 3, doc_starts, lengths, capacity, Tally(num_ranks, inner_size, model)))
     return [passes.build(members)] + builds if members else builds

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import numbers
+import operator
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -80,9 +81,17 @@ class Plan:
         return self.__dict__["_signature"]
 
     # ---- placement ----------------------------------------------------------------
-    def _check_rank(self, cp_rank: int) -> None:
-        if not 0 <= cp_rank < self.world_size:
-            raise ValueError(f"cp_rank {cp_rank} out of range for a plan over {self.world_size} ranks")
+    def _check_rank(self, cp_rank: int) -> int:
+        """`cp_rank` as an int (numpy and 0-d integer tensors too), checked to be in range."""
+        if isinstance(cp_rank, bool) or not isinstance(cp_rank, (numbers.Integral, torch.Tensor)):
+            raise ValueError(f"cp_rank must be an integer, got {cp_rank!r}")
+        try:
+            rank = operator.index(cp_rank)
+        except TypeError:
+            raise ValueError(f"cp_rank must be an integer, got {cp_rank!r}") from None
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"cp_rank {rank} out of range for a plan over {self.world_size} ranks")
+        return rank
 
     def pieces(self, outer_rank: int) -> list[tuple[int, int, int]]:
         """(document, start, end) pieces the outer group holds, in its local order."""
@@ -98,7 +107,7 @@ class Plan:
 
     def local_indices(self, cp_rank: int) -> torch.Tensor:
         """Global packed positions this CP rank holds, in its local order (T / P of them)."""
-        self._check_rank(cp_rank)
+        cp_rank = self._check_rank(cp_rank)
         outer, inner = divmod(cp_rank, self.inner_size)
         n = self.local_tokens
         return self.group_indices(outer)[inner * n : (inner + 1) * n]
@@ -117,7 +126,7 @@ class Plan:
         block over every earlier key of its document. Ranks of one inner group list
         the same blocks (each computes them for its own heads).
         """
-        self._check_rank(cp_rank)
+        cp_rank = self._check_rank(cp_rank)
         doc_start = self.cu_seqlens
         blocks = []
         for p in self.placement.ranks[cp_rank // self.inner_size]:
@@ -335,8 +344,9 @@ def plan_sequences(
     dictionary lookup. Pass `cache=None` to bypass the cache.
     """
     for name, size in (("outer_size", outer_size), ("inner_size", inner_size)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
             raise ValueError(f"{name} must be a positive integer, got {size!r}")
+    outer_size, inner_size = int(outer_size), int(inner_size)
     model = _cost_model(cost_model)
     slacks = tuple(slacks)
     if not slacks or any(not isinstance(s, numbers.Real) or isinstance(s, bool) or not s >= 0 for s in slacks):
