@@ -51,8 +51,8 @@ def _post_kv(program: RankProgram, index: int, kv: torch.Tensor, outer: _Outer, 
         recv,
         None if step.recv_peer is None else outer.peer(step.recv_peer),
         outer.group,
-        tag + step.offset,
-        f"step {step.offset} of {len(program.transfers)} on outer rank {outer.rank}",
+        tag + step.round,
+        f"step {index + 1} of {len(program.transfers)} (round {step.round}) on outer rank {outer.rank}",
     )
     return pending, recv
 
@@ -153,8 +153,8 @@ class _SAPOuterAttention(torch.autograd.Function):
                 grad_in,
                 None if step.send_peer is None else outer.peer(step.send_peer),
                 outer.group,
-                _BACKWARD_TAG + step.offset,
-                f"backward step {step.offset} of {n} on outer rank {outer.rank}",
+                _BACKWARD_TAG + step.round,
+                f"backward step {i + 1} of {n} (round {step.round}) on outer rank {outer.rank}",
             )
             returns.append((handle, grad_in))
         if not ctx.recompute_kv:

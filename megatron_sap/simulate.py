@@ -83,17 +83,18 @@ def simulate_plan(
     qs = [q.index_select(0, i) for i in idx]
     kvs = [torch.stack([k.index_select(0, i), v.index_select(0, i)], 1) for i in idx]
 
-    def received(r: int, offset: int) -> torch.Tensor:
-        src = (r - offset) % R
-        step = next(s for s in programs[src].transfers if s.offset == offset)
-        return kvs[src].index_select(0, step.send_rows)
+    def sender_step(src: int, round_: int):
+        return next(s for s in programs[src].transfers if s.round == round_)
+
+    def received(step) -> torch.Tensor:
+        return kvs[step.recv_peer].index_select(0, sender_step(step.recv_peer, step.round).send_rows)
 
     outs, lses, fwd_timers = [], [], []
     for r in range(R):
         acc_out = torch.zeros(qs[r].shape, dtype=acc_dtype, device=device)
         acc_lse = torch.full((q.shape[1], qs[r].shape[0]), float("-inf"), dtype=acc_dtype, device=device)
         rows = torch.arange(qs[r].shape[0], device=device)
-        recvs = [received(r, s.offset) if s.recv_tokens else None for s in programs[r].transfers]
+        recvs = [received(s) if s.recv_tokens else None for s in programs[r].transfers]
         t0 = start()
         _forward_calls(programs[r].local_calls, qs[r], kvs[r], acc_out, acc_lse, rows, scale, backend)
         for step, recv in zip(programs[r].transfers, recvs):
@@ -115,20 +116,19 @@ def simulate_plan(
     bwd_timers = []
     for r in range(R):
         douts = dout.index_select(0, idx[r])
-        recvs = [received(r, s.offset) if s.recv_tokens else None for s in programs[r].transfers]
+        recvs = [received(s) if s.recv_tokens else None for s in programs[r].transfers]
         grads = []
         t0 = start()
         for step, recv in zip(programs[r].transfers, recvs):  # the executor's order: remote blocks first
             if recv is not None:
                 grad = torch.zeros(recv.shape, dtype=acc_dtype, device=device)
                 _backward_calls(step.calls, douts, qs[r], outs[r], lses[r], recv, dqs[r], grad, scale, backend)
-                grads.append((step.offset, grad))
+                grads.append((step, grad))
         _backward_calls(programs[r].local_calls, douts, qs[r], outs[r], lses[r], kvs[r], dqs[r], dkvs[r], scale, backend)
         bwd_timers.append(stop(t0))
-        for offset, grad in grads:  # deliver to the owner, as the backward exchange does
-            src = (r - offset) % R
-            send_rows = next(s for s in programs[src].transfers if s.offset == offset).send_rows
-            dkvs[src].index_add_(0, send_rows, grad.to(q.dtype).to(acc_dtype))
+        for step, grad in grads:  # deliver to the owner, as the backward exchange does
+            send_rows = sender_step(step.recv_peer, step.round).send_rows
+            dkvs[step.recv_peer].index_add_(0, send_rows, grad.to(q.dtype).to(acc_dtype))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for r in range(R):
         dq.index_copy_(0, idx[r], dqs[r].to(q.dtype))

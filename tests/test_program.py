@@ -13,6 +13,7 @@ from megatron_sap.planning import CostModel, KernelCall, RankProgram, compile_al
 from megatron_sap.planning.evaluate import evaluate
 from megatron_sap.planning.placement import build_all, candidates
 from megatron_sap.planning.plan import DEFAULT_SLACKS
+from megatron_sap.planning.program import exchange_partner
 from test_planner import cu_seqlens_for, expected_mask
 
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -55,9 +56,9 @@ def add_call(count: np.ndarray, call: KernelCall, q_global: np.ndarray, k_global
         np.add.at(count, (q_global[q[qi]], k_global[k[ki]]), 1)
 
 
-def transfer_at(program: RankProgram, offset: int):
-    found = [t for t in program.transfers if t.offset == offset]
-    assert len(found) <= 1, f"rank {program.rank} has two transfers at offset {offset}"
+def transfer_at(program: RankProgram, round_: int):
+    found = [t for t in program.transfers if t.round == round_]
+    assert len(found) <= 1, f"rank {program.rank} has two transfers in round {round_}"
     return found[0] if found else None
 
 
@@ -72,12 +73,13 @@ def simulate(plan: sap.Plan) -> list[np.ndarray]:
         count = np.zeros((total, total), dtype=np.int64)
         for call in program.local_calls:
             add_call(count, call, rows[r], rows[r])
-        offsets = [t.offset for t in program.transfers]
-        assert offsets == sorted(set(offsets)) and all(1 <= d < R for d in offsets)
+        rounds = [t.round for t in program.transfers]
+        assert rounds == sorted(set(rounds)) and all(0 <= s < R for s in rounds)
         for transfer in program.transfers:
-            d = transfer.offset
-            src, dst = (r - d) % R, (r + d) % R
-            # The send side matches the peer's receive at the same offset.
+            d = transfer.round
+            src = dst = (d - r) % R  # the round's partner, both ways
+            assert src != r
+            # The send side matches the peer's receive in the same round.
             if transfer.send_rows is None:
                 assert transfer.send_peer is None
             else:
@@ -144,6 +146,20 @@ def test_every_candidate_compiles_correctly(seed):
         evaluation = evaluate(placement, 1, model)
         check_programs(sap.Plan(tuple(cu), outer, 1, model, placement, evaluation, {}))
         assert [p.rank for p in compile_all(placement)] == list(range(outer))
+
+
+@pytest.mark.parametrize("R", range(1, 10))
+def test_exchange_rounds_pair_every_two_ranks_once(R):
+    """In each round the partner relation is a matching (a rank's partner's partner is
+    itself), and every two ranks meet in exactly one round."""
+    met = {}
+    for s in range(R):
+        for r in range(R):
+            p = exchange_partner(r, s, R)
+            assert exchange_partner(p, s, R) == r
+            if p != r:
+                assert met.setdefault((min(r, p), max(r, p)), s) == s
+    assert len(met) == R * (R - 1) // 2
 
 
 def test_program_is_cached_and_moves_to_device():

@@ -6,9 +6,15 @@ documents. Structure, for outer rank r:
 
 - `local_calls`: kernel calls whose keys are local (every piece's causal diagonal,
   then full blocks against the rank's own earlier pieces of the same document);
-- `transfers`: one step per ring offset d = 1..R-1 that moves anything for r: r sends
-  to r+d the rows of its pieces that r+d needs and receives from r-d the rows it
-  needs, in one batched P2P call; then runs `calls` on the received rows.
+- `transfers`: one step per exchange round s = 0..R-1 that moves anything for r. In
+  round s, outer rank r and its partner p = (s - r) mod R (a matching of the ranks:
+  p's partner in round s is r) exchange in one batched P2P call: r sends p the rows of
+  its pieces that p needs and receives the rows of p's that it needs; then it runs
+  `calls` on the received rows. Every pair of ranks meets in exactly one round, so a
+  rank's sends to and receives from one peer travel together, in both directions of
+  the link at once: its exchanges take the sum over peers of the larger side, where
+  pairing a send to r+d with a receive from r-d (a ring schedule) took the sum over
+  steps, up to twice as long where traffic is one-sided per peer.
 
 The backward pass runs the same steps with the roles reversed: the gradients of the
 received rows go back to their owner, which adds them at `send_rows`.
@@ -56,7 +62,7 @@ class Transfer:
     """One batched P2P step: send `send_rows` to `send_peer`, receive `recv_tokens` rows
     from `recv_peer` (outer ranks; None when that side is empty), then run `calls`."""
 
-    offset: int
+    round: int  # exchange round s: the peer is (s - rank) mod R on both sides
     send_peer: int | None
     send_rows: torch.Tensor | None
     recv_peer: int | None
@@ -188,6 +194,11 @@ def _full_calls(layout: _Layout, rank: int, keys: list[tuple[Piece, range]]) -> 
     return tuple(out)
 
 
+def exchange_partner(rank: int, round_: int, num_ranks: int) -> int:
+    """The outer rank that `rank` exchanges with in round `round_` (itself: none)."""
+    return (round_ - rank) % num_ranks
+
+
 def compile_program(placement: Placement, rank: int, layout: _Layout | None = None) -> RankProgram:
     """The program of outer rank `rank` for `placement`."""
     layout = layout or _Layout(placement)
@@ -205,8 +216,10 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
     local_calls.extend(_full_calls(layout, rank, [(p, layout.rows(p)) for p in pieces]))
 
     transfers: list[Transfer] = []
-    for offset in range(1, R):
-        dst, src = (rank + offset) % R, (rank - offset) % R
+    for round_ in range(R):
+        dst = src = exchange_partner(rank, round_, R)
+        if dst == rank:
+            continue
         send = layout.needed(rank, dst)
         recv = layout.needed(src, rank)
         if not send and not recv:
@@ -218,7 +231,7 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
         send_rows = [i for p in send for i in layout.rows(p)]
         transfers.append(
             Transfer(
-                offset=offset,
+                round=round_,
                 send_peer=dst if send else None,
                 send_rows=torch.tensor(send_rows, dtype=torch.long) if send else None,
                 recv_peer=src if recv else None,
