@@ -7,8 +7,10 @@
 # --calculate-per-token-loss makes the loss and gradients identical to CP=1. SAP needs no attention
 # mask: --no-create-attention-mask-in-dataloader keeps the loader from building an S x S one (64 GiB
 # per sample at 128K tokens); the launcher hooks turn it off too.
-# Optional: SAVE_DIR (checkpoints every SAVE_INTERVAL iterations, resumed from there), and
-# EXIT_MINUTES (stop and save before the job's time limit).
+# Optional: SAVE_DIR (checkpoints every SAVE_INTERVAL iterations, resumed from there),
+# EXIT_MINUTES (stop and save before the job's time limit), and SAP_CALIBRATION_FILE (rates
+# measured by scripts/gpu_check.sh on your GPUs, docs/calibration.json, instead of the
+# SAP_COST_PRESET preset).
 
 : "${SEQ_LENGTH:=131072}"          # tokens per packed row (Megatron wants it divisible by 2 * CP)
 : "${TP:=2}"                       # tensor parallel size
@@ -42,9 +44,13 @@ PARALLEL_ARGS=(
 )
 
 SAP_ARGS=(
-    --sap-inner-size "$SAP_INNER" --sap-outer-size "$SAP_OUTER"
-    --sap-backend auto --sap-cost-preset "$SAP_COST_PRESET"
+    --sap-inner-size "$SAP_INNER" --sap-outer-size "$SAP_OUTER" --sap-backend auto
 )
+if [[ -n "${SAP_CALIBRATION_FILE:-}" ]]; then
+    SAP_ARGS+=(--sap-calibration-file "$SAP_CALIBRATION_FILE")
+else
+    SAP_ARGS+=(--sap-cost-preset "$SAP_COST_PRESET")
+fi
 
 DATA_ARGS=(
     --data-path "$DATA_PATH" --split 100,0,0

@@ -325,6 +325,9 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
         (dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2), "PP=2, TP=2"),
         (dict(context_parallel_size=2, mtp_num_layers=1), "multi-token prediction"),
         (dict(hybrid_context_parallel=True), "hybrid-context-parallel"),
+        (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), "virtual"),
+        (dict(reset_attention_mask=True, reset_position_ids=False), "add --reset-position-ids"),
+        (dict(context_parallel_size=1, reset_attention_mask=True), "add --reset-position-ids"),
     ],
 )
 def test_settings_sap_would_get_wrong_are_refused(settings: dict, match: str) -> None:

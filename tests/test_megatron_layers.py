@@ -132,6 +132,11 @@ def test_bad_forward_inputs_are_rejected() -> None:
         attn(q, k, v, None, packed_seq_params=_params(CU, cu_seqlens_q_padded=other))
     with pytest.raises(ValueError, match="tokens"):
         attn(q[:-4], k[:-4], v[:-4], None, packed_seq_params=_params(CU))
+    rows = [t[:16].reshape(8, 2, *t.shape[1:]) for t in (q, k, v)]  # SBHD, two unpacked rows of 8
+    padding = torch.zeros(2, 1, 8, 8, dtype=torch.bool)
+    with pytest.raises(ValueError, match="takes no padding mask"):
+        attn(*rows, padding, attn_mask_type=AttnMaskType.padding_causal)
+    assert attn(*rows, padding, attn_mask_type=AttnMaskType.causal).shape == (8, 2, q.shape[1] * q.shape[2])
 
 
 @pytest.mark.parametrize("interleaved", [False, True])

@@ -36,6 +36,13 @@ def test_flags_file_requires_data_and_tokenizer() -> None:
     assert result.returncode != 0 and "DATA_PATH" in result.stderr
 
 
+def test_flags_take_a_calibration_file_instead_of_the_preset() -> None:
+    assert "--sap-cost-preset" in _training_flags() and "--sap-calibration-file" not in _training_flags()
+    flags = _training_flags(SAP_CALIBRATION_FILE="/data/calibration.json")
+    assert "--sap-cost-preset" not in flags
+    assert flags[flags.index("--sap-calibration-file") + 1] == "/data/calibration.json"
+
+
 def test_sap_flags_in_the_scripts_parse() -> None:
     pytest.importorskip("megatron.core")
     from megatron_sap.megatron import add_sap_args

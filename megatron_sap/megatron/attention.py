@@ -102,6 +102,13 @@ class SAPDotProductAttention(MegatronModule):
                 raise ValueError(f"packed SBHD input needs batch size 1, got {query.size(1)}")
             out = self._packed(query[:, 0], key[:, 0], value[:, 0], packed_seq_params)
             return out.flatten(1).unsqueeze(1)
+        if mask_type == AttnMaskType.padding_causal and attention_mask is not None:
+            # A causal mask type ignores the mask (as Megatron's TE attention does); a padding
+            # mask would mark tokens to leave out, which rows of whole sequences cannot.
+            raise ValueError(
+                "SAP attention over unpacked SBHD rows takes no padding mask (attn_mask_type padding_causal with an "
+                "attention_mask): pack the rows (THD with packed_seq_params) so padding is its own document"
+            )
         return self._rows(query, key, value)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> Tensor:

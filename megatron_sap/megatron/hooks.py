@@ -112,6 +112,16 @@ def _refuse_unsupported(args: Any) -> None:
         )
     if getattr(args, "hybrid_context_parallel", False):
         raise ValueError("SAP replaces context parallelism; it cannot run with --hybrid-context-parallel")
+    if pp > 1 and getattr(args, "virtual_pipeline_model_parallel_size", None):
+        raise ValueError(
+            "SAP does not support a virtual (interleaved) pipeline (--num-layers-per-virtual-pipeline-stage / "
+            "--num-virtual-stages-per-pipeline-rank): its middle model chunks get no packed-sequence parameters"
+        )
+    if getattr(args, "reset_attention_mask", False) and not getattr(args, "reset_position_ids", False):
+        raise ValueError(
+            "SAP finds the documents of a row from its position ids: add --reset-position-ids to "
+            "--reset-attention-mask (without it every row would be one document)"
+        )
 
 
 def wrap_initialize_model_parallel(initialize: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
