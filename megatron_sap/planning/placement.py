@@ -917,12 +917,11 @@ class _WholeBuild(Build):
     packing is found. Its floor before the search is the mean compute, which no
     placement beats; the search and the tally are its one step."""
 
-    def __init__(self, index: int, doc_starts: list[int], lengths: list[int], capacity: int, tally: Tally):
+    def __init__(self, index: int, doc_starts: list[int], lengths: list[int], costs: list[int], capacity: int,
+                 tally: Tally):
         self.names, self.indices, self.index, self.tally = ("whole",), (index,), index, tally
-        self.starts, self.lengths, self.capacity = doc_starts, lengths, capacity
-        tile = tally.model.tile
-        self.costs = [_tile_pairs(tile, 0, n) for n in lengths]
-        self.floor_s = sum(self.costs) / len(tally.tiles) * tally.pair_s * (1.0 + tally.backward_factor)
+        self.starts, self.lengths, self.costs, self.capacity = doc_starts, lengths, costs, capacity
+        self.floor_s = sum(costs) / len(tally.tiles) * tally.pair_s * (1.0 + tally.backward_factor)
 
     def step(self) -> list[Build]:
         R, tile = len(self.tally.tiles), self.tally.model.tile
@@ -994,5 +993,7 @@ def candidates(
         members.append((greedy_name(spread_slack, "zigzag", spread=True), 2 * len(slacks), spread_slack, "zigzag", True))
         builds.append(_ZigzagBuild(2 * len(slacks) + 1, doc_starts, lengths, capacity, Tally(num_ranks, inner_size, model)))
         builds.append(_ContiguousBuild(2 * len(slacks) + 2, doc_starts, lengths, capacity, Tally(num_ranks, inner_size, model)))
-        builds.append(_WholeBuild(2 * len(slacks) + 3, doc_starts, lengths, capacity, Tally(num_ranks, inner_size, model)))
+        if max(lengths, default=0) <= capacity:  # else no packing keeps every document whole
+            builds.append(_WholeBuild(2 * len(slacks) + 3, doc_starts, lengths, passes.cost, capacity,
+                                      Tally(num_ranks, inner_size, model)))
     return [passes.build(members)] + builds if members else builds
