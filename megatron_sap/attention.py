@@ -268,7 +268,7 @@ def sap_attention(
     _check_inputs(q, k, v, plan, groups)
     # The backend and dtype are checked here, before any exchange is posted: an error
     # raised between posting and waiting would leave the peers' transfers pending.
-    backend = resolve_backend(backend, q.device, q.dtype)
+    backend = resolve_backend(backend, q.device, q.dtype, q.shape[2])
     if check_finite if check_finite is not None else os.environ.get("MEGATRON_SAP_CHECK_FINITE") == "1":
         _check_finite(q, k, v)
     if groups is not None and groups.world_size > 1 and check_agreement:

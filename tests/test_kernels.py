@@ -370,6 +370,20 @@ def test_backend_resolution():
         assert resolve_backend("auto", "cuda", torch.float32) == "torch"
 
 
+def test_backend_resolution_weighs_the_head_dim(monkeypatch):
+    """Where a flash backend is available, "auto" takes it only for head dims the flash
+    kernels run (a multiple of 8, at most 256), and an explicit flash backend refuses
+    the others before any kernel runs."""
+    import megatron_sap.kernels as kernels
+
+    monkeypatch.setattr(kernels, "available_backends", lambda device=None: ["aten-flash", "torch"])
+    assert resolve_backend("auto", "cpu", torch.bfloat16, head_dim=128) == "aten-flash"
+    assert resolve_backend("auto", "cpu", torch.bfloat16, head_dim=100) == "torch"
+    assert resolve_backend("auto", "cpu", torch.bfloat16, head_dim=512) == "torch"
+    with pytest.raises(ValueError, match=r"head_dim % 8 == 0 and head_dim <= 256, got 100"):
+        resolve_backend("aten-flash", "cpu", torch.bfloat16, head_dim=100)
+
+
 def _bad_inputs():
     q, kv = torch.randn(6, 4, 8), torch.randn(6, 2, 8)
     cu = _cu([2, 4])

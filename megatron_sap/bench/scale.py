@@ -46,7 +46,7 @@ class MethodPoint:
     inner: int  # U: ranks of the inner (head-parallel, intra-node) level; P = U * R
     method: str
     time_s: float  # modelled layer time (makespan), forward + backward
-    ideal_s: float  # total tile work / P at full rate, no communication
+    ideal_s: float  # every document computed whole, tile-rounded, / P at full rate, no communication
     compute_s: float  # kernel time of the busiest rank, forward + backward
     comm_s: float  # transfer time of the busiest sender, forward + backward, no overlap
     sent_bytes_mean: float  # per rank, forward + backward

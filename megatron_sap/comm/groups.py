@@ -64,7 +64,7 @@ class SAPGroups:
         """Adopt existing groups, e.g. Megatron's CP group and hierarchical CP groups [inner, outer].
 
         A missing sub-group is derived from the other's size; with neither, the CP group is one
-        outer ring (inner_size 1), like Megatron's plain context parallelism. ValueError when the
+        outer group (inner_size 1), like Megatron's plain context parallelism. ValueError when the
         groups do not form SAP's layout around this rank.
         """
         cp_ranks = tuple(dist.get_process_group_ranks(cp_group))

@@ -1,7 +1,7 @@
 """Batched point-to-point exchanges for the compiled program.
 
-One step of the program sends one contiguous buffer to one peer and receives one
-from another, posted together with `batch_isend_irecv` so NCCL and gloo can run them
+One step of the program sends one contiguous buffer to a peer and receives one from
+it (its partner in that exchange round; either side may be empty), posted together with `batch_isend_irecv` so NCCL and gloo can run them
 while the caller computes. Posting and `wait` turn a failure (a dead peer, a timeout)
 into an error naming the step and the peers.
 

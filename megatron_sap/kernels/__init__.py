@@ -30,7 +30,7 @@ import re
 import torch
 from torch import Tensor
 
-from . import torch_backend
+from . import aten_flash, torch_backend  # aten_flash imports only torch; flash_attn_backend stays lazy
 from .merge import merge_into, merge_partials
 from .torch_backend import check_cu_seqlens
 
@@ -83,13 +83,15 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
     return names
 
 
-def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> str:
-    """Map "auto" to the fastest backend for (device, dtype); check an explicit name is usable there."""
+def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int | None = None) -> str:
+    """Map "auto" to the fastest backend for (device, dtype, head_dim); check an explicit
+    name is usable there (the head dim too, when given)."""
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; expected one of {list(_FLOAT_DTYPES)}")
     available = available_backends(device)
+    flash_head_dim = head_dim is None or aten_flash.head_dim_supported(head_dim)
     if name == "auto":
-        if dtype in _FLASH_DTYPES and available[0] != "torch":
+        if dtype in _FLASH_DTYPES and available[0] != "torch" and flash_head_dim:
             return available[0]
         return "torch"
     if name not in ("flash-attn", "aten-flash", "torch"):
@@ -98,6 +100,8 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype) -
         raise ValueError(f"attention backend {name!r} is not available on {device}; available: {available}")
     if name != "torch" and dtype not in _FLASH_DTYPES:
         raise ValueError(f"attention backend {name!r} needs float16 or bfloat16 inputs, got {dtype}; use 'torch'")
+    if name != "torch" and head_dim is not None:
+        aten_flash.check_head_dim(head_dim)
     return name
 
 
@@ -148,8 +152,6 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _flash_module(backend: str):
     if backend == "aten-flash":
-        from . import aten_flash
-
         return aten_flash
     from . import flash_attn_backend
 
@@ -179,7 +181,7 @@ def varlen_forward(
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    name = resolve_backend(backend, q.device, q.dtype)
+    name = resolve_backend(backend, q.device, q.dtype, q.shape[2])
     if q.shape[0] == 0 or k.shape[0] == 0:
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_lse_dtype(q.dtype), device=q.device)
         return torch.zeros_like(q), lse
@@ -221,7 +223,7 @@ def varlen_backward(
     if not (dout.device == out.device == lse.device == q.device):
         raise ValueError(f"dout, out, lse must be on q's device {q.device}, got {dout.device}, {out.device}, {lse.device}")
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    name = resolve_backend(backend, q.device, q.dtype)
+    name = resolve_backend(backend, q.device, q.dtype, q.shape[2])
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if name == "torch":

@@ -23,9 +23,14 @@ from torch import Tensor
 _MAX_HEAD_DIM = 256
 
 
-def check_head_dim(dim: int) -> None:
+def head_dim_supported(dim: int) -> bool:
     """The flash kernels need a head dim that is a multiple of 8 and at most 256."""
-    if dim % 8 != 0 or dim > _MAX_HEAD_DIM:
+    return dim % 8 == 0 and dim <= _MAX_HEAD_DIM
+
+
+def check_head_dim(dim: int) -> None:
+    """ValueError unless `head_dim_supported(dim)`."""
+    if not head_dim_supported(dim):
         raise ValueError(f"flash kernels need head_dim % 8 == 0 and head_dim <= {_MAX_HEAD_DIM}, got {dim}; use backend='torch'")
 
 

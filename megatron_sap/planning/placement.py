@@ -5,7 +5,9 @@ Every rank holds exactly `capacity` tokens. Candidate strategies:
 - ``greedy``: documents in order of decreasing cost; a document stays whole on the
   least-loaded rank that has room when that keeps the rank within `(1 + slack)` of the
   ideal load, otherwise it is split over the fewest ranks `k` that do, as `2k` chunks
-  paired head-to-tail (rank i holds chunks i and 2k-1-i) so causal work balances.
+  paired head-to-tail (rank i holds chunks i and 2k-1-i) so causal work balances, or
+  as k consecutive chunks (the ``contiguous`` split); chunks are whole kernel tiles
+  where the document has enough, token-level where the ranks' room is not whole tiles.
   What no longer fits whole is cut over the ranks with the most room. With `spread`, a
   document heavier than one rank's share of the work goes over as many ranks as it can.
 - ``zigzag``: every document split over all ranks in 2R paired chunks (the ring layout

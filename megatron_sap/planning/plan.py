@@ -329,15 +329,15 @@ def plan_sequences(
     """Plan one packed batch for a CP group of `outer_size * inner_size` ranks.
 
     Every rank holds exactly T / P tokens. Candidate placements (sequence-aware greedy
-    at several load slacks, zigzag over all ranks, contiguous) are evaluated with the
-    cost model; the one with the lowest modelled forward+backward layer time wins
-    (within 1%, the one that moves fewer bytes). The search stops at the first
-    candidate within 1% of the lower bound (all compute spread evenly, no
-    communication but the Ulysses all-to-alls), which no other candidate could beat
-    by more than that; a candidate is given up as soon as the compute or the transfers
-    of one of its ranks alone make it over 1% slower than the fastest so far, or when
-    it already moves more KV tokens than a finished candidate no slower than its floor
-    (`Plan.pruned`).
+    at several load slacks and two split modes, a spread greedy pass, zigzag over all
+    ranks, contiguous, every document whole) are evaluated with the cost model; the one
+    with the lowest modelled forward+backward layer time wins (within 1%, the one that
+    moves fewer bytes). The search stops at the first candidate within 1% of the lower
+    bound (every document computed whole, spread evenly, no communication but the
+    Ulysses all-to-alls), which no other candidate could beat by more than that; a
+    candidate is given up as soon as the floor of its ranks' pipelines makes it over 1%
+    slower than the fastest so far, or when it already moves more KV tokens than a
+    finished candidate no slower than its floor (`Plan.pruned`).
     `cost_model` is a `CostModel` or a preset name (default: the `h100` preset); `slacks`
     the load slacks of the greedy passes (non-negative).
     Plans are cached by (cu_seqlens, sizes, cost model): a repeated batch shape costs a
