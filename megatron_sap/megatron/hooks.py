@@ -117,6 +117,8 @@ def _refuse_unsupported(args: Any) -> None:
             "SAP does not support a virtual (interleaved) pipeline (--num-layers-per-virtual-pipeline-stage / "
             "--num-virtual-stages-per-pipeline-rank): its middle model chunks get no packed-sequence parameters"
         )
+    if (getattr(args, "micro_batch_size", 1) or 1) > 1:
+        raise ValueError(f"SAP trains one packed row per micro-batch: use --micro-batch-size 1 (got {args.micro_batch_size})")
     if getattr(args, "reset_attention_mask", False) and not getattr(args, "reset_position_ids", False):
         raise ValueError(
             "SAP finds the documents of a row from its position ids: add --reset-position-ids to "
