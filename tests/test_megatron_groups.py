@@ -72,6 +72,37 @@ def test_flat_cp_is_one_outer_ring(pool4) -> None:
     assert pool4.run(flat_cp_rank) == [(1, 4)] * 4
 
 
+def node_size_rank(rank: int, world_size: int, gpus_per_node: int | None) -> tuple[int, list[str]]:
+    """SAPGroups' node size from the SAP options (LOCAL_WORLD_SIZE through the flags), and the
+    warnings when the 4-rank inner group leaves a node of that size."""
+    import warnings
+
+    from megatron.core import parallel_state
+
+    from megatron_sap.megatron import sap_groups_from_parallel_state
+    from megatron_sap.megatron.options import reset_sap_options, set_sap_options
+
+    try:
+        if gpus_per_node is not None:
+            set_sap_options(gpus_per_node=gpus_per_node)
+        parallel_state.initialize_model_parallel(context_parallel_size=world_size,
+                                                 hierarchical_context_parallel_sizes=[world_size, 1])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            groups = sap_groups_from_parallel_state()
+        return groups.gpus_per_node, [str(w.message) for w in caught if "spans nodes" in str(w.message)]
+    finally:
+        parallel_state.destroy_model_parallel()
+        reset_sap_options()
+
+
+def test_groups_take_the_node_size_from_the_options(pool4) -> None:
+    assert [r[0] for r in pool4.run(node_size_rank, None)] == [8] * 4
+    assert all(not r[1] for r in pool4.run(node_size_rank, None))
+    spanning = pool4.run(node_size_rank, 2)
+    assert [r[0] for r in spanning] == [2] * 4 and all(r[1] for r in spanning)
+
+
 def bad_levels_rank(rank: int, world_size: int) -> str:
     from megatron_sap.megatron import initialize_sap_parallel
 

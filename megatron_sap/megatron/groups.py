@@ -16,6 +16,8 @@ import torch.distributed as dist
 import megatron_sap as sap
 from megatron.core import parallel_state
 
+from .options import get_sap_options
+
 
 def _current_hcp(cp_group: dist.ProcessGroup, hcp: Optional[Sequence[Any]]) -> Optional[Sequence[Any]]:
     """`hcp` if it belongs to this CP group, else None.
@@ -40,15 +42,19 @@ def _sap_groups(cp_group: Optional[dist.ProcessGroup], hcp: Optional[Sequence[An
     if cp_group is None or cp_group.size() == 1:
         return None
     hcp = _current_hcp(cp_group, hcp)
+    # GPUs per node, for the warning when an inner group leaves its node: LOCAL_WORLD_SIZE when
+    # the launcher set it (the SAP options take it from there), else SAPGroups' default.
+    per_node = get_sap_options().gpus_per_node
+    node = {} if per_node is None else {"gpus_per_node": per_node}
     if hcp is None:
-        return sap.SAPGroups.from_process_groups(cp_group)
+        return sap.SAPGroups.from_process_groups(cp_group, **node)
     if len(hcp) != 2:
         raise ValueError(
             f"SAP uses two context-parallel levels [inner, outer]; got {len(hcp)} hierarchical groups "
             "(--hierarchical-context-parallel-sizes must have two entries)"
         )
     inner, outer = hcp
-    return sap.SAPGroups.from_process_groups(cp_group, inner_group=inner, outer_group=outer)
+    return sap.SAPGroups.from_process_groups(cp_group, inner_group=inner, outer_group=outer, **node)
 
 
 def sap_groups_from_pg_collection(pg_collection: Any = None) -> Optional["sap.SAPGroups"]:
