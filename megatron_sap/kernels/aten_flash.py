@@ -87,8 +87,8 @@ def _padded_lse(device: torch.device) -> bool:
 def run_forward(kernel, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                 max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
     """A flash varlen forward `kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, kernel lse)`
-    in this package's conventions: (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32)."""
-    check_head_dim(q.shape[2])
+    in this package's conventions: (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32). The head dim
+    was checked by `resolve_backend`."""
     cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
     out, lse = kernel(
         q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k,
@@ -102,7 +102,6 @@ def run_backward(kernel, padded_lse: bool, dout: Tensor, q: Tensor, k: Tensor, v
                  softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """A flash varlen backward `kernel(dout, q, k, v, out, kernel lse, cu_q, cu_k, max_q, max_k, causal, scale)
     -> (dq, dk, dv)` against the given out/lse (the kernel recomputes D = rowsum(dout * out) from them)."""
-    check_head_dim(q.shape[2])
     cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
     max_q = kernel_max_seqlen_q(max_seqlen_q)
     return kernel(

@@ -217,11 +217,11 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
 
     transfers: list[Transfer] = []
     for round_ in range(R):
-        dst = src = exchange_partner(rank, round_, R)
-        if dst == rank:
+        peer = exchange_partner(rank, round_, R)
+        if peer == rank:
             continue
-        send = layout.needed(rank, dst)
-        recv = layout.needed(src, rank)
+        send = layout.needed(rank, peer)
+        recv = layout.needed(peer, rank)
         if not send and not recv:
             continue
         keys, pos = [], 0
@@ -232,9 +232,9 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
         transfers.append(
             Transfer(
                 round=round_,
-                send_peer=dst if send else None,
+                send_peer=peer if send else None,
                 send_rows=torch.tensor(send_rows, dtype=torch.long) if send else None,
-                recv_peer=src if recv else None,
+                recv_peer=peer if recv else None,
                 recv_tokens=pos,
                 calls=_full_calls(layout, rank, keys),
             )
