@@ -1,9 +1,10 @@
 """Batched point-to-point exchanges for the compiled program.
 
 One step of the program sends one contiguous buffer to a peer and receives one from
-it (its partner in that exchange round; either side may be empty), posted together with `batch_isend_irecv` so NCCL and gloo can run them
-while the caller computes. Posting and `wait` turn a failure (a dead peer, a timeout)
-into an error naming the step and the peers.
+it (its partner in that exchange round; either side may be empty), posted together
+with `batch_isend_irecv` so NCCL and gloo can run them while the caller computes.
+Posting and `wait` turn a failure (a dead peer, a timeout) into an error naming the step
+and the peers.
 
 Inside `local_exchanges()` nothing is sent and every receive buffer is zero-filled:
 one rank of a multi-rank op then runs alone in this process with exactly the buffers

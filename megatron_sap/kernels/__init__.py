@@ -140,8 +140,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
     if cu_seqlens_q.device.type == "cpu":
         for name, cu, tokens, max_seqlen in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
                                              ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
-            check_cu_seqlens(cu, tokens, name)
-            longest = int(torch.diff(cu).max()) if cu.numel() > 1 else 0
+            longest = check_cu_seqlens(cu, tokens, name)
             if max_seqlen < longest:  # the flash kernels would silently skip the rest
                 raise ValueError(f"max_seqlen for {name} is {max_seqlen}, below its longest segment ({longest})")
 

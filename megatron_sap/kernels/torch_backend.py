@@ -56,8 +56,9 @@ CHUNK_SCORES = 1 << 22  # score elements (pairs * Hq * block_q * block_k) per ch
 PLAN_CACHE_SIZE = 32
 
 
-def check_cu_seqlens(cu: Tensor, total: int, name: str) -> None:
-    """Raise ValueError unless `cu` (on the CPU) starts at 0, never decreases and ends at `total`."""
+def check_cu_seqlens(cu: Tensor, total: int, name: str) -> int:
+    """Raise ValueError unless `cu` (on the CPU) starts at 0, never decreases and ends at
+    `total`; return its longest segment."""
     if cu.numel() == 0:
         raise ValueError(f"{name} must hold at least one entry (0), got an empty tensor")
     if int(cu[0]) != 0:
@@ -68,6 +69,7 @@ def check_cu_seqlens(cu: Tensor, total: int, name: str) -> None:
         raise ValueError(f"{name} must be non-decreasing, but {name}[{at}]={int(cu[at])} > {name}[{at + 1}]={int(cu[at + 1])}")
     if int(cu[-1]) != total:
         raise ValueError(f"{name} must end at the number of tokens {total}, got {int(cu[-1])}")
+    return int(steps.max()) if len(steps) else 0
 
 
 @dataclass(frozen=True)

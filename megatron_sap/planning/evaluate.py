@@ -99,7 +99,7 @@ def ulysses_cost(model: CostModel, group_tokens: float, inner_size: int) -> tupl
     if U <= 1:
         return 0.0, 0.0
     tokens = group_tokens / U
-    replicated_kv = model.kv_bytes_per_token * max(model.num_kv_heads, U) / model.num_kv_heads
+    replicated_kv = U * model.inner_kv_bytes_per_token(U)  # every inner rank's share, heads replicated
     per_pass = (U - 1) / U * tokens * (2 * model.q_bytes_per_token + replicated_kv)
     latency = model.message_latency_us * 1e-6
     return 2 * per_pass, 2 * (2 * (U - 1) * latency + per_pass / model.bandwidth(LINK_INTRA))
