@@ -25,8 +25,8 @@ and the torch backend's accuracy on the GPU in float32. Then, for SAP itself:
     alone with local exchanges), beside the formulas;
   * method_kernel_times: each method's attention work per rank (SAP, p2p,
     all_gather, a2a) on one packed batch of real documents, each rank's calls run
-    in turn; the calibration derived from SAP's ranks is written next to the report
-    (calibration.json, readable by CostModel.from_calibration).
+    in turn; the cost model's compute rates fitted to every rank of every method are
+    written next to the report (calibration.json, readable by CostModel.from_calibration).
 """
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ import functools
 import json
 import math
 import random
+import shutil
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -158,8 +160,8 @@ def _no_host_syncs(backend: str) -> dict:
     """Forward and backward (including first-use probes) under set_sync_debug_mode("error")."""
     from megatron_sap.kernels import aten_flash, flash_attn_backend
 
-    aten_flash._padded_lse.cache_clear()
-    flash_attn_backend._padded_lse.cache_clear()
+    aten_flash.varlen.padded_lse.cache_clear()
+    flash_attn_backend.varlen.padded_lse.cache_clear()
     lengths = [5, 0, 300, 1, 2000, 64]
     cu, longest = _cu(lengths), max(lengths)
     q, k, v, dout = _batch(lengths, 32, 8, 128, torch.bfloat16, 0)
@@ -231,8 +233,6 @@ def _speed(backend: str) -> dict:
             "forward_tflops": fwd_flops / fwd_ms / 1e9,
             "backward_tflops": 2.5 * fwd_flops / bwd_ms / 1e9,
         }
-        del q, k, v, dout, out, lse
-        torch.cuda.empty_cache()
     return {"ok": True, "shape": {"heads_q": heads_q, "heads_kv": heads_kv, "head_dim": dim, "dtype": "bfloat16"}, **results}
 
 
@@ -313,41 +313,37 @@ def sap_no_host_syncs() -> dict:
 
 
 def method_kernel_times() -> dict:
-    """Per-rank kernel time of each method's work on one packed batch of real documents; calibration."""
+    """Per-rank kernel time of each method's work on one packed batch of real documents, and the
+    cost model's compute rates fitted to every rank of every method (calibration.json)."""
     from megatron_sap.bench.data import document_lengths
-    from megatron_sap.bench.kernel_time import rank_work, time_work
+    from megatron_sap.bench.kernel_time import fit_calibration, rank_work, time_work
     from megatron_sap.bench.packing import pack
     from megatron_sap.planning import CostModel
 
     heads_q, heads_kv, dim, world = 32, 8, 128, 8
     model = CostModel.preset("h200")
     results: dict = {"shape": {"heads_q": heads_q, "heads_kv": heads_kv, "head_dim": dim, "world": world}}
-    flops = seconds_fwd = seconds_bwd = 0.0
+    samples = []
     for corpus, total in (("stdlib", 32768), ("sharegpt", 131072)):
         cu = pack(document_lengths(corpus), total, 1, seed=0)[0]
         for method in ("sap", "p2p", "all_gather", "a2a"):
             fwd, bwd = [], []
             for work in rank_work(method, cu, world, cost_model=model):
                 f, b = time_work(work, heads_q, heads_kv, dim, device=DEVICE, dtype=torch.bfloat16, repeats=5)
+                samples.append((work, f, b))
                 fwd.append(f * 1e3)
                 bwd.append(b * 1e3)
-                if method == "sap":
-                    flops += work.pairs * 4 * dim * heads_q * work.head_fraction
-                    seconds_fwd += f
-                    seconds_bwd += b
             results[f"{corpus}/T={total}/{method}"] = {
                 "forward_ms_per_rank": [round(x, 3) for x in fwd],
                 "backward_ms_per_rank": [round(x, 3) for x in bwd],
                 "max_over_mean": max(f + b for f, b in zip(fwd, bwd)) / (sum(fwd) + sum(bwd)) * world,
             }
-    calibration = {
-        "cost_model": {
-            "name": "h200",
-            "attention_tflops": flops / seconds_fwd / 1e12,
-            "backward_factor": seconds_bwd / seconds_fwd,
-        },
-        "source": "scripts/gpu_check.py method_kernel_times (SAP ranks, bf16, Hq=32 Hkv=8 D=128)",
-    }
+    calibration = fit_calibration(samples, model)
+    calibration["source"] = (
+        f"scripts/gpu_check.py method_kernel_times: {torch.cuda.get_device_name(DEVICE)}, torch {torch.__version__}, "
+        f"backend {_flash_backends()[0] if _flash_backends() else 'torch'}, bf16, Hq={heads_q} Hkv={heads_kv} D={dim}, "
+        f"{datetime.date.today().isoformat()}"
+    )
     results["calibration"] = calibration
     CALIBRATION_OUT.write_text(json.dumps(calibration, indent=2) + "\n")
     return {"ok": True, **results}
@@ -384,17 +380,18 @@ CALIBRATION_OUT = Path("docs/calibration.json")
 # Append further checks here (functions returning a dict with "ok").
 CHECKS: list[Callable[[], dict]] = [
     flash_backends_present,
-    torch_backend_accuracy,
+    method_kernel_times,
     sap_simulated,
     sap_no_host_syncs,
-    method_kernel_times,
     rank_memory,
+    torch_backend_accuracy,
 ]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--out", type=Path, default=Path("docs/gpu_results.json"), help="where to write the JSON report")
+    parser.add_argument("--mirror", type=Path, help="a folder that also gets the report and calibration after every check")
     args = parser.parse_args()
     global CALIBRATION_OUT
     CALIBRATION_OUT = args.out.with_name("calibration.json")
@@ -417,17 +414,23 @@ def main() -> int:
         "checks": {},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for check in CHECKS + _backend_checks():
+    for check in CHECKS[:1] + _backend_checks() + CHECKS[1:]:
         name = check.__name__
         print(f"gpu_check: {name} ...", flush=True)
+        started = time.perf_counter()
         try:
             result = check()
             torch.cuda.synchronize()
         except Exception as error:  # record and go on with the other checks
             result = {"ok": False, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+        result["seconds"] = round(time.perf_counter() - started, 1)
         report["checks"][name] = result
         report["ok"] = all(result["ok"] for result in report["checks"].values())
         args.out.write_text(json.dumps(report, indent=2) + "\n")  # after every check, in case the run is cut short
+        if args.mirror:
+            for path in (args.out, CALIBRATION_OUT):
+                if path.exists():
+                    shutil.copy(path, args.mirror / path.name)
         print(f"gpu_check: {name}: {'ok' if result['ok'] else 'FAILED'}", flush=True)
 
     print(f"gpu_check: {'all checks passed' if report['ok'] else 'SOME CHECKS FAILED'}; report in {args.out}")

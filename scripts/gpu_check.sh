@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check the CUDA attention kernels on this machine's GPU; writes docs/gpu_results.json and
-# docs/calibration.json (and copies both to $OUT when that is set).
+# docs/calibration.json (and copies both to $OUT after every check when that is set).
 #
 #   bash scripts/gpu_check.sh --prepare   # where the tokenizer and corpus packages are installed:
 #                                         # cache the real corpora's document lengths in .cache/megatron_sap
@@ -14,8 +14,5 @@ if [ "${1:-}" = "--prepare" ]; then
 fi
 rm -f docs/gpu_results.json docs/calibration.json  # what is copied below is this run's
 status=0
-"$PYTHON" scripts/gpu_check.py --out docs/gpu_results.json "$@" || status=$?
-if [ -n "${OUT:-}" ]; then
-    cp docs/gpu_results.json docs/calibration.json "$OUT"/ 2>/dev/null || true
-fi
+"$PYTHON" scripts/gpu_check.py --out docs/gpu_results.json ${OUT:+--mirror "$OUT"} "$@" || status=$?
 exit "$status"

@@ -1,6 +1,8 @@
 """Benchmark data: real corpus lengths, synthetic mixes and Megatron-style packing."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -232,3 +234,34 @@ def test_modelled_targets_judge_sap_at_its_fastest_layout():
     slower = {t.name.split()[1]: t for t in modelled_targets(baselines + [_point("sap", 8, 1.6, sent=4.0)])}
     assert not slower["has"].met and "8x4: 1.07x of a2a+p2p" in slower["has"].detail
     assert not slower["moves"].met and "40.0%" in slower["moves"].detail
+
+
+def test_gpu_section_renders_the_gpu_check_report(tmp_path):
+    from megatron_sap.bench.gpu_report import gpu_section
+
+    assert gpu_section(tmp_path / "missing.json") is None
+    times = {"forward_ms_per_rank": [1.0, 2.0], "backward_ms_per_rank": [2.0, 4.0], "max_over_mean": 4 / 3}
+    report = {
+        "date": "2026-01-02T03:04:05+00:00", "device": "Some GPU", "torch": "2.x", "cuda": "13.0", "flash_attn": None,
+        "ok": False,
+        "checks": {
+            "aten-flash/accuracy": {"ok": True, "max_error": 0.005, "tolerance": 0.02, "seconds": 1.0},
+            "rank_memory": {"ok": False, "error": "RuntimeError: out of memory"},
+            "method_kernel_times": {
+                "ok": True, "shape": {"world": 2},
+                "stdlib/T=32768/sap": times,
+                "stdlib/T=32768/p2p": {**times, "forward_ms_per_rank": [3.0, 3.0]},
+                "calibration": {"cost_model": {"attention_tflops": 300.0, "backward_factor": 2.8}, "ranks": 4,
+                                "relative_error": {"median": -0.01, "min": -0.3, "max": 0.1}},
+            },
+        },
+    }
+    path = tmp_path / "gpu_results.json"
+    path.write_text(json.dumps(report))
+    title, body = gpu_section(path)
+    assert "Some GPU, 2026-01-02" in title and "flash-attn not installed" in title
+    assert "did NOT pass" in body and "FAILED: RuntimeError: out of memory" in body
+    assert "| stdlib/T=32768 | sap | 6.00 | 4.50 | 1.333 | 1.00x |" in body
+    assert "| stdlib/T=32768 | p2p | 7.00 | 6.00 | 1.333 | 1.17x |" in body
+    assert "300 TFLOP/s forward and a backward factor of 2.80" in body
+    assert "Peak memory" not in body  # the failed check has no table

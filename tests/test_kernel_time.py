@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from megatron_sap.bench.kernel_time import query_runs, rank_work, time_work
+from megatron_sap.bench.kernel_time import RankWork, fit_calibration, modelled_pairs, query_runs, rank_work, time_work
+from megatron_sap.planning import CostModel
 from sap_cases import random_cu_seqlens
 
 
@@ -33,3 +34,29 @@ def test_time_work_runs_on_cpu():
     (work,) = rank_work("sap", cu, 1)
     forward, backward = time_work(work, 4, 2, 16, device="cpu", dtype=torch.float32, repeats=1)
     assert forward > 0 and backward > 0
+
+
+def test_modelled_pairs_round_each_run_to_tiles():
+    model = CostModel.preset("h100", tile=4)
+    # queries 5..9 of a document from 0: keys 0..4 full (2 x 2 tiles), diagonal 5x5 (3 tiles); a 3-token doc: 1 tile
+    work = RankWork(((0, 5, 10), (10, 10, 13)), head_fraction=0.5)
+    assert modelled_pairs(work, model) == 0.5 * 16 * (4 + 3 + 1)
+
+
+def test_calibration_recovers_the_rates_that_made_the_times():
+    truth = CostModel.preset("h200", attention_tflops=123.0, backward_factor=2.7)
+    cu = random_cu_seqlens(random.Random(5), 8 * 512, "mixture")
+    samples = []
+    for method in ("sap", "p2p", "all_gather"):
+        for work in rank_work(method, cu, 8, cost_model=truth):
+            forward = truth.compute_seconds(modelled_pairs(work, truth))
+            samples.append((work, forward, forward * 2.7))
+    fit = fit_calibration(samples, CostModel.preset("h200"))
+    assert fit["cost_model"]["attention_tflops"] == pytest.approx(123.0)
+    assert fit["cost_model"]["backward_factor"] == pytest.approx(2.7)
+    assert max(abs(e) for e in fit["relative_error"].values()) < 1e-9
+    assert CostModel.from_calibration(fit).attention_tflops == pytest.approx(123.0)
+    slow_rank = [(samples[0][0], samples[0][1] * 2, samples[0][2] * 2), *samples[1:]]
+    assert fit_calibration(slow_rank, CostModel.preset("h200"))["relative_error"]["min"] < -0.4
+    with pytest.raises(ValueError, match="at least one rank"):
+        fit_calibration([(samples[0][0], 0.0, 0.0)], truth)

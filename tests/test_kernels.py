@@ -532,7 +532,7 @@ def test_flash_attn_adapter_across_versions(monkeypatch, new_api):
     package, interface = _fake_flash_attn(new_api)
     monkeypatch.setitem(sys.modules, "flash_attn", package)
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
-    flash_attn_backend._padded_lse.cache_clear()
+    flash_attn_backend.varlen.padded_lse.cache_clear()
 
     gen = torch.Generator().manual_seed(19)
     # One query per segment (max_seqlen_q = 1, the kernels' decoding case), a zero-length segment, one without keys.
@@ -546,4 +546,4 @@ def test_flash_attn_adapter_across_versions(monkeypatch, new_api):
     grads = flash_attn_backend.backward(dout, q, k, v, out, lse, cu_q, cu_k, 1, 4, causal=True, softmax_scale=0.25)
     wanted = torch_backend.backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True, softmax_scale=0.25)
     assert all(torch.equal(got, want) for got, want in zip(grads, wanted))
-    flash_attn_backend._padded_lse.cache_clear()
+    flash_attn_backend.varlen.padded_lse.cache_clear()

@@ -69,6 +69,18 @@ def test_thd_matches_dense_reference_with_gqa() -> None:
     torch.testing.assert_close(out, expected.float().flatten(1), rtol=1e-5, atol=1e-5)
 
 
+def test_first_call_logs_the_kernels_once(monkeypatch, caplog) -> None:
+    from megatron_sap.megatron import attention
+
+    monkeypatch.setattr(attention, "_announced", False)
+    q, k, v = _qkv(CU[-1])
+    with caplog.at_level("INFO", logger=attention.__name__):
+        for _ in range(2):
+            _attention()(q, k, v, None, packed_seq_params=_params(CU))
+    lines = [r.getMessage() for r in caplog.records if "megatron-sap" in r.getMessage()]
+    assert len(lines) == 1 and "kernels 'torch' (backend='auto')" in lines[0] and "no context parallelism" in lines[0]
+
+
 @pytest.mark.parametrize("qk_dim, v_dim", [(24, 16), (16, 24)], ids=["mla-values-smaller", "values-larger"])
 def test_value_head_dim_may_differ(qk_dim: int, v_dim: int) -> None:
     """MLA: values have their own head dim; output and gradients match the dense reference."""

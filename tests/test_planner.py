@@ -695,8 +695,9 @@ def realistic_cu_seqlens(total: int, seed: int) -> list[int]:
 
 
 def candidates_digest(cu: list[int], outer: int, inner: int) -> str:
-    """Hash of every candidate placement and its evaluation (floats to 9 significant digits)."""
-    model = CostModel.preset("h100")
+    """Hash of every candidate placement and its evaluation (floats to 9 significant digits), under
+    fixed rates (not a preset's, which calibration may change)."""
+    model = CostModel(attention_tflops=400.0, backward_factor=2.5)
     text = []
     for placement in candidates_of(cu, outer, inner):
         ev = evaluate(placement, inner, model)

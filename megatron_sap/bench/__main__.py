@@ -8,7 +8,11 @@ the hand-written methodology header, which is kept):
 2. measured: every method's real implementation, forward + backward, on 4 gloo CPU
    processes (T = 8K, small heads): wall time, bytes counted at the send sites, bytes
    per link class, peak tracked memory, next to the model's bytes for the same shape;
-3. scale: the cost-model projection to 1,024 GPUs (`megatron_sap.bench.scale`).
+3. scale: the cost-model projection to 1,024 GPUs (`megatron_sap.bench.scale`);
+
+and, from the GPU check's last report (docs/gpu_results.json, when present), the
+kernel speed, per-rank kernel time of every method, calibration and memory measured
+on a GPU (`megatron_sap.bench.gpu_report`).
 
 Targets are checked on what was computed or measured; a missed target is reported
 as MISSED, never dropped.
@@ -25,6 +29,7 @@ import numpy as np
 from megatron_sap.planning.cost_model import CostModel
 
 from . import measured, planning_time, plots, scale
+from .gpu_report import gpu_section
 from .data import CORPORA, describe, document_lengths
 from .measured import MAX_BYTES_VS_RING
 from .packing import pack
@@ -166,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-measured", action="store_true")
     parser.add_argument("--report", default="docs/benchmarks.md")
     parser.add_argument("--img-dir", default="docs/img")
+    parser.add_argument("--gpu-results", default="docs/gpu_results.json",
+                        help="the GPU check's report, shown as its own section when present")
     args = parser.parse_args(argv)
     img_dir = Path(args.img_dir)
     img_dir.mkdir(parents=True, exist_ok=True)
@@ -199,6 +206,10 @@ def main(argv: list[str] | None = None) -> None:
              "backward runs on rank 0 between barriers; bytes: `count_traffic` at every send site; peak: "
              "`track_peak_memory` (storages allocated during forward + backward, less input copies, output and gradients; includes kernel scratch).\n\n" + measured.measured_table(rows)
              + f"\n\n({time.perf_counter() - t0:.0f} s)")
+
+    gpu = gpu_section(Path(args.gpu_results))
+    if gpu is not None:
+        emit(*gpu)
 
     t0 = time.perf_counter()
     planning = planning_time.measure()

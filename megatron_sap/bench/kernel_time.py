@@ -118,3 +118,38 @@ def time_work(work: RankWork, num_heads: int, num_kv_heads: int, head_dim: int, 
         lambda: varlen_backward(dout, q, k, v, out, lse, *args, causal=True, backend=backend), device, repeats
     )
     return forward, backward
+
+
+def modelled_pairs(work: RankWork, model: CostModel) -> float:
+    """The tile-rounded pairs the cost model charges for `work` (all heads counted as one,
+    times its head fraction): per run, the full block over the earlier keys plus the
+    causal diagonal, as the planner charges a piece."""
+    pairs = sum(
+        model.block_pairs(e - s, s - d, causal=False) + model.block_pairs(e - s, e - s, causal=True)
+        for d, s, e in work.runs
+    )
+    return pairs * work.head_fraction
+
+
+def fit_calibration(samples: list[tuple[RankWork, float, float]], model: CostModel) -> dict:
+    """The cost model's compute rates fitted to measured kernel times.
+
+    `samples` are (work, forward seconds, backward seconds) of ranks of any methods, timed
+    at `model`'s shape. The forward rate is the modelled FLOPs over the measured seconds,
+    summed over every rank (so each rank weighs by its time); the backward factor is the
+    summed backward over forward time. Returns the rates, as `CostModel.from_calibration`
+    reads them under "cost_model", and how far the fitted model's forward + backward time
+    is from the measured one per rank (modelled / measured - 1)."""
+    timed = [(w, f, b) for w, f, b in samples if f > 0 and b > 0]
+    if not timed:
+        raise ValueError("fit_calibration needs at least one rank with measured forward and backward time")
+    flops = [modelled_pairs(w, model) * model.flops_per_pair for w, _, _ in timed]
+    forward_s = sum(f for _, f, _ in timed)
+    tflops = sum(flops) / forward_s / 1e12
+    backward_factor = sum(b for _, _, b in timed) / forward_s
+    errors = [x * (1 + backward_factor) / (tflops * 1e12) / (f + b) - 1 for x, (_, f, b) in zip(flops, timed)]
+    return {
+        "cost_model": {"name": model.name, "attention_tflops": tflops, "backward_factor": backward_factor},
+        "ranks": len(timed),
+        "relative_error": {"median": statistics.median(errors), "min": min(errors), "max": max(errors)},
+    }

@@ -1,9 +1,10 @@
 """PyTorch's built-in FlashAttention-2 varlen kernels (CUDA, fp16/bf16).
 
 Thin wrappers over torch.ops.aten._flash_attention_forward/_backward with
-cum_seq_q/cum_seq_k, adapted to this package's conventions. Nothing here syncs
-the host with the device. The helpers for the lse layout and the head-dim check
-are shared with the flash-attn backend, whose kernels are the same.
+cum_seq_q/cum_seq_k, adapted to this package's conventions by `FlashVarlen`.
+Nothing here syncs the host with the device. `FlashVarlen`, the lse layout
+helpers and the head-dim check are shared with the flash-attn backend, whose
+kernels are the same.
 
 Flash kernel conventions that differ from ours:
   * lse is [Hq, Tq] in recent kernels but [batch, Hq, max_seqlen_q] (padded)
@@ -76,40 +77,6 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor,
     return out, lse
 
 
-@functools.cache
-def _padded_lse(device: torch.device) -> bool:
-    """Whether this build's kernels use the padded [batch, H, max_seqlen_q] lse layout."""
-    x = torch.zeros(1, 1, 8, dtype=torch.float16, device=device)
-    cu = torch.arange(2, dtype=torch.int32, device=device)
-    return _kernel_forward(x, x, x, cu, cu, 2, 1, False, 1.0)[1].dim() == 3
-
-
-def run_forward(kernel, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    """A flash varlen forward `kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, kernel lse)`
-    in this package's conventions: (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32). The head dim
-    was checked by `resolve_backend`."""
-    cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
-    out, lse = kernel(
-        q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k,
-        kernel_max_seqlen_q(max_seqlen_q), int(max_seqlen_k), causal, softmax_scale,
-    )
-    return out, lse_rows(lse, cu_q, q.shape[0])
-
-
-def run_backward(kernel, padded_lse: bool, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                 cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                 softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """A flash varlen backward `kernel(dout, q, k, v, out, kernel lse, cu_q, cu_k, max_q, max_k, causal, scale)
-    -> (dq, dk, dv)` against the given out/lse (the kernel recomputes D = rowsum(dout * out) from them)."""
-    cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
-    max_q = kernel_max_seqlen_q(max_seqlen_q)
-    return kernel(
-        dout.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.to(q.dtype).contiguous(),
-        lse_for_kernel(lse, cu_q, max_q, padded_lse), cu_q, cu_k, max_q, int(max_seqlen_k), causal, softmax_scale,
-    )
-
-
 def _kernel_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
                      cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float):
     unused_rng = torch.zeros(2, dtype=torch.int64, device=q.device)  # read only with dropout
@@ -119,16 +86,49 @@ def _kernel_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     return dq, dk, dv
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-            max_seqlen_k: int, *, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    """Returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32)."""
-    return run_forward(_kernel_forward, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                       softmax_scale)
+class FlashVarlen:
+    """A flash varlen kernel pair behind this package's forward/backward interface.
+
+    `kernel_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, kernel lse)` and
+    `kernel_backward(dout, q, k, v, out, kernel lse, cu_q, cu_k, max_q, max_k, causal, scale)
+    -> (dq, dk, dv)` take the kernels' own conventions; the lse layout they use is probed once
+    per device. The head dim was checked by `resolve_backend`.
+    """
+
+    def __init__(self, kernel_forward, kernel_backward) -> None:
+        self._kernel_forward = kernel_forward
+        self._kernel_backward = kernel_backward
+        self.padded_lse = functools.cache(self._probe_padded_lse)
+
+    def _probe_padded_lse(self, device: torch.device) -> bool:
+        """Whether the kernels use the padded [batch, H, max_seqlen_q] lse layout."""
+        x = torch.zeros(1, 1, 8, dtype=torch.float16, device=device)
+        cu = torch.arange(2, dtype=torch.int32, device=device)
+        return self._kernel_forward(x, x, x, cu, cu, 2, 1, False, 1.0)[1].dim() == 3
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                max_seqlen_k: int, *, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
+        """Returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32)."""
+        cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
+        out, lse = self._kernel_forward(
+            q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k,
+            kernel_max_seqlen_q(max_seqlen_q), int(max_seqlen_k), causal, softmax_scale,
+        )
+        return out, lse_rows(lse, cu_q, q.shape[0])
+
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+                 cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool,
+                 softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        """Gradients against the given out/lse (the kernel recomputes D = rowsum(dout * out) from them)."""
+        cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
+        max_q = kernel_max_seqlen_q(max_seqlen_q)
+        return self._kernel_backward(
+            dout.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.to(q.dtype).contiguous(),
+            lse_for_kernel(lse, cu_q, max_q, self.padded_lse(q.device)), cu_q, cu_k, max_q, int(max_seqlen_k), causal,
+            softmax_scale,
+        )
 
 
-def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
-             cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool,
-             softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients against the given out/lse."""
-    return run_backward(_kernel_backward, _padded_lse(q.device), dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                        max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+varlen = FlashVarlen(_kernel_forward, _kernel_backward)
+forward = varlen.forward
+backward = varlen.backward

@@ -16,7 +16,7 @@ import inspect
 import torch
 from torch import Tensor
 
-from .aten_flash import run_backward, run_forward
+from .aten_flash import FlashVarlen
 
 
 def _interface():
@@ -49,14 +49,6 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor,
     return result[0], result[5] if len(result) == 8 else result[1]
 
 
-@functools.cache
-def _padded_lse(device: torch.device) -> bool:
-    """Whether the installed kernels use the padded [batch, H, max_seqlen_q] lse layout."""
-    x = torch.zeros(1, 1, 8, dtype=torch.float16, device=device)
-    cu = torch.arange(2, dtype=torch.int32, device=device)
-    return _kernel_forward(x, x, x, cu, cu, 2, 1, False, 1.0)[1].dim() == 3
-
-
 def _kernel_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
                      cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float):
     """The kernel writes dq, dk, dv into buffers we allocate."""
@@ -70,16 +62,6 @@ def _kernel_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     return dq, dk, dv
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-            max_seqlen_k: int, *, causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    """Returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32)."""
-    return run_forward(_kernel_forward, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                       softmax_scale)
-
-
-def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
-             cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool,
-             softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients against the given out/lse."""
-    return run_backward(_kernel_backward, _padded_lse(q.device), dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                        max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+varlen = FlashVarlen(_kernel_forward, _kernel_backward)
+forward = varlen.forward
+backward = varlen.backward

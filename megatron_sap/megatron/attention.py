@@ -7,6 +7,7 @@ it with q/k/v after the projections and RoPE. Under SAP the local tokens are the
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import megatron_sap as sap
+from megatron_sap.kernels import resolve_backend
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -22,6 +24,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from .groups import sap_groups_from_pg_collection
 from .options import get_sap_options
 from .plans import plan_for
+
+logger = logging.getLogger(__name__)
+_announced = False  # the first attention call logs what runs, once per process
 
 # Documents come from cu_seqlens, so "padding" adds nothing to causal for packed rows.
 _CAUSAL_MASKS = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -123,6 +128,8 @@ class SAPDotProductAttention(MegatronModule):
         options = get_sap_options()
         qk_dim, v_dim = q.shape[-1], v.shape[-1]
         scale = self.softmax_scale if self.softmax_scale is not None else qk_dim**-0.5
+        if not _announced:
+            _announce(q, options.backend, self.groups)
         if v_dim < qk_dim:
             v = F.pad(v, (0, qk_dim - v_dim))
         elif v_dim > qk_dim:
@@ -180,3 +187,14 @@ class SAPDotProductAttention(MegatronModule):
         rows = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
         out = self._attend(*rows, cu)
         return out.reshape(b, s, -1).transpose(0, 1)
+
+
+def _announce(q: Tensor, backend: str, groups: Any) -> None:
+    """Log, once per process, which kernel backend and CP layout SAP attention runs with
+    (an "auto" backend that falls back to the torch kernels on a GPU is worth seeing)."""
+    global _announced
+    _announced = True
+    kernels = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
+    layout = "no context parallelism" if groups is None else f"CP {groups.inner_size} inner x {groups.outer_size} outer"
+    logger.info("megatron-sap: SAP core attention, %s, kernels %r (backend=%r) on %s in %s",
+                layout, kernels, backend, q.device, q.dtype)

@@ -1,0 +1,114 @@
+"""The GPU section of docs/benchmarks.md, rendered from the GPU check's report.
+
+`scripts/gpu_check.sh` runs where CUDA is (`make bench` does not) and writes
+docs/gpu_results.json and docs/calibration.json; this module turns the report into
+tables so the benchmark page shows the last GPU measurements with their date and
+device. Nothing here measures.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+METHODS = ("sap", "p2p", "all_gather", "a2a")
+
+
+def gpu_section(path: Path) -> tuple[str, str] | None:
+    """(title, markdown body) of the GPU measurements in `path`, or None when there is no report."""
+    if not path.exists():
+        return None
+    report = json.loads(path.read_text())
+    checks = report["checks"]
+    title = (f"Measured on one GPU: {report['device']}, {report['date'][:10]} "
+             f"(torch {report['torch']}, CUDA {report['cuda']}, flash-attn {report['flash_attn'] or 'not installed'})")
+    parts = [
+        f"From `{path.as_posix()}`, written by `scripts/gpu_check.sh` on that machine (not by `make bench`). "
+        f"All checks {'passed' if report.get('ok') else 'did NOT pass'}.",
+        _checks_table(checks),
+    ]
+    for name, result in checks.items():
+        if name.endswith("/speed") and result.get("ok"):
+            parts.append(_speed_table(name.split("/")[0], result))
+    if checks.get("method_kernel_times", {}).get("ok"):
+        parts.append(_method_table(checks["method_kernel_times"]))
+    if checks.get("rank_memory", {}).get("ok"):
+        parts.append(_memory_table(checks["rank_memory"]))
+    return title, "\n\n".join(parts)
+
+
+def _checks_table(checks: dict) -> str:
+    lines = ["| check | result | max error (tolerance) | seconds |", "|---|---|---|---|"]
+    for name, result in checks.items():
+        error = f"{result['max_error']:.2e} ({result['tolerance']:.0e})" if "max_error" in result else ""
+        status = "ok" if result["ok"] else f"FAILED: {result.get('error', '')}"
+        lines.append(f"| {name} | {status} | {error} | {result.get('seconds', '')} |")
+    return "\n".join(lines)
+
+
+def _speed_table(backend: str, result: dict) -> str:
+    shape = result["shape"]
+    lines = [
+        f"Kernel speed, `{backend}`, causal, {shape['heads_q']} query / {shape['heads_kv']} KV heads, head dim "
+        f"{shape['head_dim']}, {shape['dtype']} (TFLOP/s on real causal pairs; backward counted as 2.5x the forward FLOPs):",
+        "",
+        "| documents | tokens | forward ms | backward ms | forward TFLOP/s | backward TFLOP/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, row in result.items():
+        if isinstance(row, dict) and "forward_ms" in row:
+            lines.append(f"| {name} ({row['documents']}) | {row['tokens']} | {row['forward_ms']:.2f} | "
+                         f"{row['backward_ms']:.2f} | {row['forward_tflops']:.0f} | {row['backward_tflops']:.0f} |")
+    return "\n".join(lines)
+
+
+def _method_table(result: dict) -> str:
+    shape = result["shape"]
+    lines = [
+        f"Attention kernel time per rank of each method's work at P = {shape['world']} (one packed row; each rank's "
+        "kernel calls run in turn on the one GPU, forward + backward, no communication). The busiest rank sets "
+        "the layer's compute time:",
+        "",
+        "| row | method | busiest rank ms | mean rank ms | max / mean | busiest vs SAP |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows = sorted({key.rsplit("/", 1)[0] for key in result if key.count("/") == 2})
+    for row in rows:
+        busiest = {}
+        for method in METHODS:
+            times = result.get(f"{row}/{method}")
+            if times is None:
+                continue
+            per_rank = [f + b for f, b in zip(times["forward_ms_per_rank"], times["backward_ms_per_rank"])]
+            busiest[method] = max(per_rank)
+            lines.append(f"| {row} | {method} | {max(per_rank):.2f} | {sum(per_rank) / len(per_rank):.2f} | "
+                         f"{times['max_over_mean']:.3f} | {busiest[method] / busiest.get('sap', busiest[method]):.2f}x |")
+    calibration = result.get("calibration")
+    if calibration:
+        rates, error = calibration["cost_model"], calibration["relative_error"]
+        lines += [
+            "",
+            f"Calibration (`docs/calibration.json`, `--sap-calibration-file`): the cost model's tile-rounded pairs fitted "
+            f"to all {calibration['ranks']} ranks above give {rates['attention_tflops']:.0f} TFLOP/s forward and a "
+            f"backward factor of {rates['backward_factor']:.2f}. With them the model's per-rank kernel time is off "
+            f"by {error['median']:+.1%} at the median, {error['min']:+.1%} to {error['max']:+.1%} at the extremes "
+            "(the smallest ranks, 1-2 ms, run slower than their pairs predict, since launch and per-document "
+            "overheads are not modelled; ranks of a few long documents run faster).",
+        ]
+    return "\n".join(lines)
+
+
+def _memory_table(result: dict) -> str:
+    lines = [
+        "Peak memory per rank (`torch.cuda.max_memory_allocated`; each rank run alone with local exchanges; inputs, "
+        "output and gradients included), next to the method's formula plus output and gradients:",
+        "",
+        "| row | method | peak MiB (max rank) | peak MiB (min rank) | formula MiB (max rank) |",
+        "|---|---|---|---|---|",
+    ]
+    for key, row in result.items():
+        if isinstance(row, dict) and "peak_MiB_per_rank" in row:
+            where, method = key.rsplit("/", 1)
+            peaks = row["peak_MiB_per_rank"]
+            lines.append(f"| {where} | {method} | {max(peaks):.0f} | {min(peaks):.0f} | "
+                         f"{max(row['formula_plus_output_and_grads_MiB']):.0f} |")
+    return "\n".join(lines)
