@@ -21,6 +21,8 @@ and the torch backend's accuracy on the GPU in float32. Then, for SAP itself:
     this GPU (bf16, the auto backend) against the float64 reference per document;
   * sap_no_host_syncs: the sap_attention autograd op (one rank) forward and
     backward under set_sync_debug_mode("error");
+  * sap_executor_vs_kernels: each SAP rank's compute as the executor runs it (its
+    program's kernel calls and merges) against the same work in one call per pass;
   * rank_memory: every rank's peak memory for SAP and the KV ring (each rank run
     alone with local exchanges), beside the formulas;
   * method_kernel_times: each method's attention work per rank (SAP, p2p,
@@ -37,6 +39,7 @@ import json
 import math
 import random
 import shutil
+import statistics
 import sys
 import time
 import traceback
@@ -349,6 +352,40 @@ def method_kernel_times() -> dict:
     return {"ok": True, **results}
 
 
+def sap_executor_vs_kernels() -> dict:
+    """Each SAP rank's compute as the executor runs it (its compiled kernel calls, index
+    selects and lse merges; `simulate_plan`, transfers replaced by indexing) against the same
+    work in one varlen call per pass (`time_work`): what splitting the work into the
+    program's blocks costs on the GPU."""
+    from megatron_sap.bench.data import document_lengths
+    from megatron_sap.bench.kernel_time import rank_work, time_work
+    from megatron_sap.bench.packing import pack
+    from megatron_sap.planning import CostModel, plan_sequences
+    from megatron_sap.simulate import simulate_plan
+
+    heads_q, heads_kv, dim, world = 32, 8, 128, 8
+    model = CostModel.preset("h200")
+    results: dict = {"shape": {"heads_q": heads_q, "heads_kv": heads_kv, "head_dim": dim, "world": world}}
+    for corpus, total in (("stdlib", 32768), ("sharegpt", 131072)):
+        cu = pack(document_lengths(corpus), total, 1, seed=0)[0]
+        plan = plan_sequences(cu, outer_size=world, cost_model=model)
+        q, k, v, dout = _batch(torch.tensor(cu).diff().tolist(), heads_q, heads_kv, dim, torch.bfloat16, seed=1)
+        simulate_plan(q, k, v, plan, dout)  # warm-up: programs compiled and moved, kernels loaded
+        runs = [simulate_plan(q, k, v, plan, dout) for _ in range(3)]
+        per_run = [[f + b for f, b in zip(r.forward_seconds, r.backward_seconds)] for r in runs]
+        executor = [statistics.median(times) * 1e3 for times in zip(*per_run)]
+        kernels = [sum(time_work(w, heads_q, heads_kv, dim, device=DEVICE, dtype=torch.bfloat16, repeats=3)) * 1e3
+                   for w in rank_work("sap", cu, world, cost_model=model)]
+        results[f"{corpus}/T={total}"] = {
+            "executor_ms_per_rank": [round(x, 3) for x in executor],
+            "one_call_ms_per_rank": [round(x, 3) for x in kernels],
+            "busiest_executor_over_busiest_one_call": max(executor) / max(kernels),
+            "kernel_calls_per_rank": [len(p.local_calls) + sum(len(t.calls) for t in p.transfers)
+                                      for p in (plan.program(r) for r in range(world))],
+        }
+    return {"ok": True, **results}
+
+
 def rank_memory() -> dict:
     """Every rank's peak memory (torch.cuda.max_memory_allocated), SAP and the KV ring, beside the formulas.
 
@@ -383,6 +420,7 @@ CHECKS: list[Callable[[], dict]] = [
     method_kernel_times,
     sap_simulated,
     sap_no_host_syncs,
+    sap_executor_vs_kernels,
     rank_memory,
     torch_backend_accuracy,
 ]

@@ -31,6 +31,8 @@ def gpu_section(path: Path) -> tuple[str, str] | None:
             parts.append(_speed_table(name.split("/")[0], result))
     if checks.get("method_kernel_times", {}).get("ok"):
         parts.append(_method_table(checks["method_kernel_times"]))
+    if checks.get("sap_executor_vs_kernels", {}).get("ok"):
+        parts.append(_executor_table(checks["sap_executor_vs_kernels"]))
     if checks.get("rank_memory", {}).get("ok"):
         parts.append(_memory_table(checks["rank_memory"]))
     return title, "\n\n".join(parts)
@@ -94,6 +96,23 @@ def _method_table(result: dict) -> str:
             "(the smallest ranks, 1-2 ms, run slower than their pairs predict, since launch and per-document "
             "overheads are not modelled; ranks of a few long documents run faster).",
         ]
+    return "\n".join(lines)
+
+
+def _executor_table(result: dict) -> str:
+    lines = [
+        "SAP's compute per rank as the executor runs it (the program's kernel calls, index selects and lse "
+        "merges, forward + backward, transfers replaced by local indexing) against the same work in one varlen "
+        "call per pass:",
+        "",
+        "| row | kernel calls per rank | executor ms (busiest rank) | one call ms (busiest rank) | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for key, row in result.items():
+        if isinstance(row, dict) and "executor_ms_per_rank" in row:
+            calls = row["kernel_calls_per_rank"]
+            lines.append(f"| {key} | {min(calls)}-{max(calls)} | {max(row['executor_ms_per_rank']):.2f} | "
+                         f"{max(row['one_call_ms_per_rank']):.2f} | {row['busiest_executor_over_busiest_one_call']:.2f}x |")
     return "\n".join(lines)
 
 

@@ -156,10 +156,11 @@ class CostModel:
 
 # The compute rates of both GPU presets are the calibration of docs/calibration.json: the cost
 # model's tile-rounded pairs fitted to the measured kernel time of 64 ranks' work (SAP and the
-# baselines, real packed rows) with the flash kernels this package runs (PyTorch's FlashAttention-2,
-# bf16, 32 query / 8 KV heads, head dim 128) on one H200, 2026-11-30. The H100 shares the H200's
-# compute die, and attention at this head dim is compute-bound, so it takes the same rates. The link
-# rates are not measured (one GPU): they are the vendors' figures less protocol overhead.
+# baselines, real packed rows) with the flash kernels this package runs (PyTorch's
+# FlashAttention-2, bf16, 32 query / 8 KV heads, head dim 128) on one H200, 2026-11-30 (315-319
+# TFLOP/s and 2.84-2.85 over three runs). The H100 shares the H200's compute die, and attention
+# at this head dim is compute-bound, so it takes the same rates. The link rates are not measured
+# (one GPU): they are the vendors' figures less protocol overhead.
 PRESETS: dict[str, CostModel] = {
     # H100 SXM: NVLink 4 (~360 GB/s achievable per direction), one 400 Gb/s NIC per GPU.
     "h100": CostModel(),
