@@ -57,16 +57,36 @@ def _post_kv(program: RankProgram, index: int, kv: torch.Tensor, outer: _Outer, 
     return pending, recv
 
 
-def _forward_calls(calls, q, kv_source, acc_out, acc_lse, all_rows, scale, backend) -> None:
+def _forward_calls(calls, q, kv_source, acc_out, acc_lse, scale, backend) -> None:
     """Run kernel calls on `kv_source` rows ([n, 2, Hkv, D]) and merge their (out, lse) into the accumulators."""
     for call in calls:
-        q_part = q if call.q_rows is None else q.index_select(0, call.q_rows)
-        kv = kv_source if call.k_rows is None else kv_source.index_select(0, call.k_rows)
-        out, lse = varlen_forward(
-            q_part, kv[:, 0], kv[:, 1], call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
-            causal=call.causal, softmax_scale=scale, backend=backend,
-        )
-        merge_into(acc_out, acc_lse, all_rows if call.q_rows is None else call.q_rows, out, lse)
+        out, lse = _run_forward_call(call, q, kv_source, scale, backend)
+        merge_into(acc_out, acc_lse, call.q_rows, out, lse)
+
+
+def _run_forward_call(call, q, kv_source, scale, backend):
+    q_part = q if call.q_rows is None else q.index_select(0, call.q_rows)
+    kv = kv_source if call.k_rows is None else kv_source.index_select(0, call.k_rows)
+    return varlen_forward(
+        q_part, kv[:, 0], kv[:, 1], call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
+        causal=call.causal, softmax_scale=scale, backend=backend,
+    )
+
+
+def _local_forward(program: RankProgram, q, kv, scale, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local calls' merged (out, lse), in the accumulation dtype. The first call (the causal
+    diagonal of every local row) starts the accumulators: a copy, where a merge into zeros would
+    take two passes over them."""
+    acc_dtype = _accumulation_dtype(q.dtype)
+    calls = program.local_calls
+    if calls and calls[0].q_rows is None:
+        out, lse = _run_forward_call(calls[0], q, kv, scale, backend)
+        acc_out, acc_lse, calls = out.to(acc_dtype), lse.to(acc_dtype), calls[1:]
+    else:
+        acc_out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        acc_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype, device=q.device)
+    _forward_calls(calls, q, kv, acc_out, acc_lse, scale, backend)
+    return acc_out, acc_lse
 
 
 def _backward_calls(calls, dout, q, out, lse, kv_source, dq, dkv, scale, backend) -> None:
@@ -81,15 +101,15 @@ def _backward_calls(calls, dout, q, out, lse, kv_source, dq, dkv, scale, backend
             call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
             causal=call.causal, softmax_scale=scale, backend=backend,
         )
-        g_kv = torch.stack([g_k, g_v], 1).to(dkv.dtype)
         if rows is None:
-            dq.add_(g_q.to(dq.dtype))
+            dq.add_(g_q)
         else:
             dq.index_add_(0, rows, g_q.to(dq.dtype))
-        if call.k_rows is None:
-            dkv.add_(g_kv)
-        else:
-            dkv.index_add_(0, call.k_rows, g_kv)
+        for target, grad in ((dkv[:, 0], g_k), (dkv[:, 1], g_v)):
+            if call.k_rows is None:
+                target.add_(grad)
+            else:
+                target.index_add_(0, call.k_rows, grad.to(dkv.dtype))
 
 
 class _SAPOuterAttention(torch.autograd.Function):
@@ -98,20 +118,16 @@ class _SAPOuterAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: Plan, outer: _Outer, scale: float, backend: str, recompute_kv: bool):
         program = plan.program(outer.rank, q.device)
-        acc_dtype = _accumulation_dtype(q.dtype)
         kv = torch.stack([k, v], 1)  # [T/R, 2, Hkv, D]: one message per step
-        acc_out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        acc_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype, device=q.device)
-        all_rows = torch.arange(q.shape[0], device=q.device)
         received: list[torch.Tensor] = []
         n = len(program.transfers)
         pending = _post_kv(program, 0, kv, outer, 0) if n else None
-        _forward_calls(program.local_calls, q, kv, acc_out, acc_lse, all_rows, scale, backend)
+        acc_out, acc_lse = _local_forward(program, q, kv, scale, backend)
         for i in range(n):
             handle, recv = pending
             pending = _post_kv(program, i + 1, kv, outer, 0) if i + 1 < n else None
             handle.wait()
-            _forward_calls(program.transfers[i].calls, q, recv, acc_out, acc_lse, all_rows, scale, backend)
+            _forward_calls(program.transfers[i].calls, q, recv, acc_out, acc_lse, scale, backend)
             received.append(recv)
         out = acc_out.to(q.dtype)
         lse = acc_lse

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import _accumulation_dtype, _backward_calls, _forward_calls
+from .attention import _accumulation_dtype, _backward_calls, _forward_calls, _local_forward
 from .planning import Plan
 
 
@@ -91,15 +91,12 @@ def simulate_plan(
 
     outs, lses, fwd_timers = [], [], []
     for r in range(R):
-        acc_out = torch.zeros(qs[r].shape, dtype=acc_dtype, device=device)
-        acc_lse = torch.full((q.shape[1], qs[r].shape[0]), float("-inf"), dtype=acc_dtype, device=device)
-        rows = torch.arange(qs[r].shape[0], device=device)
         recvs = [received(s) if s.recv_tokens else None for s in programs[r].transfers]
         t0 = start()
-        _forward_calls(programs[r].local_calls, qs[r], kvs[r], acc_out, acc_lse, rows, scale, backend)
+        acc_out, acc_lse = _local_forward(programs[r], qs[r], kvs[r], scale, backend)
         for step, recv in zip(programs[r].transfers, recvs):
             if recv is not None:
-                _forward_calls(step.calls, qs[r], recv, acc_out, acc_lse, rows, scale, backend)
+                _forward_calls(step.calls, qs[r], recv, acc_out, acc_lse, scale, backend)
         fwd_timers.append(stop(t0))
         outs.append(acc_out.to(q.dtype))
         lses.append(acc_lse)

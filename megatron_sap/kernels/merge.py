@@ -51,21 +51,37 @@ def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -
     return out.to(out_a.dtype), lse
 
 
-def merge_into(acc_out: Tensor, acc_lse: Tensor, rows: Tensor, out_part: Tensor, lse_part: Tensor) -> None:
+def merge_into(acc_out: Tensor, acc_lse: Tensor, rows: Tensor | None, out_part: Tensor, lse_part: Tensor) -> None:
     """Merge a partial result for a subset of rows into running accumulators, in place.
 
     acc_out [T, H, D] and acc_lse [H, T] are floating accumulators (start them at
-    0 and -inf); rows is a LongTensor of n distinct row indices; out_part is
-    [n, H, D] and lse_part [H, n]. The merge runs in acc_out's dtype, so keeping
-    the accumulators in float32 avoids rounding partial sums to bf16.
+    0 and -inf); rows is a LongTensor of n distinct row indices, or None for all T
+    rows in order (merged without gathering them); out_part is [n, H, D] and
+    lse_part [H, n]. The merge runs in acc_out's dtype, so keeping the accumulators
+    in float32 avoids rounding partial sums to bf16.
     """
-    if rows.dim() != 1 or out_part.shape[0] != rows.numel() or lse_part.shape != (acc_lse.shape[0], rows.numel()):
+    n = acc_out.shape[0] if rows is None else rows.numel()
+    if (rows is not None and rows.dim() != 1) or out_part.shape[0] != n or lse_part.shape != (acc_lse.shape[0], n):
         raise ValueError(
-            f"merge_into: rows {tuple(rows.shape)}, out_part {tuple(out_part.shape)} and lse_part "
-            f"{tuple(lse_part.shape)} must describe the same n rows of acc_lse {tuple(acc_lse.shape)}"
+            f"merge_into: rows {None if rows is None else tuple(rows.shape)}, out_part {tuple(out_part.shape)} and "
+            f"lse_part {tuple(lse_part.shape)} must describe the same n rows of acc_lse {tuple(acc_lse.shape)}"
         )
+    if rows is None:
+        _merge_in_place(acc_out, acc_lse, out_part, lse_part)
+        return
     cur_out = acc_out.index_select(0, rows)
     cur_lse = acc_lse.index_select(1, rows)
-    new_out, new_lse = _merge(cur_out, cur_lse, out_part, lse_part, acc_out.dtype)
-    acc_out.index_copy_(0, rows, new_out)
-    acc_lse.index_copy_(1, rows, new_lse.to(acc_lse.dtype))
+    _merge_in_place(cur_out, cur_lse, out_part, lse_part)
+    acc_out.index_copy_(0, rows, cur_out)
+    acc_lse.index_copy_(1, rows, cur_lse)
+
+
+def _merge_in_place(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """`_merge` into (out, lse) themselves, in their dtype: two passes over out (scale it, then
+    add the weighted part), where building the merged tensor anew takes several."""
+    lse_b = lse_b.to(lse.dtype)
+    merged = torch.logaddexp(lse, lse_b)
+    finite = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
+    out.mul_(torch.exp(lse - finite).transpose(0, 1).unsqueeze(-1))
+    out.addcmul_(out_b, torch.exp(lse_b - finite).transpose(0, 1).unsqueeze(-1))
+    lse.copy_(merged)
