@@ -169,3 +169,24 @@ def test_program_is_cached_and_moves_to_device():
     assert plan.program(1, device="cpu") is program
     moved = program.to(torch.device("cpu"))
     assert moved.sent_tokens == program.sent_tokens and moved.recv_tokens == program.recv_tokens
+
+
+def test_q_moving_bound_counts_the_programs_transfers():
+    """scripts/q_moving_bound.py weighs one K/V message per (source, destination) pair of the plan."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "q_moving_bound.py"
+    spec = importlib.util.spec_from_file_location("q_moving_bound", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model = CostModel.preset("h100")
+    cu = [0, 5000, 5100, 9000, 9001, 12000, 16384]
+    result = script.busiest_rank_bytes(cu, 2, 4, model, query_factor=5)
+    plan = sap.plan_sequences(cu, outer_size=4, inner_size=2, cost_model=model, cache=None)
+    messages = sum(t.recv_peer is not None for r in range(4) for t in plan.program(r).transfers)
+    assert result["pairs"] == messages > 0
+    assert 0 < result["cheaper"] <= result["kv_only"]
+    sent = plan.stats()["sent_tokens_per_outer_rank"]
+    kv_bytes = 2 * model.inner_kv_bytes_per_token(2)
+    assert result["kv_only"] >= max(sent) * kv_bytes
