@@ -372,13 +372,17 @@ def sap_executor_vs_kernels() -> dict:
         q, k, v, dout = _batch(torch.tensor(cu).diff().tolist(), heads_q, heads_kv, dim, torch.bfloat16, seed=1)
         simulate_plan(q, k, v, plan, dout)  # warm-up: programs compiled and moved, kernels loaded
         runs = [simulate_plan(q, k, v, plan, dout) for _ in range(3)]
-        per_run = [[f + b for f, b in zip(r.forward_seconds, r.backward_seconds)] for r in runs]
-        executor = [statistics.median(times) * 1e3 for times in zip(*per_run)]
-        kernels = [sum(time_work(w, heads_q, heads_kv, dim, device=DEVICE, dtype=torch.bfloat16, repeats=3)) * 1e3
-                   for w in rank_work("sap", cu, world, cost_model=model)]
+        forward = [statistics.median(t) * 1e3 for t in zip(*(r.forward_seconds for r in runs))]
+        backward = [statistics.median(t) * 1e3 for t in zip(*(r.backward_seconds for r in runs))]
+        one_call = [time_work(w, heads_q, heads_kv, dim, device=DEVICE, dtype=torch.bfloat16, repeats=3)
+                    for w in rank_work("sap", cu, world, cost_model=model)]
+        executor = [f + b for f, b in zip(forward, backward)]
+        kernels = [(f + b) * 1e3 for f, b in one_call]
         results[f"{corpus}/T={total}"] = {
             "executor_ms_per_rank": [round(x, 3) for x in executor],
             "one_call_ms_per_rank": [round(x, 3) for x in kernels],
+            "executor_forward_ms_per_rank": [round(x, 3) for x in forward],
+            "one_call_forward_ms_per_rank": [round(f * 1e3, 3) for f, _ in one_call],
             "busiest_executor_over_busiest_one_call": max(executor) / max(kernels),
             "kernel_calls_per_rank": [len(p.local_calls) + sum(len(t.calls) for t in p.transfers)
                                       for p in (plan.program(r) for r in range(world))],

@@ -247,6 +247,14 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
         "checks": {
             "aten-flash/accuracy": {"ok": True, "max_error": 0.005, "tolerance": 0.02, "seconds": 1.0},
             "rank_memory": {"ok": False, "error": "RuntimeError: out of memory"},
+            "sap_executor_vs_kernels": {
+                "ok": True,
+                "old/T=1": {"executor_ms_per_rank": [3.0, 4.0], "one_call_ms_per_rank": [2.0, 2.5],
+                            "busiest_executor_over_busiest_one_call": 1.6, "kernel_calls_per_rank": [2, 5]},
+                "new/T=2": {"executor_ms_per_rank": [3.0], "one_call_ms_per_rank": [2.0],
+                            "busiest_executor_over_busiest_one_call": 1.5, "kernel_calls_per_rank": [4],
+                            "executor_forward_ms_per_rank": [1.25], "one_call_forward_ms_per_rank": [0.5]},
+            },
             "method_kernel_times": {
                 "ok": True, "shape": {"world": 2},
                 "stdlib/T=32768/sap": times,
@@ -264,4 +272,6 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
     assert "| stdlib/T=32768 | sap | 6.00 | 4.50 | 1.333 | 1.00x |" in body
     assert "| stdlib/T=32768 | p2p | 7.00 | 6.00 | 1.333 | 1.17x |" in body
     assert "300 TFLOP/s forward and a backward factor of 2.80" in body
+    assert "| old/T=1 | 2-5 | 4.00 | 2.50 | 1.60x | not recorded |" in body
+    assert "| new/T=2 | 4-4 | 3.00 | 2.00 | 1.50x | 1.25 / 0.50 |" in body
     assert "Peak memory" not in body  # the failed check has no table

@@ -329,6 +329,7 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
         (dict(reset_attention_mask=True, reset_position_ids=False), "add --reset-position-ids"),
         (dict(context_parallel_size=1, reset_attention_mask=True), "add --reset-position-ids"),
         (dict(micro_batch_size=2), "use --micro-batch-size 1 \\(got 2\\)"),
+        (dict(sft=True, tensor_model_parallel_size=2), "--sft needs TP 1 \\(got TP=2\\)"),
     ],
 )
 def test_settings_sap_would_get_wrong_are_refused(settings: dict, match: str) -> None:

@@ -117,6 +117,13 @@ def _refuse_unsupported(args: Any) -> None:
             "SAP does not support a virtual (interleaved) pipeline (--num-layers-per-virtual-pipeline-stage / "
             "--num-virtual-stages-per-pipeline-rank): its middle model chunks get no packed-sequence parameters"
         )
+    if getattr(args, "sft", False) and tp > 1:
+        raise ValueError(
+            f"SAP with --sft needs TP 1 (got TP={tp}): Megatron-LM 0.16.1's get_batch_on_this_tp_rank sends the SFT "
+            "batch's cu_seqlens and max_seqlen from the source TP rank in more broadcasts than the other TP ranks "
+            "receive, so they would hang or read wrong boundaries; pretraining data with --reset-position-ids works "
+            "at any TP"
+        )
     if (getattr(args, "micro_batch_size", 1) or 1) > 1:
         raise ValueError(f"SAP trains one packed row per micro-batch: use --micro-batch-size 1 (got {args.micro_batch_size})")
     if getattr(args, "reset_attention_mask", False) and not getattr(args, "reset_position_ids", False):

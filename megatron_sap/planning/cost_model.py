@@ -27,8 +27,8 @@ class CostModel:
 
     name: str = "h100"
     gpus_per_node: int = 8
-    attention_tflops: float = 320.0  # effective forward rate on tile-rounded pairs (measured, see PRESETS)
-    backward_factor: float = 2.85  # backward time / forward time (measured, see PRESETS)
+    attention_tflops: float = 400.0  # effective forward attention rate
+    backward_factor: float = 2.5  # backward FLOPs / forward FLOPs
     intra_node_gbps: float = 360.0
     inter_node_gbps: float = 45.0
     message_latency_us: float = 15.0
@@ -154,18 +154,15 @@ class CostModel:
         return LINK_INTRA if self.node_of(cp_rank_a) == self.node_of(cp_rank_b) else LINK_INTER
 
 
-# The compute rates of both GPU presets are the calibration of docs/calibration.json: the cost
-# model's tile-rounded pairs fitted to the measured kernel time of 64 ranks' work (SAP and the
-# baselines, real packed rows) with the flash kernels this package runs (PyTorch's
-# FlashAttention-2, bf16, 32 query / 8 KV heads, head dim 128) on one H200, 2026-11-30 (315-319
-# TFLOP/s and 2.84-2.85 over three runs). The H100 shares the H200's compute die, and attention
-# at this head dim is compute-bound, so it takes the same rates. The link rates are not measured
-# (one GPU): they are the vendors' figures less protocol overhead.
+# The GPU presets are nominal rates. Measured ones replace them through a calibration file
+# (`CostModel.from_calibration`, `--sap-calibration-file`): docs/calibration.json holds the rates
+# fitted on one H200 with PyTorch's FlashAttention-2 kernels, 2026-11-30 (315-319 TFLOP/s on the
+# model's tile-rounded pairs, backward 2.84-2.85x the forward time; scripts/gpu_check.py).
 PRESETS: dict[str, CostModel] = {
     # H100 SXM: NVLink 4 (~360 GB/s achievable per direction), one 400 Gb/s NIC per GPU.
     "h100": CostModel(),
     # H200 SXM: same die as H100 with faster HBM3e; NVLink ~450 GB/s, 400 Gb/s NIC per GPU.
-    "h200": CostModel(name="h200", intra_node_gbps=450.0, inter_node_gbps=48.0),
+    "h200": CostModel(name="h200", attention_tflops=450.0, intra_node_gbps=450.0, inter_node_gbps=48.0),
     # CPU gloo, for sanity runs of the model against wall time on this machine.
     "cpu": CostModel(
         name="cpu",
