@@ -81,7 +81,8 @@ def _local_forward(program: RankProgram, q, kv, scale, backend) -> tuple[torch.T
     calls = program.local_calls
     if calls and calls[0].q_rows is None:
         out, lse = _run_forward_call(calls[0], q, kv, scale, backend)
-        acc_out, acc_lse, calls = out.to(acc_dtype), lse.to(acc_dtype), calls[1:]
+        # Copies: the kernels may return views of their padded buffers, and the op's output must own its storage.
+        acc_out, acc_lse, calls = out.to(acc_dtype, copy=True), lse.to(acc_dtype, copy=True), calls[1:]
     else:
         acc_out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         acc_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype, device=q.device)

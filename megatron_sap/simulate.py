@@ -59,6 +59,7 @@ def _timer(device: torch.device):
     return start_cpu, stop_cpu
 
 
+@torch.no_grad()  # gradients come from the programs' backward calls, not from autograd
 def simulate_plan(
     q: torch.Tensor,
     k: torch.Tensor,

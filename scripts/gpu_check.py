@@ -7,16 +7,21 @@ Each function in CHECKS takes no argument and returns a JSON-able dict that
 contains "ok"; the runner records it under the function's name, records an
 exception as a failure and goes on. To add a check, append to CHECKS.
 
-Built-in checks, for every flash backend present (aten-flash, flash-attn):
-  * accuracy in bf16 against the float64 dense reference on random packed
-    batches: diagonal causal blocks, full blocks, key blocks merged with
-    merge_partials, and backward per block with the merged out/lse;
-  * no host syncs: forward and backward run under
-    torch.cuda.set_sync_debug_mode("error");
-  * speed: forward and backward TFLOP/s at Hq=32, Hkv=8, D=128, bf16, for a
-    few document-length mixes of 128K tokens (causal FLOPs: pairs * 4 * D * Hq
-    forward, 2.5 times that backward);
-and the torch backend's accuracy on the GPU in float32. Then, for SAP itself:
+Built-in checks, in the order they run:
+  * flash_backends_present: at least one flash backend is usable on this GPU;
+  * for every flash backend present (aten-flash, flash-attn):
+    - accuracy in bf16 against the float64 dense reference on random packed
+      batches: diagonal causal blocks, full blocks, key blocks merged with
+      merge_partials, and backward per block with the merged out/lse;
+    - no host syncs: forward and backward run under
+      torch.cuda.set_sync_debug_mode("error");
+    - speed: forward and backward TFLOP/s at Hq=32, Hkv=8, D=128, bf16, for a
+      few document-length mixes of 128K tokens (causal FLOPs: pairs * 4 * D * Hq
+      forward, 2.5 times that backward);
+  * method_kernel_times: each method's attention work per rank (SAP, p2p,
+    all_gather, a2a) on one packed batch of real documents, each rank's calls run
+    in turn; the cost model's compute rates fitted to every rank of every method are
+    written next to the report (calibration.json, readable by CostModel.from_calibration);
   * sap_simulated: every rank's compiled program of a packed batch run in turn on
     this GPU (bf16, the auto backend) against the float64 reference per document;
   * sap_no_host_syncs: the sap_attention autograd op (one rank) forward and
@@ -25,10 +30,7 @@ and the torch backend's accuracy on the GPU in float32. Then, for SAP itself:
     program's kernel calls and merges) against the same work in one call per pass;
   * rank_memory: every rank's peak memory for SAP and the KV ring (each rank run
     alone with local exchanges), beside the formulas;
-  * method_kernel_times: each method's attention work per rank (SAP, p2p,
-    all_gather, a2a) on one packed batch of real documents, each rank's calls run
-    in turn; the cost model's compute rates fitted to every rank of every method are
-    written next to the report (calibration.json, readable by CostModel.from_calibration).
+  * torch_backend_accuracy: the torch backend's accuracy on the GPU in float32.
 """
 from __future__ import annotations
 
@@ -440,6 +442,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: CUDA is not available to this Python (a CPU build of torch?); no report written.")
         return 2
+    CALIBRATION_OUT.unlink(missing_ok=True)  # what this run leaves is its own (the report is rewritten below)
 
     try:
         import flash_attn

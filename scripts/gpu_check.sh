@@ -12,7 +12,6 @@ PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command
 if [ "${1:-}" = "--prepare" ]; then
     exec "$PYTHON" -m megatron_sap.bench.data --cache "$MEGATRON_SAP_CACHE"
 fi
-rm -f docs/gpu_results.json docs/calibration.json  # what is copied below is this run's
 status=0
 "$PYTHON" scripts/gpu_check.py --out docs/gpu_results.json ${OUT:+--mirror "$OUT"} "$@" || status=$?
 exit "$status"

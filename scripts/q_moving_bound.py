@@ -26,8 +26,8 @@ from megatron_sap.planning import CostModel, plan_sequences  # noqa: E402
 from megatron_sap.planning.program import _Layout  # noqa: E402
 
 # The scale model's communication-bound points where SAP misses 1.5x: (corpus, T, inner U, outer R).
-POINTS = (("stdlib", 32 * 1024, 8, 8), ("stdlib", 128 * 1024, 8, 8), ("sharegpt", 32 * 1024, 4, 8),
-          ("sharegpt", 128 * 1024, 4, 8), ("sharegpt", 1024 * 1024, 4, 16))
+POINTS = (("stdlib", 32 * 1024, 8, 8), ("stdlib", 128 * 1024, 8, 8), ("stdlib", 1024 * 1024, 8, 8),
+          ("sharegpt", 32 * 1024, 4, 8), ("sharegpt", 128 * 1024, 4, 8), ("sharegpt", 1024 * 1024, 4, 16))
 
 
 def busiest_rank_bytes(cu: list[int], inner: int, outer: int, model: CostModel, query_factor: int) -> dict:

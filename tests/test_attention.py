@@ -126,6 +126,18 @@ def test_world1_is_plain_varlen():
             assert (value - ref[name]).abs().max().item() < 1e-10, (name, kind)
 
 
+def test_output_owns_its_storage():
+    """The op's output is a fresh tensor (the kernels may return views of padded buffers), so
+    in-place changes to it fail only where autograd needs it, as for any op's output."""
+    import megatron_sap as sap
+
+    cu = [0, 5, 40, 41, 96]
+    q, k, v, _ = make_inputs(cu, 4, 2, 8, seed=4)
+    for dtype in (torch.float32, torch.float64):
+        out = sap.sap_attention(q.to(dtype), k.to(dtype), v.to(dtype), sap.plan_sequences(cu))
+        assert out._base is None and out.is_contiguous()
+
+
 def test_deterministic_across_runs_and_cache(pool4):
     rng = random.Random(9)
     cu = random_cu_seqlens(rng, 4 * 80, "long")

@@ -26,3 +26,14 @@ def test_simulated_programs_match_reference(outer, kind):
     for got, want in ((sim.out, ref), (sim.dq, q.grad), (sim.dk, k.grad), (sim.dv, v.grad)):
         assert (got - want).abs().max().item() < 1e-10
     assert len(sim.forward_seconds) == outer and len(sim.backward_seconds) == outer
+
+
+def test_simulation_takes_inputs_that_require_grad():
+    """The simulated programs compute gradients themselves; inputs tracked by autograd are fine."""
+    cu = [0, 7, 30, 31, 64]
+    q, k, v, dout = make_inputs(cu, 4, 2, 8, seed=3)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    plan = sap.plan_sequences(cu, outer_size=2, cache=None)
+    sim = simulate_plan(q, k, v, plan, dout)
+    ref, _ = dense_attention(q.detach(), k.detach(), v.detach(), torch.tensor(cu), causal=True)
+    assert (sim.out - ref).abs().max().item() < 1e-10 and not sim.out.requires_grad

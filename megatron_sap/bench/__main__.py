@@ -10,9 +10,10 @@ the hand-written methodology header, which is kept):
    per link class, peak tracked memory, next to the model's bytes for the same shape;
 3. scale: the cost-model projection to 1,024 GPUs (`megatron_sap.bench.scale`);
 
-and, from the GPU check's last report (docs/gpu_results.json, when present), the
-kernel speed, per-rank kernel time of every method, calibration and memory measured
-on a GPU (`megatron_sap.bench.gpu_report`).
+and, from the GPU check's last report (docs/gpu_results.json, when present), what was
+measured on a GPU (`megatron_sap.bench.gpu_report`): the checks' results, kernel speed,
+per-rank kernel time of SAP and the baselines, the calibration, SAP's executor against
+its kernels, and memory. Planning time is measured here on the CPU.
 
 Targets are checked on what was computed or measured; a missed target is reported
 as MISSED, never dropped.

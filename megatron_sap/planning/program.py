@@ -19,8 +19,9 @@ documents. Structure, for outer rank r:
 The backward pass runs the same steps with the roles reversed: the gradients of the
 received rows go back to their owner, which adds them at `send_rows`.
 
-Within one call every query row and every key row appears at most once, so outputs
-merge with plain indexed copies and gradients accumulate without atomics (the merges
+Within one call every query row and every key row appears at most once, so a call's
+outputs merge into their rows by gather and write-back, and gradients accumulate
+without atomics (the merges
 are bitwise deterministic on every device; the flash kernels' own backward follows
 torch's deterministic setting, see docs/architecture.md).
 """
