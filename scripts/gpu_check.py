@@ -27,7 +27,8 @@ Built-in checks, in the order they run:
   * sap_no_host_syncs: the sap_attention autograd op (one rank) forward and
     backward under set_sync_debug_mode("error");
   * sap_executor_vs_kernels: each SAP rank's compute as the executor runs it (its
-    program's kernel calls and merges) against the same work in one call per pass;
+    program's kernel calls and merges) against the same work in one call per pass,
+    and the device time by op of one run of every rank's program (torch.profiler);
   * rank_memory: every rank's peak memory for SAP and the KV ring (each rank run
     alone with local exchanges), beside the formulas;
   * torch_backend_accuracy: the torch backend's accuracy on the GPU in float32.
@@ -388,8 +389,29 @@ def sap_executor_vs_kernels() -> dict:
             "busiest_executor_over_busiest_one_call": max(executor) / max(kernels),
             "kernel_calls_per_rank": [len(p.local_calls) + sum(len(t.calls) for t in p.transfers)
                                       for p in (plan.program(r) for r in range(world))],
+            "device_time_by_op": _device_time_by_op(lambda: simulate_plan(q, k, v, plan, dout)),
         }
     return {"ok": True, **results}
+
+
+def _device_time_by_op(fn: Callable[[], object], top: int = 12) -> dict:
+    """Where one call of fn spends device time: the ops with the most self time (ms), from
+    torch.profiler. A profiler failure is recorded, not raised."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        activity = ProfilerActivity.CUDA if DEVICE.type == "cuda" else ProfilerActivity.CPU
+        with profile(activities=[activity]) as prof:
+            fn()
+            if DEVICE.type == "cuda":
+                torch.cuda.synchronize()
+        attr = "self_device_time_total" if DEVICE.type == "cuda" else "self_cpu_time_total"
+        events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+        total = sum(getattr(e, attr) for e in events)
+        return {"total_ms": round(total / 1e3, 3),
+                "top": [[e.key[:80], round(getattr(e, attr) / 1e3, 3), e.count] for e in events[:top]]}
+    except Exception as error:  # the numbers above stand without this breakdown
+        return {"error": f"{type(error).__name__}: {error}"}
 
 
 def rank_memory() -> dict:

@@ -253,7 +253,8 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
                             "busiest_executor_over_busiest_one_call": 1.6, "kernel_calls_per_rank": [2, 5]},
                 "new/T=2": {"executor_ms_per_rank": [3.0], "one_call_ms_per_rank": [2.0],
                             "busiest_executor_over_busiest_one_call": 1.5, "kernel_calls_per_rank": [4],
-                            "executor_forward_ms_per_rank": [1.25], "one_call_forward_ms_per_rank": [0.5]},
+                            "executor_forward_ms_per_rank": [1.25], "one_call_forward_ms_per_rank": [0.5],
+                            "device_time_by_op": {"total_ms": 9.0, "top": [["flash_fwd", 4.0, 3], ["index_select", 2.0, 7]]}},
             },
             "method_kernel_times": {
                 "ok": True, "shape": {"world": 2},
@@ -274,4 +275,5 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
     assert "300 TFLOP/s forward and a backward factor of 2.80" in body
     assert "| old/T=1 | 2-5 | 4.00 | 2.50 | 1.60x | not recorded |" in body
     assert "| new/T=2 | 4-4 | 3.00 | 2.00 | 1.50x | 1.25 / 0.50 |" in body
+    assert "9.0 ms of device time; the ops with the most: `flash_fwd` 4.0 ms (3 calls); `index_select` 2.0 ms" in body
     assert "Peak memory" not in body  # the failed check has no table

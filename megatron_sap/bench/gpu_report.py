@@ -118,6 +118,12 @@ def _executor_table(result: dict) -> str:
             lines.append(f"| {key} | {min(calls)}-{max(calls)} | {max(row['executor_ms_per_rank']):.2f} | "
                          f"{max(row['one_call_ms_per_rank']):.2f} | {row['busiest_executor_over_busiest_one_call']:.2f}x | "
                          f"{forward} |")
+    for key, row in result.items():
+        by_op = row.get("device_time_by_op", {}) if isinstance(row, dict) else {}
+        if "top" in by_op:
+            ops = "; ".join(f"`{name}` {ms:.1f} ms ({count} calls)" for name, ms, count in by_op["top"][:6])
+            lines += ["", f"{key}, every rank's program once (forward + backward), {by_op['total_ms']:.1f} ms of device "
+                      f"time; the ops with the most: {ops}."]
     return "\n".join(lines)
 
 
