@@ -60,3 +60,12 @@ def test_calibration_recovers_the_rates_that_made_the_times():
     assert fit_calibration(slow_rank, CostModel.preset("h200"))["relative_error"]["min"] < -0.4
     with pytest.raises(ValueError, match="at least one rank"):
         fit_calibration([(samples[0][0], 0.0, 0.0)], truth)
+
+
+def test_committed_calibration_loads():
+    """docs/calibration.json, as the GPU check wrote it, is a file --sap-calibration-file takes."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "calibration.json"
+    model = CostModel.from_calibration(path)
+    assert model.name == "h200" and 50 < model.attention_tflops < 2000 and 1 < model.backward_factor < 5
