@@ -29,6 +29,8 @@ Built-in checks, in the order they run:
   * sap_executor_vs_kernels: each SAP rank's compute as the executor runs it (its
     program's kernel calls and merges) against the same work in one call per pass,
     and the device time by op of one run of every rank's program (torch.profiler);
+  * method_executor_times: every rank's whole op, SAP and the KV ring, forward and
+    backward with local exchanges (the executors' compute without communication);
   * rank_memory: every rank's peak memory for SAP and the KV ring (each rank run
     alone with local exchanges), beside the formulas;
   * torch_backend_accuracy: the torch backend's accuracy on the GPU in float32.
@@ -414,6 +416,30 @@ def _device_time_by_op(fn: Callable[[], object], top: int = 12) -> dict:
         return {"error": f"{type(error).__name__}: {error}"}
 
 
+def method_executor_times() -> dict:
+    """Each rank's whole attention op, SAP and the KV ring, forward and backward with its
+    exchanges local: the executors' compute (kernel calls, gathers, merges, buffers) per rank,
+    without the communication."""
+    from megatron_sap.bench.data import document_lengths
+    from megatron_sap.bench.packing import pack
+    from megatron_sap.bench.rank_memory import rank_seconds
+    from megatron_sap.planning import CostModel
+
+    heads_q, heads_kv, dim, world = 32, 8, 128, 8
+    results: dict = {"shape": {"heads_q": heads_q, "heads_kv": heads_kv, "head_dim": dim, "world": world}}
+    for corpus, total in (("stdlib", 32768), ("sharegpt", 131072)):
+        cu = pack(document_lengths(corpus), total, 1, seed=0)[0]
+        for method in ("sap", "p2p"):
+            kwargs = {"cost_model": CostModel.preset("h200")} if method == "sap" else {}
+            times = [rank_seconds(method, cu, world, r, heads_q, heads_kv, dim, device=DEVICE, dtype=torch.bfloat16,
+                                  **kwargs) for r in range(world)]
+            results[f"{corpus}/T={total}/{method}"] = {
+                "forward_ms_per_rank": [round(f * 1e3, 3) for f, _ in times],
+                "backward_ms_per_rank": [round(b * 1e3, 3) for _, b in times],
+            }
+    return {"ok": True, **results}
+
+
 def rank_memory() -> dict:
     """Every rank's peak memory (torch.cuda.max_memory_allocated), SAP and the KV ring, beside the formulas.
 
@@ -449,6 +475,7 @@ CHECKS: list[Callable[[], dict]] = [
     sap_simulated,
     sap_no_host_syncs,
     sap_executor_vs_kernels,
+    method_executor_times,
     rank_memory,
     torch_backend_accuracy,
 ]

@@ -247,6 +247,11 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
         "checks": {
             "aten-flash/accuracy": {"ok": True, "max_error": 0.005, "tolerance": 0.02, "seconds": 1.0},
             "rank_memory": {"ok": False, "error": "RuntimeError: out of memory"},
+            "method_executor_times": {
+                "ok": True, "shape": {"world": 2},
+                "stdlib/T=32768/sap": {"forward_ms_per_rank": [1.0, 2.0], "backward_ms_per_rank": [2.0, 3.0]},
+                "stdlib/T=32768/p2p": {"forward_ms_per_rank": [3.0, 3.0], "backward_ms_per_rank": [7.0, 5.0]},
+            },
             "sap_executor_vs_kernels": {
                 "ok": True,
                 "old/T=1": {"executor_ms_per_rank": [3.0, 4.0], "one_call_ms_per_rank": [2.0, 2.5],
@@ -276,4 +281,6 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
     assert "| old/T=1 | 2-5 | 4.00 | 2.50 | 1.60x | not recorded |" in body
     assert "| new/T=2 | 4-4 | 3.00 | 2.00 | 1.50x | 1.25 / 0.50 |" in body
     assert "9.0 ms of device time; the ops with the most: `flash_fwd` 4.0 ms (3 calls); `index_select` 2.0 ms" in body
+    assert "| stdlib/T=32768 | sap | 5.00 | 4.00 | 1.00x |" in body
+    assert "| stdlib/T=32768 | p2p | 10.00 | 9.00 | 2.00x |" in body
     assert "Peak memory" not in body  # the failed check has no table

@@ -69,3 +69,14 @@ def test_committed_calibration_loads():
     path = Path(__file__).resolve().parents[1] / "docs" / "calibration.json"
     model = CostModel.from_calibration(path)
     assert model.name == "h200" and 50 < model.attention_tflops < 2000 and 1 < model.backward_factor < 5
+
+
+def test_rank_seconds_times_each_methods_whole_op_on_cpu():
+    from megatron_sap.bench.rank_memory import rank_seconds
+
+    cu = [0, 100, 130, 900, 1024]
+    for method in ("sap", "p2p"):
+        forward, backward = rank_seconds(method, cu, 4, 3, 4, 2, 16, repeats=1)
+        assert forward > 0 and backward > 0
+    with pytest.raises(ValueError, match="'sap' or 'p2p'"):
+        rank_seconds("a2a", cu, 4, 0, 4, 2, 16)

@@ -33,6 +33,8 @@ def gpu_section(path: Path) -> tuple[str, str] | None:
         parts.append(_method_table(checks["method_kernel_times"]))
     if checks.get("sap_executor_vs_kernels", {}).get("ok"):
         parts.append(_executor_table(checks["sap_executor_vs_kernels"]))
+    if checks.get("method_executor_times", {}).get("ok"):
+        parts.append(_executor_times_table(checks["method_executor_times"]))
     if checks.get("rank_memory", {}).get("ok"):
         parts.append(_memory_table(checks["rank_memory"]))
     return title, "\n\n".join(parts)
@@ -124,6 +126,26 @@ def _executor_table(result: dict) -> str:
             ops = "; ".join(f"`{name}` {ms:.1f} ms ({count} calls)" for name, ms, count in by_op["top"][:6])
             lines += ["", f"{key}, every rank's program once (forward + backward), {by_op['total_ms']:.1f} ms of device "
                       f"time; the ops with the most: {ops}."]
+    return "\n".join(lines)
+
+
+def _executor_times_table(result: dict) -> str:
+    lines = [
+        "Each rank's whole attention op (the method's executor: kernel calls, gathers, merges, buffers), forward + "
+        "backward, with its exchanges local, so without the communication:",
+        "",
+        "| row | method | busiest rank ms | mean rank ms | busiest vs SAP |",
+        "|---|---|---|---|---|",
+    ]
+    busiest: dict[tuple[str, str], float] = {}
+    for key, row in result.items():
+        if isinstance(row, dict) and "forward_ms_per_rank" in row:
+            where, method = key.rsplit("/", 1)
+            per_rank = [f + b for f, b in zip(row["forward_ms_per_rank"], row["backward_ms_per_rank"])]
+            busiest[where, method] = max(per_rank)
+            sap_ms = busiest.get((where, "sap"), max(per_rank))
+            lines.append(f"| {where} | {method} | {max(per_rank):.2f} | {sum(per_rank) / len(per_rank):.2f} | "
+                         f"{max(per_rank) / sap_ms:.2f}x |")
     return "\n".join(lines)
 
 

@@ -1,16 +1,20 @@
-"""Peak memory of one rank's attention op, measured alone in this process.
+"""Peak memory and compute time of one rank's attention op, measured alone in this process.
 
 Inside `local_exchanges()` the op's point-to-point steps send nothing and receive
 zeros, so one rank of a P-rank SAP plan (or of the zigzag KV ring) runs with exactly
 the buffers it allocates in a real job: a single GPU measures every rank's peak with
-`torch.cuda.max_memory_allocated` (CPU: tracked storages). Values are zeros where
+`torch.cuda.max_memory_allocated` (CPU: tracked storages), and times each rank's
+executor without its communication (`rank_seconds`). Values are zeros where
 data would have arrived, so only sizes and time are meaningful, not outputs. Flat
 layouts only (the inner all-to-all is a collective).
 """
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any, Callable
 
 import torch
 
@@ -52,39 +56,98 @@ def _peak(step, local: list[torch.Tensor], device) -> tuple[int, int]:
     return peak.peak_bytes, 2 * q_bytes + k_bytes + v_bytes
 
 
-def sap_rank_memory(cu_seqlens: list[int], world_size: int, rank: int, heads: int, kv_heads: int, dim: int, *,
-                    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                    cost_model: CostModel | None = None) -> RankMemory:
-    """One rank of a flat SAP plan over `world_size` ranks."""
-    device = torch.device(device)
+def _sap_op(cu_seqlens: list[int], world_size: int, rank: int, heads: int, kv_heads: int, dim: int,
+            device: torch.device, dtype: torch.dtype, cost_model: CostModel | None) -> tuple[Callable, list[torch.Tensor], float]:
+    """(step, this rank's inputs, formula bytes) of one rank of a flat SAP plan."""
     plan = sap.plan_sequences(cu_seqlens, outer_size=world_size, cost_model=cost_model)
     groups = SimpleNamespace(world_size=world_size, inner_size=1, outer_rank=rank, cp_rank=rank,
                              outer_group=None, outer_peer=lambda r: r)
-    local = _inputs(plan.local_tokens, heads, kv_heads, dim, device, dtype)
 
     def step(q, k, v):
         return sap.sap_attention(q, k, v, plan, groups, check_agreement=False)
 
     shape = plan.cost_model.with_shape(heads, kv_heads, dim, torch.empty((), dtype=dtype).element_size())
     formula = plan.memory_bytes(rank, shape)
-    return RankMemory(rank, *_peak_and_formula(step, local, device, max(formula["forward"], formula["backward"])))
+    return step, _inputs(plan.local_tokens, heads, kv_heads, dim, device, dtype), max(formula["forward"], formula["backward"])
 
 
-def ring_rank_memory(cu_seqlens: list[int], world_size: int, rank: int, heads: int, kv_heads: int, dim: int, *,
-                     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> RankMemory:
-    """One rank of the zigzag KV ring (Megatron/TE `p2p`) over `world_size` ranks."""
-    device = torch.device(device)
+def _ring_op(cu_seqlens: list[int], world_size: int, rank: int, heads: int, kv_heads: int, dim: int,
+             device: torch.device, dtype: torch.dtype) -> tuple[Callable, list[torch.Tensor], float]:
+    """(step, this rank's inputs, formula bytes) of one rank of the zigzag KV ring."""
     layout = ring_p2p.layout(cu_seqlens, world_size)
     ring = ring_p2p.Ring(None, rank, world_size, (rank + 1) % world_size, (rank - 1) % world_size)
     shape = ring_p2p.RingShape.from_chunks(layout.chunk_sizes, device)
-    local = _inputs(layout.local_tokens, heads, kv_heads, dim, device, dtype)
 
     def step(q, k, v):  # ring_p2p.attention, with the ring given instead of read from a process group
         out = ring_p2p.ZigzagRingAttention.apply(q, k, v, shape, ring, None, "auto")
         return ring_p2p.zero_padding_rows(out, layout.positions[rank])
 
     model = CostModel.preset("h100").with_shape(heads, kv_heads, dim, torch.empty((), dtype=dtype).element_size())
-    return RankMemory(rank, *_peak_and_formula(step, local, device, float(ring_p2p.peak_extra_bytes(layout.local_tokens, model))))
+    local = _inputs(layout.local_tokens, heads, kv_heads, dim, device, dtype)
+    return step, local, float(ring_p2p.peak_extra_bytes(layout.local_tokens, model))
+
+
+def sap_rank_memory(cu_seqlens: list[int], world_size: int, rank: int, heads: int, kv_heads: int, dim: int, *,
+                    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                    cost_model: CostModel | None = None) -> RankMemory:
+    """One rank of a flat SAP plan over `world_size` ranks."""
+    device = torch.device(device)
+    step, local, formula = _sap_op(cu_seqlens, world_size, rank, heads, kv_heads, dim, device, dtype, cost_model)
+    return RankMemory(rank, *_peak_and_formula(step, local, device, formula))
+
+
+def ring_rank_memory(cu_seqlens: list[int], world_size: int, rank: int, heads: int, kv_heads: int, dim: int, *,
+                     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> RankMemory:
+    """One rank of the zigzag KV ring (Megatron/TE `p2p`) over `world_size` ranks."""
+    device = torch.device(device)
+    step, local, formula = _ring_op(cu_seqlens, world_size, rank, heads, kv_heads, dim, device, dtype)
+    return RankMemory(rank, *_peak_and_formula(step, local, device, formula))
+
+
+def rank_seconds(method: str, cu_seqlens: list[int], world_size: int, rank: int, heads: int, kv_heads: int, dim: int, *,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 cost_model: CostModel | None = None, repeats: int = 3) -> tuple[float, float]:
+    """(forward, backward) seconds of one rank's whole op, `method` "sap" or "p2p", with its
+    exchanges local: the executor's compute (kernel calls, gathers, merges, buffers) without
+    the communication. Medians of `repeats` runs after a warm-up; CUDA events on a GPU."""
+    device = torch.device(device)
+    if method == "sap":
+        step, local, _ = _sap_op(cu_seqlens, world_size, rank, heads, kv_heads, dim, device, dtype, cost_model)
+    elif method == "p2p":
+        step, local, _ = _ring_op(cu_seqlens, world_size, rank, heads, kv_heads, dim, device, dtype)
+    else:
+        raise ValueError(f"rank_seconds times 'sap' or 'p2p', got {method!r}")
+    q, k, v = (t.clone().requires_grad_() for t in local[:3])
+    forward, backward = [], []
+    with local_exchanges():
+        step(q, k, v).backward(local[3])  # warm-up
+        for _ in range(repeats):
+            mark = _marker(device)
+            start = mark()
+            out = step(q, k, v)
+            middle = mark()
+            out.backward(local[3])
+            end = mark()
+            forward.append(middle - start)
+            backward.append(end - middle)
+    return statistics.median(float(x) for x in forward), statistics.median(float(x) for x in backward)
+
+
+def _marker(device: torch.device) -> Callable[[], Any]:
+    """A function returning time marks whose differences are seconds (CUDA events on a GPU)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    class _Event:
+        def __init__(self) -> None:
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+
+        def __sub__(self, other: "_Event") -> float:
+            self.event.synchronize()
+            return other.event.elapsed_time(self.event) / 1e3
+
+    return _Event
 
 
 def _peak_and_formula(step, local: list[torch.Tensor], device, formula: float) -> tuple[int, float, int]:
