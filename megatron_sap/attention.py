@@ -65,6 +65,7 @@ def _forward_calls(calls, q, kv_source, acc_out, acc_lse, scale, backend) -> Non
 
 
 def _run_forward_call(call, q, kv_source, scale, backend):
+    """One kernel call's (out, lse) for its query rows of `q` over its rows of `kv_source`."""
     q_part = q if call.q_rows is None else q.index_select(0, call.q_rows)
     kv = kv_source if call.k_rows is None else kv_source.index_select(0, call.k_rows)
     return varlen_forward(
