@@ -276,11 +276,11 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
     assert "Some GPU, 2026-01-02" in title and "flash-attn not installed" in title
     assert "did NOT pass" in body and "FAILED: RuntimeError: out of memory" in body
     assert "| stdlib/T=32768 | sap | 6.00 | 4.50 | 1.333 | 1.00x |" in body
-    assert "| stdlib/T=32768 | p2p | 7.00 | 6.00 | 1.333 | 1.17x |" in body
+    assert "| stdlib/T=32768 | p2p | 7.00 | 6.00 | 1.167 | 1.17x |" in body
     assert "300 TFLOP/s forward and a backward factor of 2.80" in body
     assert "| old/T=1 | 2-5 | 4.00 | 2.50 | 1.60x | not recorded |" in body
     assert "| new/T=2 | 4-4 | 3.00 | 2.00 | 1.50x | 1.25 / 0.50 |" in body
     assert "9.0 ms of device time; the ops with the most: `flash_fwd` 4.0 ms (3 calls); `index_select` 2.0 ms" in body
-    assert "| stdlib/T=32768 | sap | 5.00 | 4.00 | 1.00x |" in body
-    assert "| stdlib/T=32768 | p2p | 10.00 | 9.00 | 2.00x |" in body
+    assert "| stdlib/T=32768 | sap | 5.00 | 4.00 | 1.250 | 1.00x |" in body
+    assert "| stdlib/T=32768 | p2p | 10.00 | 9.00 | 1.111 | 2.00x |" in body
     assert "Peak memory" not in body  # the failed check has no table

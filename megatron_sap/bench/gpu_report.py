@@ -75,17 +75,7 @@ def _method_table(result: dict) -> str:
         "| row | method | busiest rank ms | mean rank ms | max / mean | busiest vs SAP |",
         "|---|---|---|---|---|---|",
     ]
-    rows = sorted({key.rsplit("/", 1)[0] for key in result if key.count("/") == 2})
-    for row in rows:
-        busiest = {}
-        for method in METHODS:
-            times = result.get(f"{row}/{method}")
-            if times is None:
-                continue
-            per_rank = [f + b for f, b in zip(times["forward_ms_per_rank"], times["backward_ms_per_rank"])]
-            busiest[method] = max(per_rank)
-            lines.append(f"| {row} | {method} | {max(per_rank):.2f} | {sum(per_rank) / len(per_rank):.2f} | "
-                         f"{times['max_over_mean']:.3f} | {busiest[method] / busiest.get('sap', busiest[method]):.2f}x |")
+    lines += _per_rank_rows(result)
     calibration = result.get("calibration")
     if calibration:
         rates, error = calibration["cost_model"], calibration["relative_error"]
@@ -134,19 +124,27 @@ def _executor_times_table(result: dict) -> str:
         "Each rank's whole attention op (the method's executor: kernel calls, gathers, merges, buffers), forward + "
         "backward, with its exchanges local, so without the communication:",
         "",
-        "| row | method | busiest rank ms | mean rank ms | busiest vs SAP |",
-        "|---|---|---|---|---|",
+        "| row | method | busiest rank ms | mean rank ms | max / mean | busiest vs SAP |",
+        "|---|---|---|---|---|---|",
     ]
-    busiest: dict[tuple[str, str], float] = {}
-    for key, row in result.items():
-        if isinstance(row, dict) and "forward_ms_per_rank" in row:
-            where, method = key.rsplit("/", 1)
-            per_rank = [f + b for f, b in zip(row["forward_ms_per_rank"], row["backward_ms_per_rank"])]
-            busiest[where, method] = max(per_rank)
-            sap_ms = busiest.get((where, "sap"), max(per_rank))
-            lines.append(f"| {where} | {method} | {max(per_rank):.2f} | {sum(per_rank) / len(per_rank):.2f} | "
-                         f"{max(per_rank) / sap_ms:.2f}x |")
-    return "\n".join(lines)
+    return "\n".join(lines + _per_rank_rows(result))
+
+
+def _per_rank_rows(result: dict) -> list[str]:
+    """Table rows of per-rank forward + backward times, keyed "<row>/<method>" in `result`:
+    the busiest and mean rank, their ratio, and the busiest against SAP's in the same row."""
+    lines = []
+    for row in sorted({key.rsplit("/", 1)[0] for key in result if key.count("/") == 2}):
+        busiest = {}
+        for method in METHODS:
+            times = result.get(f"{row}/{method}")
+            if times is None:
+                continue
+            per_rank = [f + b for f, b in zip(times["forward_ms_per_rank"], times["backward_ms_per_rank"])]
+            busiest[method], mean = max(per_rank), sum(per_rank) / len(per_rank)
+            lines.append(f"| {row} | {method} | {busiest[method]:.2f} | {mean:.2f} | {busiest[method] / mean:.3f} | "
+                         f"{busiest[method] / busiest.get('sap', busiest[method]):.2f}x |")
+    return lines
 
 
 def _memory_table(result: dict) -> str:
