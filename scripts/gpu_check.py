@@ -55,7 +55,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from megatron_sap.kernels import available_backends, merge_partials, varlen_backward, varlen_forward  # noqa: E402
+from megatron_sap.kernels import available_backends, merge_partials, resolve_backend, varlen_backward, varlen_forward  # noqa: E402
 from megatron_sap.reference import dense_attention  # noqa: E402
 
 DEVICE = torch.device("cuda")
@@ -349,7 +349,7 @@ def method_kernel_times() -> dict:
     calibration = fit_calibration(samples, model)
     calibration["source"] = (
         f"scripts/gpu_check.py method_kernel_times: {torch.cuda.get_device_name(DEVICE)}, torch {torch.__version__}, "
-        f"backend {_flash_backends()[0] if _flash_backends() else 'torch'}, bf16, Hq={heads_q} Hkv={heads_kv} D={dim}, "
+        f"backend {resolve_backend('auto', DEVICE, torch.bfloat16, dim)}, bf16, Hq={heads_q} Hkv={heads_kv} D={dim}, "
         f"{datetime.date.today().isoformat()}"
     )
     results["calibration"] = calibration

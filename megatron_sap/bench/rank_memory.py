@@ -11,10 +11,9 @@ layouts only (the inner all-to-all is a collective).
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -22,6 +21,7 @@ import megatron_sap as sap
 from megatron_sap.baselines import ring_p2p
 from megatron_sap.comm.p2p import local_exchanges
 from megatron_sap.memory import track_peak_memory
+from megatron_sap.simulate import _timer
 from megatron_sap.planning import CostModel
 
 
@@ -118,36 +118,18 @@ def rank_seconds(method: str, cu_seqlens: list[int], world_size: int, rank: int,
     else:
         raise ValueError(f"rank_seconds times 'sap' or 'p2p', got {method!r}")
     q, k, v = (t.clone().requires_grad_() for t in local[:3])
+    start, stop = _timer(device)
     forward, backward = [], []
     with local_exchanges():
         step(q, k, v).backward(local[3])  # warm-up
         for _ in range(repeats):
-            mark = _marker(device)
-            start = mark()
+            mark = start()
             out = step(q, k, v)
-            middle = mark()
+            forward.append(stop(mark))
+            mark = start()
             out.backward(local[3])
-            end = mark()
-            forward.append(middle - start)
-            backward.append(end - middle)
-    return statistics.median(float(x) for x in forward), statistics.median(float(x) for x in backward)
-
-
-def _marker(device: torch.device) -> Callable[[], Any]:
-    """A function returning time marks whose differences are seconds (CUDA events on a GPU)."""
-    if device.type != "cuda":
-        return time.perf_counter
-
-    class _Event:
-        def __init__(self) -> None:
-            self.event = torch.cuda.Event(enable_timing=True)
-            self.event.record()
-
-        def __sub__(self, other: "_Event") -> float:
-            self.event.synchronize()
-            return other.event.elapsed_time(self.event) / 1e3
-
-    return _Event
+            backward.append(stop(mark))
+    return statistics.median(f() for f in forward), statistics.median(b() for b in backward)
 
 
 def _peak_and_formula(step, local: list[torch.Tensor], device, formula: float) -> tuple[int, float, int]:
