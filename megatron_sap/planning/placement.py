@@ -30,7 +30,7 @@ from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
-from itertools import accumulate, chain
+from itertools import accumulate, chain, islice
 from operator import add, itemgetter
 from typing import Callable, Iterator, NamedTuple, Sequence
 
@@ -518,6 +518,10 @@ class _Greedy:
         for r in range(num_ranks):
             by_node.setdefault(model.node_of(r * inner_size), []).append(r)
         self.node_ranks = list(by_node.values())  # each node's ranks, ascending
+        self.node_index = [0] * num_ranks  # each rank's position in node_ranks
+        for n, ranks in enumerate(self.node_ranks):
+            for r in ranks:
+                self.node_index[r] = n
         # With one node, or one rank per node, the node-local choice is the least-loaded ranks.
         self.node_aware = 1 < len(self.node_ranks) < num_ranks
         self.cost = [_tile_pairs(self.tile, 0, n) for n in lengths]
@@ -632,7 +636,7 @@ class _DocChoices:
             return None
         cut = make_cut(self.n, k, split, g.tile)
         heavy = cut.heavy
-        first = self.by_load[:k] if everyone else [r for r in self.by_load if room[r] >= need][:k]
+        first = self.by_load[:k] if everyone else list(islice((r for r in self.by_load if room[r] >= need), k))
         near = first
         if g.node_aware:
             near = self._node_local(k, need, everyone)
@@ -646,15 +650,18 @@ class _DocChoices:
         """k ranks with room for `need` tokens: of the node whose k-th least-loaded such
         rank is the least loaded (the first node to gather k of them, going through the
         ranks by load), else over as few nodes as possible (`_fewest_nodes`)."""
-        g = self.greedy
+        g, room = self.greedy, self.room
+        node, counts = g.node_index, [0] * len(g.node_ranks)
+        for r in self.by_load:
+            if everyone or room[r] >= need:
+                n = node[r]
+                counts[n] += 1
+                if counts[n] == k:
+                    return [x for x in self.by_load if node[x] == n and (everyone or room[x] >= need)][:k]
         if self._node_ranks is None:
             self._node_ranks = [sorted(ranks, key=self.load.__getitem__) for ranks in g.node_ranks]
-        room, position = self.room, self.by_load.index
         per_node = self._node_ranks if everyone else [[r for r in ranks if room[r] >= need] for ranks in self._node_ranks]
-        kth = [(position(ranks[k - 1]), ranks) for ranks in per_node if len(ranks) >= k]
-        if kth:
-            return min(kth)[1][:k]
-        return _fewest_nodes(per_node, position, k, self.load)
+        return _fewest_nodes(per_node, self.by_load.index, k, self.load)
 
     def slots(self, chosen: list[int], cut: Cut) -> tuple[tuple[int, ...], Cut]:
         """The rank of each slot of `cut` when its heaviest slots go to `chosen` in order."""
