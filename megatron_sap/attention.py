@@ -21,6 +21,7 @@ from .comm.p2p import PendingExchange, collective_device, mark_ready, post_excha
 from .comm.ulysses import GatherHeads, ScatterHeads, check_heads, replicate_kv_heads
 from .kernels import merge_into, resolve_backend, varlen_backward, varlen_forward
 from .planning import Plan, RankProgram
+from .planning.program import check_schedule
 
 _BACKWARD_TAG = 1 << 20
 _REFETCH_TAG = 2 << 20
@@ -91,6 +92,24 @@ def _local_forward(program: RankProgram, q, kv, scale, backend) -> tuple[torch.T
     return acc_out, acc_lse
 
 
+def _write_forward(calls, q, kv_source, out, lse, scale, backend) -> None:
+    """Run kernel calls whose query rows each get their whole result from one call (the
+    gathered schedule) and write their (out, lse) into those rows."""
+    for call in calls:
+        part_out, part_lse = _run_forward_call(call, q, kv_source, scale, backend)
+        if call.q_rows is None:
+            out.copy_(part_out)
+            lse.copy_(part_lse)
+        else:
+            out.index_copy_(0, call.q_rows, part_out.to(out.dtype))
+            lse.index_copy_(1, call.q_rows, part_lse.to(lse.dtype))
+
+
+def _gathered_source(kv: torch.Tensor, received: list[torch.Tensor]) -> torch.Tensor:
+    """The gathered calls' key/value rows: the local rows, then every step's received rows."""
+    return torch.cat([kv, *received]) if received else kv
+
+
 def _backward_calls(calls, dout, q, out, lse, kv_source, dq, dkv, scale, backend) -> None:
     """Gradients of kernel calls against the final out/lse: into dq, and into dkv at the source rows."""
     for call in calls:
@@ -118,22 +137,31 @@ class _SAPOuterAttention(torch.autograd.Function):
     """The outer-level program as one autograd op on [T/R, H, D] tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: Plan, outer: _Outer, scale: float, backend: str, recompute_kv: bool):
-        program = plan.program(outer.rank, q.device)
+    def forward(ctx, q, k, v, plan: Plan, outer: _Outer, scale: float, backend: str, recompute_kv: bool, schedule: str):
+        program = plan.program(outer.rank, q.device, schedule)
+        gathered = program.schedule == "gathered"
         kv = torch.stack([k, v], 1)  # [T/R, 2, Hkv, D]: one message per step
         received: list[torch.Tensor] = []
         n = len(program.transfers)
         pending = _post_kv(program, 0, kv, outer, 0) if n else None
-        acc_out, acc_lse = _local_forward(program, q, kv, scale, backend)
+        if gathered:
+            out = torch.empty_like(q)
+            lse = torch.empty((q.shape[1], q.shape[0]), dtype=_accumulation_dtype(q.dtype), device=q.device)
+            _write_forward(program.local_calls, q, kv, out, lse, scale, backend)
+        else:
+            acc_out, lse = _local_forward(program, q, kv, scale, backend)
         for i in range(n):
             handle, recv = pending
             pending = _post_kv(program, i + 1, kv, outer, 0) if i + 1 < n else None
             handle.wait()
-            _forward_calls(program.transfers[i].calls, q, recv, acc_out, acc_lse, scale, backend)
+            if not gathered:
+                _forward_calls(program.transfers[i].calls, q, recv, acc_out, lse, scale, backend)
             received.append(recv)
-        out = acc_out.to(q.dtype)
-        lse = acc_lse
-        ctx.plan, ctx.outer, ctx.scale, ctx.backend, ctx.recompute_kv = plan, outer, scale, backend, recompute_kv
+        if gathered:
+            _write_forward(program.gathered_calls, q, _gathered_source(kv, received), out, lse, scale, backend)
+        else:
+            out = acc_out.to(q.dtype)
+        ctx.plan, ctx.outer, ctx.scale, ctx.backend, ctx.recompute_kv, ctx.schedule = plan, outer, scale, backend, recompute_kv, schedule
         ctx.save_for_backward(q, k, v, out, lse, *([] if recompute_kv else received))
         return out
 
@@ -142,27 +170,47 @@ class _SAPOuterAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, *received = ctx.saved_tensors
         outer, scale, backend = ctx.outer, ctx.scale, ctx.backend
-        program = ctx.plan.program(outer.rank, q.device)
+        program = ctx.plan.program(outer.rank, q.device, ctx.schedule)
+        gathered = program.schedule == "gathered"
         dout = dout.contiguous()
         acc_dtype = _accumulation_dtype(q.dtype)
         kv = torch.stack([k, v], 1)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
         n = len(program.transfers)
         # The local blocks run while something is in flight: first, under the refetched K/V;
         # else last, under the gradients returning to their owners (the cost model's pipeline).
         if ctx.recompute_kv:
             fetched = [_post_kv(program, i, kv, outer, _REFETCH_TAG) for i in range(n)]
+            dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
             _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
+        if gathered:
+            # Every gathered call at once, over the local rows and all received rows; the
+            # gradients of each step's rows are then a slice of the source's.
+            if ctx.recompute_kv:
+                for handle, recv in fetched:
+                    handle.wait()
+                received = [recv for _, recv in fetched]
+            source = _gathered_source(kv, received)
+            grad_source = torch.zeros(source.shape, dtype=acc_dtype, device=q.device)
+            if ctx.recompute_kv:
+                grad_source[: len(kv)] = dkv
+            _backward_calls(program.gathered_calls, dout, q, out, lse, source, dq, grad_source, scale, backend)
+            dkv = grad_source[: len(kv)]
+            grads = torch.split(grad_source[len(kv):], [step.recv_tokens for step in program.transfers])
+        elif not ctx.recompute_kv:
+            dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
         returns: list[tuple[PendingExchange, torch.Tensor | None]] = []
         for i, step in enumerate(program.transfers):
-            if ctx.recompute_kv:
-                handle, recv = fetched[i]
-                handle.wait()
+            if gathered:
+                grad_recv = grads[i]
             else:
-                recv = received[i]
-            grad_recv = torch.zeros(recv.shape, dtype=acc_dtype, device=q.device)
-            _backward_calls(step.calls, dout, q, out, lse, recv, dq, grad_recv, scale, backend)
+                if ctx.recompute_kv:
+                    handle, recv = fetched[i]
+                    handle.wait()
+                else:
+                    recv = received[i]
+                grad_recv = torch.zeros(recv.shape, dtype=acc_dtype, device=q.device)
+                _backward_calls(step.calls, dout, q, out, lse, recv, dq, grad_recv, scale, backend)
             # Gradients of the received rows go back to their owner (the reverse of the forward step).
             grad_in = None if step.send_rows is None else kv.new_empty((len(step.send_rows), *kv.shape[1:]))
             handle = post_exchange(
@@ -181,7 +229,7 @@ class _SAPOuterAttention(torch.autograd.Function):
             handle.wait()
             if grad_in is not None:
                 dkv.index_add_(0, step.send_rows, grad_in.to(acc_dtype))
-        return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None, None, None
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, groups) -> None:
@@ -273,6 +321,7 @@ def sap_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     recompute_kv: bool = False,
+    schedule: str = "auto",
     check_agreement: bool = True,
     check_finite: bool | None = None,
 ) -> torch.Tensor:
@@ -280,10 +329,15 @@ def sap_attention(
 
     q [T/P, Hq, D], k/v [T/P, Hkv, D] hold the rank's tokens in `plan.local_indices(cp_rank)`
     order; returns [T/P, Hq, D]. `groups` is the SAPGroups of the CP group (None: one rank).
+    `schedule`: "pipelined" (each exchange's kernel calls overlap the next exchange, partial
+    results merged by lse), "gathered" (every exchange first, then each query piece in one
+    kernel segment over all its keys, nothing merged; see `planning.program`) or "auto"
+    (`plan.schedule(outer_rank)`, what the cost model times faster).
     """
     if not causal:
         raise ValueError("sap_attention computes causal attention only (causal=False is not supported)")
     _check_inputs(q, k, v, plan, groups)
+    check_schedule(schedule, allow_auto=True)
     # The backend and dtype are checked here, before any exchange is posted: an error
     # raised between posting and waiting would leave the peers' transfers pending.
     backend = resolve_backend(backend, q.device, q.dtype, q.shape[2])
@@ -297,9 +351,9 @@ def sap_attention(
         ready_for_batched_p2p(outer.group, f"outer group (cp_rank {groups.cp_rank})")
     U = 1 if groups is None else groups.inner_size
     if U == 1:
-        return _SAPOuterAttention.apply(q, k, v, plan, outer, scale, backend, recompute_kv)
+        return _SAPOuterAttention.apply(q, k, v, plan, outer, scale, backend, recompute_kv, schedule)
     k, v = replicate_kv_heads(k, v, U)  # heads checked by _check_inputs
     q_h, k_h, v_h = ScatterHeads.apply(groups.inner_group, INNER_STEP, q, k, v)
-    out_h = _SAPOuterAttention.apply(q_h, k_h, v_h, plan, outer, scale, backend, recompute_kv)
+    out_h = _SAPOuterAttention.apply(q_h, k_h, v_h, plan, outer, scale, backend, recompute_kv, schedule)
     (out,) = GatherHeads.apply(groups.inner_group, INNER_STEP, out_h)
     return out

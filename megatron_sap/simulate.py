@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import _accumulation_dtype, _backward_calls, _forward_calls, _local_forward
+from .attention import _accumulation_dtype, _backward_calls, _forward_calls, _gathered_source, _local_forward, _write_forward
 from .planning import Plan
 
 
@@ -69,8 +69,10 @@ def simulate_plan(
     *,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    schedule: str = "pipelined",
 ) -> SimulatedResult:
-    """Causal attention of the whole packed batch (q [T, Hq, D], k/v [T, Hkv, D]) by `plan`'s programs.
+    """Causal attention of the whole packed batch (q [T, Hq, D], k/v [T, Hkv, D]) by `plan`'s programs
+    in `schedule`.
 
     With `dout`, also the gradients. Per-rank kernel time is recorded (CUDA events on GPU).
     """
@@ -80,7 +82,7 @@ def simulate_plan(
     R = plan.outer_size
     start, stop = _timer(device)
     idx = [plan.group_indices(r).to(device) for r in range(R)]
-    programs = [plan.program(r, device) for r in range(R)]
+    programs = [plan.program(r, device, schedule) for r in range(R)]
     qs = [q.index_select(0, i) for i in idx]
     kvs = [torch.stack([k.index_select(0, i), v.index_select(0, i)], 1) for i in idx]
 
@@ -94,10 +96,17 @@ def simulate_plan(
     for r in range(R):
         recvs = [received(s) if s.recv_tokens else None for s in programs[r].transfers]
         t0 = start()
-        acc_out, acc_lse = _local_forward(programs[r], qs[r], kvs[r], scale, backend)
-        for step, recv in zip(programs[r].transfers, recvs):
-            if recv is not None:
-                _forward_calls(step.calls, qs[r], recv, acc_out, acc_lse, scale, backend)
+        if schedule == "gathered":
+            acc_out = torch.empty_like(qs[r])
+            acc_lse = torch.empty((q.shape[1], len(qs[r])), dtype=acc_dtype, device=device)
+            _write_forward(programs[r].local_calls, qs[r], kvs[r], acc_out, acc_lse, scale, backend)
+            source = _gathered_source(kvs[r], [x for x in recvs if x is not None])
+            _write_forward(programs[r].gathered_calls, qs[r], source, acc_out, acc_lse, scale, backend)
+        else:
+            acc_out, acc_lse = _local_forward(programs[r], qs[r], kvs[r], scale, backend)
+            for step, recv in zip(programs[r].transfers, recvs):
+                if recv is not None:
+                    _forward_calls(step.calls, qs[r], recv, acc_out, acc_lse, scale, backend)
         fwd_timers.append(stop(t0))
         outs.append(acc_out.to(q.dtype))
         lses.append(acc_lse)
@@ -117,8 +126,17 @@ def simulate_plan(
         recvs = [received(s) if s.recv_tokens else None for s in programs[r].transfers]
         grads = []
         t0 = start()
+        if schedule == "gathered":
+            source = _gathered_source(kvs[r], [x for x in recvs if x is not None])
+            grad_source = torch.zeros(source.shape, dtype=acc_dtype, device=device)
+            _backward_calls(programs[r].gathered_calls, douts, qs[r], outs[r], lses[r], source, dqs[r], grad_source, scale, backend)
+            dkvs[r] += grad_source[: len(kvs[r])]
+            sizes = [s.recv_tokens for s in programs[r].transfers]
+            for step, grad in zip(programs[r].transfers, torch.split(grad_source[len(kvs[r]):], sizes)):
+                if step.recv_tokens:
+                    grads.append((step, grad))
         for step, recv in zip(programs[r].transfers, recvs):  # the executor's order: remote blocks first
-            if recv is not None:
+            if recv is not None and step.calls:
                 grad = torch.zeros(recv.shape, dtype=acc_dtype, device=device)
                 _backward_calls(step.calls, douts, qs[r], outs[r], lses[r], recv, dqs[r], grad, scale, backend)
                 grads.append((step, grad))

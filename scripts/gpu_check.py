@@ -23,12 +23,15 @@ Built-in checks, in the order they run:
     in turn; the cost model's compute rates fitted to every rank of every method are
     written next to the report (calibration.json, readable by CostModel.from_calibration);
   * sap_simulated: every rank's compiled program of a packed batch run in turn on
-    this GPU (bf16, the auto backend) against the float64 reference per document;
+    this GPU (bf16, the auto backend), in both schedules, against the float64
+    reference per document;
   * sap_no_host_syncs: the sap_attention autograd op (one rank) forward and
     backward under set_sync_debug_mode("error");
-  * sap_executor_vs_kernels: each SAP rank's compute as the executor runs it (its
-    program's kernel calls and merges) against the same work in one call per pass,
+  * sap_executor_vs_kernels: each SAP rank's compute as the executor runs it, in the
+    pipelined and the gathered schedule, against the same work in one call per pass,
     and the device time by op of one run of every rank's program (torch.profiler);
+    the pipelined over the gathered time is written to calibration.json as
+    pipelined_kernel_factor;
   * method_executor_times: every rank's whole op, SAP and the KV ring, forward and
     backward with local exchanges (the executors' compute without communication);
   * rank_memory: every rank's peak memory for SAP and the KV ring (each rank run
@@ -290,13 +293,14 @@ def sap_simulated() -> dict:
         cu = _packed_batch(total, seed=outer, max_len=max_len)
         plan = sap.plan_sequences(cu, outer_size=outer, cost_model=sap.CostModel.preset("h200"))
         q, k, v, dout = _batch(torch.tensor(cu).diff().tolist(), 8, 2, 128, torch.bfloat16, seed=outer)
-        sim = simulate_plan(q, k, v, plan, dout)
         refs = [_reference(q[a:b], k[a:b], v[a:b], _cu([b - a]), dout[a:b], True) for a, b in zip(cu, cu[1:]) if b > a]
-        for name, got, i in (("out", sim.out, 0), ("dq", sim.dq, 2), ("dk", sim.dk, 3), ("dv", sim.dv, 4)):
-            want = torch.cat([r[i] for r in refs])
-            errors[f"{name}/R={outer}"] = _error(got, want)
-        errors[f"forward_ms_per_rank/R={outer}"] = [round(t * 1e3, 3) for t in sim.forward_seconds]
-        errors[f"backward_ms_per_rank/R={outer}"] = [round(t * 1e3, 3) for t in sim.backward_seconds]
+        for schedule in ("pipelined", "gathered"):  # gathered: bottom-right causal segments of unequal lengths
+            sim = simulate_plan(q, k, v, plan, dout, schedule=schedule)
+            for name, got, i in (("out", sim.out, 0), ("dq", sim.dq, 2), ("dk", sim.dk, 3), ("dv", sim.dv, 4)):
+                want = torch.cat([r[i] for r in refs])
+                errors[f"{name}/R={outer}/{schedule}"] = _error(got, want)
+            errors[f"forward_ms_per_rank/R={outer}/{schedule}"] = [round(t * 1e3, 3) for t in sim.forward_seconds]
+            errors[f"backward_ms_per_rank/R={outer}/{schedule}"] = [round(t * 1e3, 3) for t in sim.backward_seconds]
     worst = max(v for key, v in errors.items() if not key.startswith(("forward", "backward")))
     return {"ok": worst <= BF16_TOLERANCE, "tolerance": BF16_TOLERANCE, "max_error": worst, "details": errors}
 
@@ -359,9 +363,11 @@ def method_kernel_times() -> dict:
 
 def sap_executor_vs_kernels() -> dict:
     """Each SAP rank's compute as the executor runs it (its compiled kernel calls, index
-    selects and lse merges; `simulate_plan`, transfers replaced by indexing) against the same
-    work in one varlen call per pass (`time_work`): what splitting the work into the
-    program's blocks costs on the GPU."""
+    selects and, pipelined, lse merges; `simulate_plan`, transfers replaced by indexing), in
+    both schedules, against the same work in one varlen call per pass (`time_work`): what
+    splitting the work into the program's blocks costs on the GPU. The pipelined over the
+    gathered time, over every rank of both rows, is the cost model's
+    `pipelined_kernel_factor` (added to calibration.json)."""
     from megatron_sap.bench.data import document_lengths
     from megatron_sap.bench.kernel_time import rank_work, time_work
     from megatron_sap.bench.packing import pack
@@ -371,28 +377,41 @@ def sap_executor_vs_kernels() -> dict:
     heads_q, heads_kv, dim, world = 32, 8, 128, 8
     model = CostModel.preset("h200")
     results: dict = {"shape": {"heads_q": heads_q, "heads_kv": heads_kv, "head_dim": dim, "world": world}}
+    totals = {"pipelined": 0.0, "gathered": 0.0}
     for corpus, total in (("stdlib", 32768), ("sharegpt", 131072)):
         cu = pack(document_lengths(corpus), total, 1, seed=0)[0]
         plan = plan_sequences(cu, outer_size=world, cost_model=model)
         q, k, v, dout = _batch(torch.tensor(cu).diff().tolist(), heads_q, heads_kv, dim, torch.bfloat16, seed=1)
-        simulate_plan(q, k, v, plan, dout)  # warm-up: programs compiled and moved, kernels loaded
-        runs = [simulate_plan(q, k, v, plan, dout) for _ in range(3)]
-        forward = [statistics.median(t) * 1e3 for t in zip(*(r.forward_seconds for r in runs))]
-        backward = [statistics.median(t) * 1e3 for t in zip(*(r.backward_seconds for r in runs))]
         one_call = [time_work(w, heads_q, heads_kv, dim, device=DEVICE, dtype=torch.bfloat16, repeats=3)
                     for w in rank_work("sap", cu, world, cost_model=model)]
-        executor = [f + b for f, b in zip(forward, backward)]
         kernels = [(f + b) * 1e3 for f, b in one_call]
-        results[f"{corpus}/T={total}"] = {
-            "executor_ms_per_rank": [round(x, 3) for x in executor],
-            "one_call_ms_per_rank": [round(x, 3) for x in kernels],
-            "executor_forward_ms_per_rank": [round(x, 3) for x in forward],
-            "one_call_forward_ms_per_rank": [round(f * 1e3, 3) for f, _ in one_call],
-            "busiest_executor_over_busiest_one_call": max(executor) / max(kernels),
-            "kernel_calls_per_rank": [len(p.local_calls) + sum(len(t.calls) for t in p.transfers)
-                                      for p in (plan.program(r) for r in range(world))],
-            "device_time_by_op": _device_time_by_op(lambda: simulate_plan(q, k, v, plan, dout)),
-        }
+        row = {"one_call_ms_per_rank": [round(x, 3) for x in kernels],
+               "one_call_forward_ms_per_rank": [round(f * 1e3, 3) for f, _ in one_call]}
+        for schedule in ("pipelined", "gathered"):
+            run = functools.partial(simulate_plan, q, k, v, plan, dout, schedule=schedule)
+            run()  # warm-up: programs compiled and moved, kernels loaded
+            runs = [run() for _ in range(3)]
+            forward = [statistics.median(t) * 1e3 for t in zip(*(r.forward_seconds for r in runs))]
+            backward = [statistics.median(t) * 1e3 for t in zip(*(r.backward_seconds for r in runs))]
+            executor = [f + b for f, b in zip(forward, backward)]
+            totals[schedule] += sum(executor)
+            programs = [plan.program(r, schedule=schedule) for r in range(world)]
+            row[schedule] = {
+                "executor_ms_per_rank": [round(x, 3) for x in executor],
+                "executor_forward_ms_per_rank": [round(x, 3) for x in forward],
+                "busiest_executor_over_busiest_one_call": max(executor) / max(kernels),
+                "kernel_calls_per_rank": [len(p.local_calls) + len(p.gathered_calls) + sum(len(t.calls) for t in p.transfers)
+                                          for p in programs],
+                "device_time_by_op": _device_time_by_op(run),
+            }
+        results[f"{corpus}/T={total}"] = row
+    factor = totals["pipelined"] / totals["gathered"]
+    results["pipelined_kernel_factor"] = round(factor, 3)
+    if CALIBRATION_OUT.exists():  # written by method_kernel_times
+        calibration = json.loads(CALIBRATION_OUT.read_text())
+        calibration["cost_model"]["pipelined_kernel_factor"] = round(factor, 3)
+        calibration["source"] += "; pipelined_kernel_factor from sap_executor_vs_kernels"
+        CALIBRATION_OUT.write_text(json.dumps(calibration, indent=2) + "\n")
     return {"ok": True, **results}
 
 

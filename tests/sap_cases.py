@@ -77,6 +77,7 @@ def run_rank(
     perturb_doc: int | None = None,
     count_bytes: bool = False,
     tile: int | None = None,
+    schedule: str = "pipelined",
 ) -> dict:
     """One rank's forward and backward of sap_attention; returns its slices and gradients.
     `tile`: plan with that kernel tile instead of the default model's (small tiles split
@@ -101,7 +102,8 @@ def run_rank(
     cast = DTYPES[dtype]
     ql, kl, vl = (t[idx].to(cast).requires_grad_() for t in (q, k, v))
     with count_traffic() as log:
-        out = sap.sap_attention(ql, kl, vl, plan, groups, softmax_scale=scale, recompute_kv=recompute_kv)
+        out = sap.sap_attention(ql, kl, vl, plan, groups, softmax_scale=scale, recompute_kv=recompute_kv,
+                              schedule=schedule)
         out.backward(dout[idx].to(cast))
     result = {
         "cp_rank": groups.cp_rank,

@@ -108,6 +108,29 @@ def test_float32_and_recompute(pool4):
     check_against_reference(pool4, cu, 2, 4, 2, 16, "float64", seed=1, recompute_kv=True)
 
 
+@pytest.mark.parametrize("inner", [1, 2, 4])
+def test_gathered_schedule(pool4, inner):
+    """The gathered schedule (every exchange first, then one causal segment per query
+    piece over all its keys) is exact too: float64 over every kind of batch, with GQA,
+    whole-tile chunks, recomputed K/V and float32."""
+    rng = random.Random(90 + inner)
+    for kind in KINDS:
+        cu = random_cu_seqlens(rng, 4 * rng.randint(32, 128), kind)
+        heads, kv = rng.choice([(4, 4), (8, 2), (4, 1)])
+        check_against_reference(pool4, cu, inner, heads, kv, 8, "float64", seed=inner, schedule="gathered")
+    cu = random_cu_seqlens(rng, 4 * rng.randint(64, 160), "long")
+    check_against_reference(pool4, cu, inner, 4, 2, 8, "float64", seed=2, tile=8, schedule="gathered")
+    check_against_reference(pool4, cu, inner, 4, 2, 8, "float64", seed=3, recompute_kv=True, schedule="gathered")
+    check_against_reference(pool4, cu, inner, 4, 2, 16, "float32", seed=4, schedule="gathered")
+
+
+def test_gathered_schedule_world8(pool8):
+    rng = random.Random(8)
+    for inner, kind in ((1, "mixture"), (2, "long"), (1, "zeros")):
+        cu = random_cu_seqlens(rng, 8 * rng.randint(24, 64), kind)
+        check_against_reference(pool8, cu, inner, 8, 2, 8, "float64", seed=5, schedule="gathered")
+
+
 def test_world1_is_plain_varlen():
     """P = 1 runs in-process without groups or communication."""
     import megatron_sap as sap
@@ -149,14 +172,15 @@ def test_deterministic_across_runs_and_cache(pool4):
             assert torch.equal(a[name], b[name]) and torch.equal(a[name], c[name]), name
 
 
-def test_no_contamination(pool4):
+@pytest.mark.parametrize("schedule", ["pipelined", "gathered"])
+def test_no_contamination(pool4, schedule):
     """Changing one document changes no other document's outputs or gradients, bitwise."""
     rng = random.Random(21)
     cu = random_cu_seqlens(rng, 4 * 64, "mixture")
     docs = [d for d in range(len(cu) - 1) if cu[d + 1] > cu[d]]
     target = docs[len(docs) // 2]
-    base = assemble(pool4.run(run_rank, cu, 1, 4, 2, 8, "float32", 6), cu[-1])
-    moved = assemble(pool4.run(run_rank, cu, 1, 4, 2, 8, "float32", 6, perturb_doc=target), cu[-1])
+    base = assemble(pool4.run(run_rank, cu, 1, 4, 2, 8, "float32", 6, schedule=schedule), cu[-1])
+    moved = assemble(pool4.run(run_rank, cu, 1, 4, 2, 8, "float32", 6, perturb_doc=target, schedule=schedule), cu[-1])
     inside = torch.zeros(cu[-1], dtype=torch.bool)
     inside[cu[target] : cu[target + 1]] = True
     for name in ("out", "dq", "dk", "dv"):
@@ -164,12 +188,13 @@ def test_no_contamination(pool4):
         assert not torch.equal(base[name][inside], moved[name][inside]), name
 
 
-@pytest.mark.parametrize("inner, kv", [(1, 2), (2, 2), (4, 2), (4, 1)])
-def test_bytes_sent_match_plan(pool4, inner, kv):
+@pytest.mark.parametrize("inner, kv, schedule", [(1, 2, "pipelined"), (2, 2, "pipelined"), (4, 2, "pipelined"),
+                                                (4, 1, "pipelined"), (1, 2, "gathered"), (2, 2, "gathered")])
+def test_bytes_sent_match_plan(pool4, inner, kv, schedule):
     rng = random.Random(13)
     cu = random_cu_seqlens(rng, 4 * 100, "long")
     heads, dim = 4, 8
-    results = pool4.run(run_rank, cu, inner, heads, kv, dim, "float64", 1, count_bytes=True)
+    results = pool4.run(run_rank, cu, inner, heads, kv, dim, "float64", 1, count_bytes=True, schedule=schedule)
     stats = results[0]["stats"]
     per_token = 2 * max(kv, inner) * dim * 8 / inner  # K and V rows of this rank's heads (replicated), float64
     for r in results:

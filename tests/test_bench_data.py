@@ -260,6 +260,12 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
                             "busiest_executor_over_busiest_one_call": 1.5, "kernel_calls_per_rank": [4],
                             "executor_forward_ms_per_rank": [1.25], "one_call_forward_ms_per_rank": [0.5],
                             "device_time_by_op": {"total_ms": 9.0, "top": [["flash_fwd", 4.0, 3], ["index_select", 2.0, 7]]}},
+                "both/T=3": {"one_call_ms_per_rank": [2.0], "one_call_forward_ms_per_rank": [0.5],
+                             "pipelined": {"executor_ms_per_rank": [3.0], "busiest_executor_over_busiest_one_call": 1.5,
+                                           "kernel_calls_per_rank": [9], "executor_forward_ms_per_rank": [1.5]},
+                             "gathered": {"executor_ms_per_rank": [2.2], "busiest_executor_over_busiest_one_call": 1.1,
+                                          "kernel_calls_per_rank": [2], "executor_forward_ms_per_rank": [0.75]}},
+                "pipelined_kernel_factor": 1.364,
             },
             "method_kernel_times": {
                 "ok": True, "shape": {"world": 2},
@@ -280,6 +286,9 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
     assert "300 TFLOP/s forward and a backward factor of 2.80" in body
     assert "| old/T=1 | 2-5 | 4.00 | 2.50 | 1.60x | not recorded |" in body
     assert "| new/T=2 | 4-4 | 3.00 | 2.00 | 1.50x | 1.25 / 0.50 |" in body
+    assert "| both/T=3, pipelined | 9-9 | 3.00 | 2.00 | 1.50x | 1.50 / 0.50 |" in body
+    assert "| both/T=3, gathered | 2-2 | 2.20 | 2.00 | 1.10x | 0.75 / 0.50 |" in body
+    assert "both rows: 1.36 (the cost model's `pipelined_kernel_factor`)" in body
     assert "9.0 ms of device time; the ops with the most: `flash_fwd` 4.0 ms (3 calls); `index_select` 2.0 ms" in body
     assert "| stdlib/T=32768 | sap | 5.00 | 4.00 | 1.250 | 1.00x |" in body
     assert "| stdlib/T=32768 | p2p | 10.00 | 9.00 | 1.111 | 2.00x |" in body

@@ -302,6 +302,32 @@ def test_layers_reuse_the_split_plan_without_replanning(monkeypatch) -> None:
     assert _attention()(q, k, v, None, packed_seq_params=params).shape == (CU[-1], 64)
 
 
+def test_layers_run_the_schedule_of_the_options(monkeypatch) -> None:
+    """`--sap-schedule` reaches `sap_attention` through the options."""
+    import megatron_sap
+    from megatron_sap.megatron.options import reset_sap_options, set_sap_options
+
+    seen = []
+    real = megatron_sap.sap_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["schedule"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(megatron_sap, "sap_attention", spy)
+    q, k, v = _qkv(CU[-1])
+    try:
+        for schedule in ("gathered", "pipelined", "auto"):
+            set_sap_options(schedule=schedule)
+            _attention()(q, k, v, None, packed_seq_params=_params(CU))
+    finally:
+        reset_sap_options()
+    assert seen == ["gathered", "pipelined", "auto"]
+    with pytest.raises(ValueError, match="unknown SAP schedule 'ring'"):
+        set_sap_options(schedule="ring")
+    reset_sap_options()
+
+
 # ---- settings under which SAP would be silently wrong ---------------------------------------------
 def _two_ranks(monkeypatch) -> None:
     """Layers built from here on see a CP group of two ranks (no process group needed to build one)."""

@@ -21,7 +21,7 @@ def small_kernel_chunks() -> None:
     torch_backend.CHUNK_SCORES = 1 << 14
 
 
-def measure(rank: int, world: int, cu: list[int], inner: int, recompute_kv: bool) -> dict:
+def measure(rank: int, world: int, cu: list[int], inner: int, recompute_kv: bool, schedule: str = "pipelined") -> dict:
 
     import megatron_sap as sap
     from megatron_sap.memory import track_peak_memory
@@ -34,30 +34,32 @@ def measure(rank: int, world: int, cu: list[int], inner: int, recompute_kv: bool
     idx = plan.local_indices(groups.cp_rank)
     ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
     grad = dout[idx].clone()
-    sap.sap_attention(ql, kl, vl, plan, groups).backward(grad)  # warm-up: programs compiled, cached
+    sap.sap_attention(ql, kl, vl, plan, groups, schedule=schedule).backward(grad)  # warm-up: programs compiled, cached
     ql.grad = kl.grad = vl.grad = None
     with track_peak_memory() as peak:
-        out = sap.sap_attention(ql, kl, vl, plan, groups, recompute_kv=recompute_kv)
+        out = sap.sap_attention(ql, kl, vl, plan, groups, recompute_kv=recompute_kv, schedule=schedule)
         out.backward(grad)
         del out
-    model = plan.memory_bytes(groups.outer_rank, plan.cost_model.with_shape(HEADS, KV_HEADS, DIM, 4))
+    model = plan.memory_bytes(groups.outer_rank, plan.cost_model.with_shape(HEADS, KV_HEADS, DIM, 4), schedule)
     gradients = 3 * ql.numel() * 4  # dq, dk, dv returned to autograd (q-sized upper bound each)
     output = ql.numel() * 4
-    return {"peak": peak.peak_bytes, "model": model, "io": gradients + output, "kernel": kernel_workspace(plan, groups.outer_rank)}
+    return {"peak": peak.peak_bytes, "model": model, "io": gradients + output,
+            "kernel": kernel_workspace(plan, groups.outer_rank, schedule)}
 
 
-def kernel_workspace(plan, outer_rank: int) -> int:
+def kernel_workspace(plan, outer_rank: int, schedule: str) -> int:
     """Largest peak memory of one kernel call of the rank's program (forward + backward), measured alone."""
     import torch
 
     from megatron_sap.kernels import varlen_backward, varlen_forward
     from megatron_sap.memory import track_peak_memory
 
-    program = plan.program(outer_rank)
+    program = plan.program(outer_rank, schedule=schedule)
     heads = HEADS // plan.inner_size
     kv_heads = max(KV_HEADS, plan.inner_size) // plan.inner_size
     worst = 0
-    for call in list(program.local_calls) + [c for t in program.transfers for c in t.calls]:
+    calls = list(program.local_calls) + list(program.gathered_calls) + [c for t in program.transfers for c in t.calls]
+    for call in calls:
         nq, nk = int(call.cu_seqlens_q[-1]), int(call.cu_seqlens_k[-1])
         q = torch.randn(nq, heads, DIM)
         k, v = torch.randn(nk, kv_heads, DIM), torch.randn(nk, kv_heads, DIM)
@@ -69,10 +71,10 @@ def kernel_workspace(plan, outer_rank: int) -> int:
     return worst
 
 
-@pytest.mark.parametrize("inner", [1, 2])
-def test_peak_memory_matches_formula(pool4, inner):
+@pytest.mark.parametrize("inner, schedule", [(1, "pipelined"), (2, "pipelined"), (1, "gathered"), (2, "gathered")])
+def test_peak_memory_matches_formula(pool4, inner, schedule):
     cu = random_cu_seqlens(random.Random(3), 4 * 512, "long")
-    for r in pool4.run(measure, cu, inner, False):
+    for r in pool4.run(measure, cu, inner, False, schedule):
         model = max(r["model"]["forward"], r["model"]["backward"])
         # The formula's buffers are all allocated, and nothing else of comparable size:
         # on top come only the returned gradients/output and one kernel call's workspace.

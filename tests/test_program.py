@@ -62,10 +62,10 @@ def transfer_at(program: RankProgram, round_: int):
     return found[0] if found else None
 
 
-def simulate(plan: sap.Plan) -> list[np.ndarray]:
+def simulate(plan: sap.Plan, schedule: str = "pipelined") -> list[np.ndarray]:
     """Per outer rank, the [T, T] count of (q, k) pairs its program computes."""
     R, total = plan.outer_size, plan.total_tokens
-    programs = [plan.program(r) for r in range(R)]
+    programs = [plan.program(r, schedule=schedule) for r in range(R)]
     rows = [plan.group_indices(r).numpy() for r in range(R)]
     counts = []
     for r, program in enumerate(programs):
@@ -73,6 +73,8 @@ def simulate(plan: sap.Plan) -> list[np.ndarray]:
         count = np.zeros((total, total), dtype=np.int64)
         for call in program.local_calls:
             add_call(count, call, rows[r], rows[r])
+        assert program.schedule == schedule
+        source = [rows[r]]  # the gathered calls' key rows: local, then each step's received rows
         rounds = [t.round for t in program.transfers]
         assert rounds == sorted(set(rounds)) and all(0 <= s < R for s in rounds)
         for transfer in program.transfers:
@@ -95,25 +97,39 @@ def simulate(plan: sap.Plan) -> list[np.ndarray]:
             assert sender is not None and sender.send_peer == r and sender.send_rows is not None
             received = rows[src][sender.send_rows.numpy()]
             assert len(received) == transfer.recv_tokens
+            source.append(received)
             for call in transfer.calls:
                 add_call(count, call, rows[r], received)
+        if schedule == "gathered":
+            assert not any(t.calls for t in program.transfers)
+            for call in program.gathered_calls:
+                assert call.causal
+                add_call(count, call, rows[r], np.concatenate(source))
+            # Every query row gets its whole result from one call: nothing to merge.
+            calls = program.local_calls + program.gathered_calls
+            used = np.concatenate([np.arange(len(rows[r])) if c.q_rows is None else c.q_rows.numpy() for c in calls])
+            np.testing.assert_array_equal(np.sort(used), np.arange(len(rows[r])))
+        else:
+            assert not program.gathered_calls
         counts.append(count)
     return counts
 
 
 def check_programs(plan: sap.Plan) -> None:
-    """Each rank's program covers the causal same-document pairs of its queries exactly once."""
+    """Each rank's program, in both schedules, covers the causal same-document pairs of its
+    queries exactly once."""
     expected = expected_mask(list(plan.cu_seqlens)).astype(np.int64)
-    for r, count in enumerate(simulate(plan)):
-        mine = np.zeros(plan.total_tokens, dtype=bool)
-        mine[plan.group_indices(r).numpy()] = True
-        np.testing.assert_array_equal(count[mine], expected[mine], err_msg=f"rank {r} misses or repeats pairs")
-        assert not count[~mine].any(), f"rank {r} computes queries it does not hold"
-    sent = [plan.program(r).sent_tokens for r in range(plan.outer_size)]
-    received = [plan.program(r).recv_tokens for r in range(plan.outer_size)]
     stats = plan.stats()
-    assert sent == stats["sent_tokens_per_outer_rank"]
-    assert received == stats["recv_tokens_per_outer_rank"]
+    for schedule in ("pipelined", "gathered"):
+        for r, count in enumerate(simulate(plan, schedule)):
+            mine = np.zeros(plan.total_tokens, dtype=bool)
+            mine[plan.group_indices(r).numpy()] = True
+            np.testing.assert_array_equal(count[mine], expected[mine], err_msg=f"rank {r} misses or repeats pairs ({schedule})")
+            assert not count[~mine].any(), f"rank {r} computes queries it does not hold ({schedule})"
+        sent = [plan.program(r, schedule=schedule).sent_tokens for r in range(plan.outer_size)]
+        received = [plan.program(r, schedule=schedule).recv_tokens for r in range(plan.outer_size)]
+        assert sent == stats["sent_tokens_per_outer_rank"]
+        assert received == stats["recv_tokens_per_outer_rank"]
 
 
 @SETTINGS

@@ -65,3 +65,43 @@ def test_refetching_kv_costs_its_transfers_in_backward():
     holder = plan_schedule(plan, recompute_kv=True)[0]
     # refetch (x) under the local diagonal (c_b), then the full block, then its gradients back
     assert holder.backward_s == pytest.approx(max(c_b, x) + c_b + x)
+
+
+def test_gathered_schedule_by_hand():
+    """The same two ranks in the gathered schedule: the holder's one causal segment (its tile
+    over both) runs after the transfer, and its gradients go back after it; the owner's local
+    call runs under its send."""
+    model = CostModel.preset("h100")
+    plan = sap.plan_sequences([0, 256], outer_size=2, cost_model=model, cache=None)
+    c_f = model.compute_seconds(128 * 128)
+    c_b = model.compute_seconds(128 * 128, backward=True)
+    x = model.transfer_seconds(128 * model.kv_bytes_per_token, "intra")
+    holder, owner = plan_schedule(plan, schedule="gathered")
+    assert holder.forward_s == pytest.approx(x + 2 * c_f)
+    assert holder.backward_s == pytest.approx(2 * c_b + x)
+    assert owner.forward_s == pytest.approx(max(c_f, x))
+    assert owner.backward_s == pytest.approx(max(c_b, x))
+    refetch = plan_schedule(plan, recompute_kv=True, schedule="gathered")[0]
+    assert refetch.backward_s == pytest.approx(x + 2 * c_b + x)
+
+
+def test_auto_schedule_follows_the_kernel_factor():
+    """Each rank runs the schedule the model times faster: with kernels as fast in both, the
+    pipelined one (it overlaps more); when its kernels take 3x as long, the gathered one
+    wherever anything is received. The modelled time follows the choice."""
+    for factor, holder_schedule in ((1.0, "pipelined"), (3.0, "gathered")):
+        model = CostModel.preset("h100", pipelined_kernel_factor=factor)
+        plan = sap.plan_sequences([0, 256], outer_size=2, cost_model=model, cache=None)
+        assert plan.schedule(0) == holder_schedule
+        assert plan.program(0).schedule == holder_schedule
+        chosen = plan_schedule(plan)
+        for r in range(2):
+            times = {s: plan_schedule(plan, schedule=s)[r].total_s for s in ("pipelined", "gathered")}
+            assert chosen[r].total_s == pytest.approx(min(times.values()))
+        assert plan.stats()["schedule_per_outer_rank"][0] == holder_schedule
+
+
+def test_unknown_schedule_is_refused():
+    plan = sap.plan_sequences([0, 256], outer_size=2, cache=None)
+    with pytest.raises(ValueError, match="unknown SAP schedule 'ring'"):
+        plan.program(0, schedule="ring")

@@ -91,27 +91,45 @@ def _method_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _executor_rows(result: dict) -> list[tuple[str, dict]]:
+    """(label, row) of each executor timing: one per batch (reports before the gathered
+    schedule), or one per batch and schedule, each with the batch's one-call times."""
+    rows = []
+    for key, row in result.items():
+        if not isinstance(row, dict):
+            continue
+        if "executor_ms_per_rank" in row:
+            rows.append((key, row))
+        for schedule in ("pipelined", "gathered"):
+            if "executor_ms_per_rank" in row.get(schedule, {}):
+                rows.append((f"{key}, {schedule}", {**row, **row[schedule]}))
+    return rows
+
+
 def _executor_table(result: dict) -> str:
     lines = [
-        "SAP's compute per rank as the executor runs it (the program's kernel calls, index selects and lse "
-        "merges, forward + backward, transfers replaced by local indexing) against the same work in one varlen "
-        "call per pass:",
+        "SAP's compute per rank as the executor runs it (the program's kernel calls, index selects and, "
+        "pipelined, lse merges, forward + backward, transfers replaced by local indexing) against the same work "
+        "in one varlen call per pass:",
         "",
         "| row | kernel calls per rank | executor ms (busiest rank) | one call ms (busiest rank) | ratio | "
         "forward only: executor / one call ms |",
         "|---|---|---|---|---|---|",
     ]
-    for key, row in result.items():
-        if isinstance(row, dict) and "executor_ms_per_rank" in row:
-            calls = row["kernel_calls_per_rank"]
-            forward = "not recorded"
-            if "executor_forward_ms_per_rank" in row:
-                forward = f"{max(row['executor_forward_ms_per_rank']):.2f} / {max(row['one_call_forward_ms_per_rank']):.2f}"
-            lines.append(f"| {key} | {min(calls)}-{max(calls)} | {max(row['executor_ms_per_rank']):.2f} | "
-                         f"{max(row['one_call_ms_per_rank']):.2f} | {row['busiest_executor_over_busiest_one_call']:.2f}x | "
-                         f"{forward} |")
-    for key, row in result.items():
-        by_op = row.get("device_time_by_op", {}) if isinstance(row, dict) else {}
+    rows = _executor_rows(result)
+    for key, row in rows:
+        calls = row["kernel_calls_per_rank"]
+        forward = "not recorded"
+        if "executor_forward_ms_per_rank" in row:
+            forward = f"{max(row['executor_forward_ms_per_rank']):.2f} / {max(row['one_call_forward_ms_per_rank']):.2f}"
+        lines.append(f"| {key} | {min(calls)}-{max(calls)} | {max(row['executor_ms_per_rank']):.2f} | "
+                     f"{max(row['one_call_ms_per_rank']):.2f} | {row['busiest_executor_over_busiest_one_call']:.2f}x | "
+                     f"{forward} |")
+    if "pipelined_kernel_factor" in result:
+        lines += ["", f"Pipelined over gathered executor time, every rank of both rows: "
+                  f"{result['pipelined_kernel_factor']:.2f} (the cost model's `pipelined_kernel_factor`)."]
+    for key, row in rows:
+        by_op = row.get("device_time_by_op", {})
         if "top" in by_op:
             ops = "; ".join(f"`{name}` {ms:.1f} ms ({count} calls)" for name, ms, count in by_op["top"][:6])
             lines += ["", f"{key}, every rank's program once (forward + backward), {by_op['total_ms']:.1f} ms of device "

@@ -4,8 +4,9 @@ Tensors are packed: q [Tq, Hq, D], k and v [Tk, Hkv, D], with segment
 boundaries in cu_seqlens_q / cu_seqlens_k (int, 1-D, same number of segments).
 Segment i of q attends only to segment i of k, which keeps documents apart.
 causal=True applies a bottom-right aligned causal mask inside each segment
-(key j visible to query i iff j <= i + len_k - len_q, as flash-attn); the
-callers use it for diagonal blocks. causal=False is full attention inside the
+(key j visible to query i iff j <= i + len_k - len_q, as flash-attn >= 2.1 and
+PyTorch's FlashAttention-2); the pipelined schedule uses it for diagonal blocks, the
+gathered one for a query piece over all keys of its document up to its end. causal=False is full attention inside the
 segment. GQA is native: Hq must be a multiple of Hkv and query head h reads
 key/value head h // (Hq // Hkv).
 

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 from megatron_sap.planning import PRESETS
 
-from .options import BACKENDS, SAPOptions, set_sap_options
+from .options import BACKENDS, SCHEDULES, SAPOptions, set_sap_options
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -52,6 +52,11 @@ def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--sap-recompute-kv", action="store_true",
         help="fetch remote K/V again in backward instead of keeping it from forward (less memory, more traffic)",
+    )
+    group.add_argument(
+        "--sap-schedule", choices=SCHEDULES, default="auto",
+        help="pipelined: each exchange's kernel calls overlap the next exchange; gathered: every exchange "
+        "first, then one kernel segment per query piece (no merges); auto: what the cost model times faster",
     )
     return parser
 
@@ -114,6 +119,7 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
         plan_cache_size=args.sap_plan_cache_size,
         check_agreement=args.sap_check_agreement,
         recompute_kv=args.sap_recompute_kv,
+        schedule=args.sap_schedule,
         model_shape=model_shape_from_args(args),
         gpus_per_node=int(local_gpus) if local_gpus.isdigit() else None,
         tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,

@@ -145,6 +145,7 @@ class SAPDotProductAttention(MegatronModule):
             backend=options.backend,
             check_agreement=options.check_agreement,
             recompute_kv=options.recompute_kv,
+            schedule=options.schedule,
         )
         return out[..., :v_dim]
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 BACKENDS = ("auto", "flash-attn", "aten-flash", "torch")  # megatron_sap.kernels backends
+SCHEDULES = ("auto", "pipelined", "gathered")  # sap_attention schedules
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class SAPOptions:
         layer that all CP ranks planned the same batch (one small all-reduce); a mismatch would
         otherwise deadlock or corrupt attention.
     recompute_kv: fetch remote K/V again in backward instead of keeping it from forward.
+    schedule: how a rank runs its program ("auto": what the cost model times faster per rank;
+        "pipelined": each exchange's kernel calls overlap the next exchange; "gathered": every
+        exchange first, then one kernel segment per query piece; see `sap_attention`).
     model_shape: (query heads, key/value heads, head dim, bytes per element) that one CP rank's
         attention computes (the model's heads over TP), which the cost model weighs; None: the
         preset's shape.
@@ -38,6 +42,7 @@ class SAPOptions:
     plan_cache_size: Optional[int] = None
     check_agreement: bool = True
     recompute_kv: bool = False
+    schedule: str = "auto"
     model_shape: Optional[tuple[int, int, int, int]] = None
     gpus_per_node: Optional[int] = None
     tensor_parallel_size: int = 1
@@ -45,6 +50,8 @@ class SAPOptions:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown SAP backend {self.backend!r}; choose from {BACKENDS}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown SAP schedule {self.schedule!r}; choose from {SCHEDULES}")
         if self.plan_cache_size is not None and self.plan_cache_size < 1:
             raise ValueError(f"plan_cache_size must be >= 1, got {self.plan_cache_size}")
         if self.cost_preset is not None and self.calibration_file is not None:

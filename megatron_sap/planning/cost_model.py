@@ -33,6 +33,10 @@ class CostModel:
     inter_node_gbps: float = 45.0
     message_latency_us: float = 15.0
     tile: int = 128  # kernel tile: a segment shorter than a tile still costs a tile
+    # The pipelined schedule's kernel time over the gathered schedule's for the same pairs
+    # (one segment per source, and the lse merges); 1.0 (not measured) in the presets, fitted
+    # by the GPU check. Chooses the schedule (`Plan.schedule`); placement does not use it.
+    pipelined_kernel_factor: float = 1.0
     num_heads: int = 32  # Hq
     num_kv_heads: int = 8  # Hkv
     head_dim: int = 128
@@ -42,7 +46,7 @@ class CostModel:
         for field in ("gpus_per_node", "tile", "num_heads", "num_kv_heads", "head_dim", "bytes_per_element"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"CostModel.{field} must be positive, got {getattr(self, field)}")
-        for field in ("attention_tflops", "intra_node_gbps", "inter_node_gbps", "backward_factor"):
+        for field in ("attention_tflops", "intra_node_gbps", "inter_node_gbps", "backward_factor", "pipelined_kernel_factor"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"CostModel.{field} must be positive, got {getattr(self, field)}")
         if self.message_latency_us < 0:
@@ -92,15 +96,17 @@ class CostModel:
     def block_pairs(self, q_len: int, k_len: int, causal: bool) -> int:
         """Tile-rounded (q, k) pairs a kernel spends on one block.
 
-        A causal block is diagonal (q_len == k_len): the lower triangle of tiles. A full
-        block is every tile of the q_len x k_len rectangle.
+        A causal block is bottom-right aligned (k_len >= q_len): the lower triangle of
+        tiles of its last q_len keys, plus every tile of the q_len x (k_len - q_len)
+        rectangle before them (as `piece_cost`). A full block is every tile of the
+        q_len x k_len rectangle.
         """
         if q_len <= 0 or k_len <= 0:
             return 0
         t = self.tile
         nq, nk = math.ceil(q_len / t), math.ceil(k_len / t)
         if causal:
-            return t * t * nq * (nq + 1) // 2
+            return t * t * (nq * (nq + 1) // 2 + nq * math.ceil(max(k_len - q_len, 0) / t))
         return t * t * nq * nk
 
     @property

@@ -17,8 +17,8 @@ from ..validation import check_divisible, cu_seqlens_to_list
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, ulysses_cost, whole_documents_s
 from .placement import Build, Placement, candidates
-from .program import RankProgram, _Layout, compile_program
-from .timeline import plan_schedule
+from .program import SCHEDULES, RankProgram, _Layout, check_schedule, compile_program
+from .timeline import plan_schedule, rank_schedule
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
 DEFAULT_COST_MODEL = CostModel.preset("h100")
@@ -44,8 +44,9 @@ class Plan:
     considered: dict[str, float]  # modelled makespan of every candidate evaluated, by strategy
     pruned: dict[str, float] = field(default_factory=dict)  # floor on the modelled makespan of the others
     _layout: _Layout | None = field(default=None, repr=False)
-    _programs: dict[tuple[int, str], RankProgram] = field(default_factory=dict, repr=False)
+    _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _schedules: dict[int, str] = field(default_factory=dict, repr=False)
 
     # ---- sizes --------------------------------------------------------------------
     @property
@@ -136,19 +137,37 @@ class Plan:
         return blocks
 
     # ---- program ------------------------------------------------------------------
-    def program(self, outer_rank: int, device: torch.device | str | None = None) -> RankProgram:
-        """The compiled program of an outer rank, on `device` (compiled once, then cached)."""
+    def program(self, outer_rank: int, device: torch.device | str | None = None,
+                schedule: str = "auto") -> RankProgram:
+        """The compiled program of an outer rank on `device` (compiled once, then cached), in
+        `schedule`: "pipelined" or "gathered" (see `planning.program`), or "auto" for
+        `self.schedule(outer_rank)`."""
+        check_schedule(schedule, allow_auto=True)
+        if schedule == "auto":
+            schedule = self.schedule(outer_rank)
         device = torch.device(device or "cpu")
-        key = (outer_rank, str(device))
+        key = (outer_rank, str(device), schedule)
         if key not in self._programs:
-            cpu_key = (outer_rank, "cpu")
+            cpu_key = (outer_rank, "cpu", schedule)
             if cpu_key not in self._programs:
                 if self._layout is None:
                     self._layout = _Layout(self.placement)
-                self._programs[cpu_key] = compile_program(self.placement, outer_rank, self._layout)
+                self._programs[cpu_key] = compile_program(self.placement, outer_rank, self._layout, schedule)
             if key != cpu_key:
                 self._programs[key] = self._programs[cpu_key].to(device)
         return self._programs[key]
+
+    def schedule(self, outer_rank: int) -> str:
+        """The schedule the cost model times faster for an outer rank's program (`timeline`,
+        with `pipelined_kernel_factor`; ties: pipelined). Both schedules move the same rows
+        in the same rounds, so each rank's choice is its own."""
+        if outer_rank not in self._schedules:
+            times = {
+                s: rank_schedule(self.program(outer_rank, schedule=s), self.inner_size, self.capacity, self.cost_model).total_s
+                for s in SCHEDULES
+            }
+            self._schedules[outer_rank] = "gathered" if times["gathered"] < times["pipelined"] else "pipelined"
+        return self._schedules[outer_rank]
 
     # ---- statistics ---------------------------------------------------------------
     def stats(self, cost_model: CostModel | None = None) -> dict[str, Any]:
@@ -192,10 +211,12 @@ class Plan:
             "sent_bytes_intra_per_rank": [x + ev.a2a_bytes for x in expand(sent_intra * kv)],
             "sent_bytes_inter_per_rank": expand(sent_inter * kv),
             "peak_extra_bytes_per_rank": expand([max(x["forward"], x["backward"]) for x in memory]),
-            # The executor's schedule of the compiled programs (`timeline`); beside it the
-            # planner's own estimate, which chose among the candidates (neither bounds the other).
+            # The executor's schedule of the compiled programs (`timeline`), each rank in the
+            # schedule it runs by default (`schedule`); beside it the planner's own estimate,
+            # which chose among the candidates (neither bounds the other).
             "modelled_time_s": max(r.total_s for r in schedule),
             "outer_rank_time_s": [r.total_s for r in schedule],
+            "schedule_per_outer_rank": [self.schedule(r) for r in range(self.outer_size)],
             "planner_time_s": ev.makespan_s,
             "ideal_time_s": ev.ideal_s,
             "candidates_modelled_time_s": dict(self.considered),
@@ -203,14 +224,17 @@ class Plan:
         }
 
 
-    def memory_bytes(self, outer_rank: int, cost_model: CostModel | None = None) -> dict[str, float]:
-        """Modelled extra memory of the op on one rank of an outer group (docs/architecture.md).
+    def memory_bytes(self, outer_rank: int, cost_model: CostModel | None = None,
+                     schedule: str = "auto") -> dict[str, float]:
+        """Modelled extra memory of the op on one rank of an outer group (docs/architecture.md),
+        in `schedule` ("auto": the rank's `schedule`).
 
         Buffers alive at the peak of the forward and of the backward pass, beyond q, k,
         v and the output, for the cost model's shape; accumulators are fp32. Kernel
         workspaces and one call's gathered rows come on top (bounded by one call).
         """
         m = cost_model or self.cost_model
+        gathered = (self.schedule(outer_rank) if schedule == "auto" else check_schedule(schedule)) == "gathered"
         U = self.inner_size
         rows = self.capacity
         heads = m.num_heads / U
@@ -222,10 +246,15 @@ class Plan:
         # head-sharded q, k, v and output of the inner all-to-all; their gradients in backward
         ulysses = rows * (2 * heads + 2 * kv_heads) * m.head_dim * b if U > 1 else 0.0
         kept = 0.0 if not received else received * kv_row * b
-        forward = stacked_kv + rows * heads * (m.head_dim + 1) * a + kept + ulysses
+        # gathered: the local and received K/V concatenated for the gathered calls (forward
+        # and backward), and the output written in place (no fp32 accumulator, only the lse)
+        source = (rows + received) * kv_row * b if gathered and received else 0.0
+        accumulators = rows * heads * a if gathered else rows * heads * (m.head_dim + 1) * a
+        forward = stacked_kv + accumulators + kept + source + ulysses
         backward = (
             stacked_kv
             + kept
+            + source
             + rows * heads * m.head_dim * a  # dq accumulator
             + rows * kv_row * a  # dK/dV accumulator
             + received * kv_row * (a + b)  # gradients of received rows until returned

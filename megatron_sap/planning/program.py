@@ -19,6 +19,17 @@ documents. Structure, for outer rank r:
 The backward pass runs the same steps with the roles reversed: the gradients of the
 received rows go back to their owner, which adds them at `send_rows`.
 
+That is the ``pipelined`` schedule: each step's calls overlap the next exchange, and
+every call's partial (out, lse) is merged into fp32 accumulators. The ``gathered``
+schedule moves the same rows in the same rounds but runs no call per step: the local
+calls cover only the pieces whose earlier keys are all local (whole documents, first
+chunks), while the exchanges are in flight; once everything has arrived,
+`gathered_calls` run every other piece against all earlier keys of its document in one
+bottom-right causal segment, over the local rows followed by every received buffer in
+step order. Each query row then gets its whole result from one call, so nothing is
+merged, and a document's keys from several peers are one segment, not one per peer:
+fewer, longer kernel segments and no merge passes, for no overlap of the last transfer.
+
 Within one call every query row and every key row appears at most once, so a call's
 outputs merge into their rows by gather and write-back, and gradients accumulate
 without atomics (the merges
@@ -29,7 +40,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
+import numpy as np
 import torch
 
 from .placement import Piece, Placement
@@ -75,20 +88,28 @@ class Transfer:
         return replace(self, send_rows=rows, calls=tuple(c.to(device) for c in self.calls))
 
 
+SCHEDULES = ("pipelined", "gathered")
+
+
 @dataclass(frozen=True)
 class RankProgram:
-    """Everything one outer rank executes for one attention layer."""
+    """Everything one outer rank executes for one attention layer, in one of `SCHEDULES`
+    (see the module docstring). `gathered_calls` (gathered schedule only) index the
+    local rows followed by every step's received rows, in step order."""
 
     rank: int
     num_tokens: int
     local_calls: tuple[KernelCall, ...]
     transfers: tuple[Transfer, ...]
+    schedule: str = "pipelined"
+    gathered_calls: tuple[KernelCall, ...] = ()
 
     def to(self, device: torch.device) -> "RankProgram":
         return replace(
             self,
             local_calls=tuple(c.to(device) for c in self.local_calls),
             transfers=tuple(t.to(device) for t in self.transfers),
+            gathered_calls=tuple(c.to(device) for c in self.gathered_calls),
         )
 
     @property
@@ -147,6 +168,42 @@ def _int32(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
 
+def _rows(ranges: list[range]) -> torch.Tensor:
+    """The rows of consecutive ranges, as one index tensor (int64)."""
+    if not ranges:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.from_numpy(np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in ranges]))
+
+
+def _all_rows(ranges: list[range], count: int) -> bool:
+    """Whether the ranges, in order, are exactly the rows 0..count-1."""
+    end = 0
+    for r in ranges:
+        if r.start != end:
+            return False
+        end = r.stop
+    return end == count
+
+
+def _call(segments: list[tuple[list[range], list[range]]], causal: bool, num_q: int | None = None,
+          num_k: int | None = None) -> KernelCall:
+    """A kernel call of `segments` (query row ranges, key row ranges); rows are None where
+    they are all `num_q` (`num_k`) rows in order."""
+    q_ranges = [r for q, _ in segments for r in q]
+    k_ranges = [r for _, k in segments for r in k]
+    len_q = [sum(len(r) for r in q) for q, _ in segments]
+    len_k = [sum(len(r) for r in k) for _, k in segments]
+    return KernelCall(
+        q_rows=None if num_q is not None and _all_rows(q_ranges, num_q) else _rows(q_ranges),
+        k_rows=None if num_k is not None and _all_rows(k_ranges, num_k) else _rows(k_ranges),
+        cu_seqlens_q=_int32(list(accumulate(len_q, initial=0))),
+        cu_seqlens_k=_int32(list(accumulate(len_k, initial=0))),
+        max_seqlen_q=max(len_q),
+        max_seqlen_k=max(len_k),
+        causal=causal,
+    )
+
+
 def _full_calls(layout: _Layout, rank: int, keys: list[tuple[Piece, range]]) -> tuple[KernelCall, ...]:
     """Kernel calls for full blocks: `keys` are key pieces with their rows in the source buffer.
 
@@ -158,41 +215,19 @@ def _full_calls(layout: _Layout, rank: int, keys: list[tuple[Piece, range]]) -> 
         queries = layout.queries_of(rank, key)
         if queries:
             segments.setdefault(queries, []).append(rows)
-    calls: list[list[tuple[tuple[Piece, ...], list[range]]]] = []
+    calls: list[list[tuple[list[range], list[range]]]] = []
     used: list[set[Piece]] = []
     for queries, key_rows in segments.items():
+        segment = ([layout.rows(q) for q in queries], key_rows)
         for call, seen in zip(calls, used):
             if seen.isdisjoint(queries):
-                call.append((queries, key_rows))
+                call.append(segment)
                 seen.update(queries)
                 break
         else:
-            calls.append([(queries, key_rows)])
+            calls.append([segment])
             used.append(set(queries))
-    out = []
-    for call in calls:
-        q_rows: list[int] = []
-        k_rows: list[int] = []
-        cu_q, cu_k = [0], [0]
-        for queries, key_rows in call:
-            for q in queries:
-                q_rows.extend(layout.rows(q))
-            for rows in key_rows:
-                k_rows.extend(rows)
-            cu_q.append(len(q_rows))
-            cu_k.append(len(k_rows))
-        out.append(
-            KernelCall(
-                q_rows=torch.tensor(q_rows, dtype=torch.long),
-                k_rows=torch.tensor(k_rows, dtype=torch.long),
-                cu_seqlens_q=_int32(cu_q),
-                cu_seqlens_k=_int32(cu_k),
-                max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
-                max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
-                causal=False,
-            )
-        )
-    return tuple(out)
+    return tuple(_call(call, causal=False) for call in calls)
 
 
 def exchange_partner(rank: int, round_: int, num_ranks: int) -> int:
@@ -200,23 +235,31 @@ def exchange_partner(rank: int, round_: int, num_ranks: int) -> int:
     return (round_ - rank) % num_ranks
 
 
-def compile_program(placement: Placement, rank: int, layout: _Layout | None = None) -> RankProgram:
-    """The program of outer rank `rank` for `placement`."""
+def check_schedule(schedule: str, allow_auto: bool = False) -> str:
+    """`schedule` if it names one of `SCHEDULES` (or "auto" where allowed), else ValueError."""
+    known = SCHEDULES + (("auto",) if allow_auto else ())
+    if schedule not in known:
+        raise ValueError(f"unknown SAP schedule {schedule!r}; expected one of {known}")
+    return schedule
+
+
+def compile_program(placement: Placement, rank: int, layout: _Layout | None = None,
+                    schedule: str = "pipelined") -> RankProgram:
+    """The program of outer rank `rank` for `placement`, in `schedule` (see `SCHEDULES`)."""
+    check_schedule(schedule)
     layout = layout or _Layout(placement)
     R = placement.num_ranks
     pieces = placement.ranks[rank]
-    lengths = [p.length for p in pieces]
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
+    pipelined = schedule == "pipelined"
     local_calls: list[KernelCall] = []
-    if pieces:
-        local_calls.append(
-            KernelCall(None, None, _int32(cu), _int32(cu), max(lengths), max(lengths), causal=True)
-        )
-    local_calls.extend(_full_calls(layout, rank, [(p, layout.rows(p)) for p in pieces]))
+    if pieces and pipelined:
+        diagonal = [([layout.rows(p)], [layout.rows(p)]) for p in pieces]
+        local_calls.append(_call(diagonal, causal=True, num_q=placement.capacity, num_k=placement.capacity))
+        local_calls.extend(_full_calls(layout, rank, [(p, layout.rows(p)) for p in pieces]))
 
     transfers: list[Transfer] = []
+    source_rows = {p: layout.rows(p) for p in pieces}  # the gathered source: local rows, then each step's
+    end = placement.capacity
     for round_ in range(R):
         peer = exchange_partner(rank, round_, R)
         if peer == rank:
@@ -228,22 +271,48 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
         keys, pos = [], 0
         for p in recv:
             keys.append((p, range(pos, pos + p.length)))
+            source_rows[p] = range(end + pos, end + pos + p.length)
             pos += p.length
-        send_rows = [i for p in send for i in layout.rows(p)]
+        end += pos
         transfers.append(
             Transfer(
                 round=round_,
                 send_peer=peer if send else None,
-                send_rows=torch.tensor(send_rows, dtype=torch.long) if send else None,
+                send_rows=_rows([layout.rows(p) for p in send]) if send else None,
                 recv_peer=peer if recv else None,
                 recv_tokens=pos,
-                calls=_full_calls(layout, rank, keys),
+                calls=_full_calls(layout, rank, keys) if pipelined else (),
             )
         )
-    return RankProgram(rank, placement.capacity, tuple(local_calls), tuple(transfers))
+    if pipelined:
+        return RankProgram(rank, placement.capacity, tuple(local_calls), tuple(transfers))
+    local, gathered = _prefix_calls(layout, rank, source_rows, end)
+    return RankProgram(rank, placement.capacity, local, tuple(transfers), schedule, gathered)
 
 
-def compile_all(placement: Placement) -> list[RankProgram]:
+def _prefix_calls(layout: _Layout, rank: int, source_rows: dict[Piece, range],
+                  source_len: int) -> tuple[tuple[KernelCall, ...], tuple[KernelCall, ...]]:
+    """The gathered schedule's calls: every piece of `rank` against all keys of its
+    document up to its end, one bottom-right causal segment (rows in the source buffer:
+    `source_rows`). Pieces whose earlier keys are all local go into local calls (their
+    keys index the local rows), the others into gathered calls; a call holds one piece
+    per document, so that its query and key rows are unique."""
+    groups: dict[tuple[bool, int], list[tuple[list[range], list[range]]]] = defaultdict(list)
+    seen: dict[tuple[bool, int], int] = defaultdict(int)  # pieces of a document per kind so far
+    for p in layout.placement.ranks[rank]:
+        keys = [x for x in layout.doc_pieces[p.doc] if x.start <= p.start]
+        local = all(layout.owner[x] == rank for x in keys)
+        nth = seen[local, p.doc]
+        seen[local, p.doc] += 1
+        groups[local, nth].append(([layout.rows(p)], [source_rows[x] for x in keys]))
+    capacity = layout.placement.capacity
+    calls: dict[bool, list[KernelCall]] = {True: [], False: []}
+    for (local, _), segments in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1])):
+        calls[local].append(_call(segments, causal=True, num_q=capacity, num_k=capacity if local else source_len))
+    return tuple(calls[True]), tuple(calls[False])
+
+
+def compile_all(placement: Placement, schedule: str = "pipelined") -> list[RankProgram]:
     """Programs of every outer rank (tests and statistics)."""
     layout = _Layout(placement)
-    return [compile_program(placement, r, layout) for r in range(placement.num_ranks)]
+    return [compile_program(placement, r, layout, schedule) for r in range(placement.num_ranks)]

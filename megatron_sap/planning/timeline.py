@@ -11,9 +11,15 @@ instead, in the order `sap_attention` runs them:
   local calls run last (with `recompute_kv`, the K/V are fetched again first and the
   local calls run while they arrive).
 
+The gathered schedule: forward, the exchanges are posted and waited for one after
+another while the local calls run, then the gathered calls run; backward, the gathered
+calls run (after the refetch, with `recompute_kv`), the gradients go back and the
+local calls run under them.
+
 Exchanges of one rank go one after another (one NCCL stream per group); an exchange
 takes its larger side (send or receive) over its link plus a latency per message.
-Kernel calls are tile-rounded per segment, as the kernels run them. Waits for peers
+Kernel calls are tile-rounded per segment, as the kernels run them; the pipelined
+schedule's take `pipelined_kernel_factor` times as long. Waits for peers
 that are late are not modelled. Neither estimate bounds the other (`evaluate` also
 spreads a rank's transfers over its steps, and charges a rank that only sends its
 compute alone), but this one follows the executor; the benchmarks report it for SAP.
@@ -54,9 +60,11 @@ def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: C
     U = inner_size
     fraction = 1.0 / U
 
+    factor = model.pipelined_kernel_factor if program.schedule == "pipelined" else 1.0
+
     def compute(calls, backward: bool) -> float:
-        return model.compute_seconds(float(sum(_call_pairs(c, model) for c in calls)), backward=backward,
-                                     head_fraction=fraction)
+        return factor * model.compute_seconds(float(sum(_call_pairs(c, model) for c in calls)), backward=backward,
+                                              head_fraction=fraction)
 
     kv_bytes = model.inner_kv_bytes_per_token(U)
 
@@ -73,6 +81,17 @@ def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: C
     steps = program.transfers
     x = [exchange(s) for s in steps]
     a2a_s = ulysses_cost(model, capacity, U)[1] / 2  # per pass
+
+    if program.schedule == "gathered":
+        local_f, gathered_f = compute(program.local_calls, False), compute(program.gathered_calls, False)
+        local_b, gathered_b = compute(program.local_calls, True), compute(program.gathered_calls, True)
+        exchanges = sum(x)  # one after another on the group's stream
+        forward = max(local_f, exchanges) + gathered_f
+        if recompute_kv:  # local calls under the refetch; the gradients go back after the gathered calls
+            backward = max(local_b, exchanges) + gathered_b + exchanges
+        else:  # the gradients go back under the local calls
+            backward = gathered_b + max(local_b, exchanges)
+        return RankSchedule(forward + a2a_s, backward + a2a_s)
 
     # Forward: post 0; local calls; per step: post the next (it starts when the previous
     # exchange is done), wait for this one, run its calls.
@@ -103,8 +122,10 @@ def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: C
     return RankSchedule(forward, backward)
 
 
-def plan_schedule(plan, recompute_kv: bool = False, model: CostModel | None = None) -> list[RankSchedule]:
-    """Every outer rank's schedule for `plan` (a `Plan`), compiling its programs."""
+def plan_schedule(plan, recompute_kv: bool = False, model: CostModel | None = None,
+                  schedule: str = "auto") -> list[RankSchedule]:
+    """Every outer rank's schedule for `plan` (a `Plan`) in `schedule` ("auto": each
+    rank's `plan.schedule`), compiling its programs."""
     model = model or plan.cost_model
-    return [rank_schedule(plan.program(r), plan.inner_size, plan.capacity, model, recompute_kv)
+    return [rank_schedule(plan.program(r, schedule=schedule), plan.inner_size, plan.capacity, model, recompute_kv)
             for r in range(plan.outer_size)]
