@@ -41,10 +41,13 @@ class _Outer:
         self.peer = (lambda r: r) if groups is None else groups.outer_peer
 
 
-def _post_kv(program: RankProgram, index: int, kv: torch.Tensor, outer: _Outer, tag: int) -> tuple[PendingExchange, torch.Tensor]:
-    """Post transfer `index` of the forward program; return its handle and receive buffer."""
+def _post_kv(program: RankProgram, index: int, kv: torch.Tensor, outer: _Outer, tag: int,
+             recv: torch.Tensor | None = None) -> tuple[PendingExchange, torch.Tensor]:
+    """Post transfer `index` of the forward program, receiving into `recv` (default: a new
+    buffer); return its handle and receive buffer."""
     step = program.transfers[index]
-    recv = kv.new_empty((step.recv_tokens, *kv.shape[1:]))
+    if recv is None:
+        recv = kv.new_empty((step.recv_tokens, *kv.shape[1:]))
     send = None if step.send_rows is None else kv.index_select(0, step.send_rows)
     pending = post_exchange(
         send,
@@ -105,9 +108,21 @@ def _write_forward(calls, q, kv_source, out, lse, scale, backend) -> None:
             lse.index_copy_(1, call.q_rows, part_lse.to(lse.dtype))
 
 
-def _gathered_source(kv: torch.Tensor, received: list[torch.Tensor]) -> torch.Tensor:
-    """The gathered calls' key/value rows: the local rows, then every step's received rows."""
-    return torch.cat([kv, *received]) if received else kv
+def _gathered_source(program: RankProgram, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The gathered schedule's key/value rows: the local ones, then room for every step's
+    received rows in step order; returns the buffer and each step's slice of it."""
+    sizes = [step.recv_tokens for step in program.transfers]
+    source = k.new_empty((len(k) + sum(sizes), 2, *k.shape[1:]))
+    source[: len(k), 0] = k
+    source[: len(k), 1] = v
+    return source, list(torch.split(source[len(k):], sizes))
+
+
+def _post_all(program: RankProgram, source: torch.Tensor, slices: list[torch.Tensor], outer: _Outer,
+              tag: int) -> list[tuple[PendingExchange, torch.Tensor]]:
+    """Every step of the program posted at once, each receiving into its slice of `source`."""
+    kv = source[: program.num_tokens]
+    return [_post_kv(program, i, kv, outer, tag, recv) for i, recv in enumerate(slices)]
 
 
 def _backward_calls(calls, dout, q, out, lse, kv_source, dq, dkv, scale, backend) -> None:
@@ -139,76 +154,58 @@ class _SAPOuterAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: Plan, outer: _Outer, scale: float, backend: str, recompute_kv: bool, schedule: str):
         program = plan.program(outer.rank, q.device, schedule)
-        gathered = program.schedule == "gathered"
+        ctx.plan, ctx.outer, ctx.scale, ctx.backend, ctx.recompute_kv = plan, outer, scale, backend, recompute_kv
+        ctx.schedule = program.schedule
+        if program.schedule == "gathered":
+            out, lse, source = _gathered_forward(program, q, k, v, outer, scale, backend)
+            ctx.save_for_backward(q, k, v, out, lse, *([] if recompute_kv else [source]))
+            return out
         kv = torch.stack([k, v], 1)  # [T/R, 2, Hkv, D]: one message per step
         received: list[torch.Tensor] = []
         n = len(program.transfers)
         pending = _post_kv(program, 0, kv, outer, 0) if n else None
-        if gathered:
-            out = torch.empty_like(q)
-            lse = torch.empty((q.shape[1], q.shape[0]), dtype=_accumulation_dtype(q.dtype), device=q.device)
-            _write_forward(program.local_calls, q, kv, out, lse, scale, backend)
-        else:
-            acc_out, lse = _local_forward(program, q, kv, scale, backend)
+        acc_out, acc_lse = _local_forward(program, q, kv, scale, backend)
         for i in range(n):
             handle, recv = pending
             pending = _post_kv(program, i + 1, kv, outer, 0) if i + 1 < n else None
             handle.wait()
-            if not gathered:
-                _forward_calls(program.transfers[i].calls, q, recv, acc_out, lse, scale, backend)
+            _forward_calls(program.transfers[i].calls, q, recv, acc_out, acc_lse, scale, backend)
             received.append(recv)
-        if gathered:
-            _write_forward(program.gathered_calls, q, _gathered_source(kv, received), out, lse, scale, backend)
-        else:
-            out = acc_out.to(q.dtype)
-        ctx.plan, ctx.outer, ctx.scale, ctx.backend, ctx.recompute_kv, ctx.schedule = plan, outer, scale, backend, recompute_kv, schedule
-        ctx.save_for_backward(q, k, v, out, lse, *([] if recompute_kv else received))
+        out = acc_out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc_lse, *([] if recompute_kv else received))
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the exchanged gradients are not differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse, *received = ctx.saved_tensors
+        q, k, v, out, lse, *saved = ctx.saved_tensors
         outer, scale, backend = ctx.outer, ctx.scale, ctx.backend
         program = ctx.plan.program(outer.rank, q.device, ctx.schedule)
-        gathered = program.schedule == "gathered"
         dout = dout.contiguous()
         acc_dtype = _accumulation_dtype(q.dtype)
-        kv = torch.stack([k, v], 1)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         n = len(program.transfers)
-        # The local blocks run while something is in flight: first, under the refetched K/V;
-        # else last, under the gradients returning to their owners (the cost model's pipeline).
-        if ctx.recompute_kv:
-            fetched = [_post_kv(program, i, kv, outer, _REFETCH_TAG) for i in range(n)]
+        if ctx.schedule == "gathered":
+            kv, dkv, grads = _gathered_backward(ctx, program, dout, q, k, v, out, lse, saved, dq)
+        else:
+            kv = torch.stack([k, v], 1)
             dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
-            _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
-        if gathered:
-            # Every gathered call at once, over the local rows and all received rows; the
-            # gradients of each step's rows are then a slice of the source's.
+            # The local blocks run while something is in flight: first, under the refetched K/V;
+            # else last, under the gradients returning to their owners (the cost model's pipeline).
             if ctx.recompute_kv:
-                for handle, recv in fetched:
-                    handle.wait()
-                received = [recv for _, recv in fetched]
-            source = _gathered_source(kv, received)
-            grad_source = torch.zeros(source.shape, dtype=acc_dtype, device=q.device)
-            if ctx.recompute_kv:
-                grad_source[: len(kv)] = dkv
-            _backward_calls(program.gathered_calls, dout, q, out, lse, source, dq, grad_source, scale, backend)
-            dkv = grad_source[: len(kv)]
-            grads = torch.split(grad_source[len(kv):], [step.recv_tokens for step in program.transfers])
-        elif not ctx.recompute_kv:
-            dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
+                fetched = [_post_kv(program, i, kv, outer, _REFETCH_TAG) for i in range(n)]
+                _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
+            grads = []
         returns: list[tuple[PendingExchange, torch.Tensor | None]] = []
         for i, step in enumerate(program.transfers):
-            if gathered:
+            if ctx.schedule == "gathered":
                 grad_recv = grads[i]
             else:
                 if ctx.recompute_kv:
                     handle, recv = fetched[i]
                     handle.wait()
                 else:
-                    recv = received[i]
+                    recv = saved[i]
                 grad_recv = torch.zeros(recv.shape, dtype=acc_dtype, device=q.device)
                 _backward_calls(step.calls, dout, q, out, lse, recv, dq, grad_recv, scale, backend)
             # Gradients of the received rows go back to their owner (the reverse of the forward step).
@@ -230,6 +227,50 @@ class _SAPOuterAttention(torch.autograd.Function):
             if grad_in is not None:
                 dkv.index_add_(0, step.send_rows, grad_in.to(acc_dtype))
         return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None, None, None
+
+
+def _gathered_forward(program: RankProgram, q, k, v, outer: _Outer, scale, backend):
+    """The gathered schedule's forward: (out, lse, source). Every step is received into its
+    slice of the source buffer; each call runs once the step that brings its last keys is
+    in, and writes its rows of the output (nothing is merged)."""
+    source, slices = _gathered_source(program, k, v)
+    kv = source[: len(k)]
+    n = len(program.transfers)
+    pending = _post_kv(program, 0, kv, outer, 0, slices[0]) if n else None
+    out = torch.empty_like(q)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=_accumulation_dtype(q.dtype), device=q.device)
+    _write_forward(program.local_calls, q, kv, out, lse, scale, backend)
+    for i in range(n):
+        handle, _ = pending
+        pending = _post_kv(program, i + 1, kv, outer, 0, slices[i + 1]) if i + 1 < n else None
+        handle.wait()
+        _write_forward(program.transfers[i].calls, q, source, out, lse, scale, backend)
+    return out, lse, source
+
+
+def _gathered_backward(ctx, program: RankProgram, dout, q, k, v, out, lse, saved, dq):
+    """The gathered schedule's calls in backward: (local K/V, their gradient accumulator,
+    each step's received-row gradients). With `recompute_kv` the K/V are fetched again
+    into a new source buffer while the local calls run."""
+    outer, scale, backend = ctx.outer, ctx.scale, ctx.backend
+    if ctx.recompute_kv:
+        source, slices = _gathered_source(program, k, v)
+        fetched = _post_all(program, source, slices, outer, _REFETCH_TAG)
+    else:
+        (source,) = saved
+    kv = source[: len(k)]
+    grad_source = torch.zeros(source.shape, dtype=dq.dtype, device=q.device)
+    dkv = grad_source[: len(k)]
+    if ctx.recompute_kv:
+        _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
+        for handle, _ in fetched:
+            handle.wait()
+    # A piece's keys may come from earlier steps too: every step's calls run before any
+    # gradient goes back.
+    for step in program.transfers:
+        _backward_calls(step.calls, dout, q, out, lse, source, dq, grad_source, scale, backend)
+    grads = torch.split(grad_source[len(k):], [step.recv_tokens for step in program.transfers])
+    return kv, dkv, grads
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, groups) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import _accumulation_dtype, _backward_calls, _forward_calls, _gathered_source, _local_forward, _write_forward
+from .attention import _accumulation_dtype, _backward_calls, _forward_calls, _local_forward, _write_forward
 from .planning import Plan
 
 
@@ -59,6 +59,11 @@ def _timer(device: torch.device):
     return start_cpu, stop_cpu
 
 
+def _source(kv: torch.Tensor, received: list[torch.Tensor | None]) -> torch.Tensor:
+    """The gathered schedule's source rows: the local ones, then every step's received ones."""
+    return torch.cat([kv, *(x for x in received if x is not None)])
+
+
 @torch.no_grad()  # gradients come from the programs' backward calls, not from autograd
 def simulate_plan(
     q: torch.Tensor,
@@ -100,8 +105,9 @@ def simulate_plan(
             acc_out = torch.empty_like(qs[r])
             acc_lse = torch.empty((q.shape[1], len(qs[r])), dtype=acc_dtype, device=device)
             _write_forward(programs[r].local_calls, qs[r], kvs[r], acc_out, acc_lse, scale, backend)
-            source = _gathered_source(kvs[r], [x for x in recvs if x is not None])
-            _write_forward(programs[r].gathered_calls, qs[r], source, acc_out, acc_lse, scale, backend)
+            source = _source(kvs[r], recvs)
+            for step in programs[r].transfers:
+                _write_forward(step.calls, qs[r], source, acc_out, acc_lse, scale, backend)
         else:
             acc_out, acc_lse = _local_forward(programs[r], qs[r], kvs[r], scale, backend)
             for step, recv in zip(programs[r].transfers, recvs):
@@ -127,16 +133,17 @@ def simulate_plan(
         grads = []
         t0 = start()
         if schedule == "gathered":
-            source = _gathered_source(kvs[r], [x for x in recvs if x is not None])
+            source = _source(kvs[r], recvs)
             grad_source = torch.zeros(source.shape, dtype=acc_dtype, device=device)
-            _backward_calls(programs[r].gathered_calls, douts, qs[r], outs[r], lses[r], source, dqs[r], grad_source, scale, backend)
+            for step in programs[r].transfers:
+                _backward_calls(step.calls, douts, qs[r], outs[r], lses[r], source, dqs[r], grad_source, scale, backend)
             dkvs[r] += grad_source[: len(kvs[r])]
             sizes = [s.recv_tokens for s in programs[r].transfers]
             for step, grad in zip(programs[r].transfers, torch.split(grad_source[len(kvs[r]):], sizes)):
                 if step.recv_tokens:
                     grads.append((step, grad))
         for step, recv in zip(programs[r].transfers, recvs):  # the executor's order: remote blocks first
-            if recv is not None and step.calls:
+            if recv is not None and schedule == "pipelined":
                 grad = torch.zeros(recv.shape, dtype=acc_dtype, device=device)
                 _backward_calls(step.calls, douts, qs[r], outs[r], lses[r], recv, dqs[r], grad, scale, backend)
                 grads.append((step, grad))

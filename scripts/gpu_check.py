@@ -400,7 +400,7 @@ def sap_executor_vs_kernels() -> dict:
                 "executor_ms_per_rank": [round(x, 3) for x in executor],
                 "executor_forward_ms_per_rank": [round(x, 3) for x in forward],
                 "busiest_executor_over_busiest_one_call": max(executor) / max(kernels),
-                "kernel_calls_per_rank": [len(p.local_calls) + len(p.gathered_calls) + sum(len(t.calls) for t in p.transfers)
+                "kernel_calls_per_rank": [len(p.local_calls) + sum(len(t.calls) for t in p.transfers)
                                           for p in programs],
                 "device_time_by_op": _device_time_by_op(run),
             }

@@ -58,7 +58,7 @@ def kernel_workspace(plan, outer_rank: int, schedule: str) -> int:
     heads = HEADS // plan.inner_size
     kv_heads = max(KV_HEADS, plan.inner_size) // plan.inner_size
     worst = 0
-    calls = list(program.local_calls) + list(program.gathered_calls) + [c for t in program.transfers for c in t.calls]
+    calls = list(program.local_calls) + [c for t in program.transfers for c in t.calls]
     for call in calls:
         nq, nk = int(call.cu_seqlens_q[-1]), int(call.cu_seqlens_k[-1])
         q = torch.randn(nq, heads, DIM)

@@ -99,18 +99,17 @@ def simulate(plan: sap.Plan, schedule: str = "pipelined") -> list[np.ndarray]:
             assert len(received) == transfer.recv_tokens
             source.append(received)
             for call in transfer.calls:
-                add_call(count, call, rows[r], received)
+                if schedule == "gathered":  # keys in the rows there so far: the local ones, then each step's
+                    assert call.causal and call.k_rows is not None
+                    assert int(call.k_rows.max()) < sum(map(len, source))
+                    add_call(count, call, rows[r], np.concatenate(source))
+                else:
+                    add_call(count, call, rows[r], received)
         if schedule == "gathered":
-            assert not any(t.calls for t in program.transfers)
-            for call in program.gathered_calls:
-                assert call.causal
-                add_call(count, call, rows[r], np.concatenate(source))
             # Every query row gets its whole result from one call: nothing to merge.
-            calls = program.local_calls + program.gathered_calls
+            calls = program.local_calls + tuple(c for t in program.transfers for c in t.calls)
             used = np.concatenate([np.arange(len(rows[r])) if c.q_rows is None else c.q_rows.numpy() for c in calls])
             np.testing.assert_array_equal(np.sort(used), np.arange(len(rows[r])))
-        else:
-            assert not program.gathered_calls
         counts.append(count)
     return counts
 

@@ -246,15 +246,13 @@ class Plan:
         # head-sharded q, k, v and output of the inner all-to-all; their gradients in backward
         ulysses = rows * (2 * heads + 2 * kv_heads) * m.head_dim * b if U > 1 else 0.0
         kept = 0.0 if not received else received * kv_row * b
-        # gathered: the local and received K/V concatenated for the gathered calls (forward
-        # and backward), and the output written in place (no fp32 accumulator, only the lse)
-        source = (rows + received) * kv_row * b if gathered and received else 0.0
+        # gathered: the local and received K/V share one buffer (stacked_kv + kept), and the
+        # output is written in place: no fp32 output accumulator, only the lse
         accumulators = rows * heads * a if gathered else rows * heads * (m.head_dim + 1) * a
-        forward = stacked_kv + accumulators + kept + source + ulysses
+        forward = stacked_kv + accumulators + kept + ulysses
         backward = (
             stacked_kv
             + kept
-            + source
             + rows * heads * m.head_dim * a  # dq accumulator
             + rows * kv_row * a  # dK/dV accumulator
             + received * kv_row * (a + b)  # gradients of received rows until returned

@@ -19,16 +19,17 @@ documents. Structure, for outer rank r:
 The backward pass runs the same steps with the roles reversed: the gradients of the
 received rows go back to their owner, which adds them at `send_rows`.
 
-That is the ``pipelined`` schedule: each step's calls overlap the next exchange, and
-every call's partial (out, lse) is merged into fp32 accumulators. The ``gathered``
-schedule moves the same rows in the same rounds but runs no call per step: the local
-calls cover only the pieces whose earlier keys are all local (whole documents, first
-chunks), while the exchanges are in flight; once everything has arrived,
-`gathered_calls` run every other piece against all earlier keys of its document in one
-bottom-right causal segment, over the local rows followed by every received buffer in
-step order. Each query row then gets its whole result from one call, so nothing is
-merged, and a document's keys from several peers are one segment, not one per peer:
-fewer, longer kernel segments and no merge passes, for no overlap of the last transfer.
+That is the ``pipelined`` schedule: each step's calls run on the rows it received while
+the next exchange is in flight, and every call's partial (out, lse) is merged into fp32
+accumulators. The ``gathered`` schedule moves the same rows in the same rounds into one
+source buffer (the local rows, then every step's received rows in step order) and runs
+each query piece once, against all keys of its document up to its end in one
+bottom-right causal segment, as soon as those keys are there: the local calls take the
+pieces whose earlier keys are all local, the calls of step i those whose last keys
+arrive in step i. Each query row gets its whole result from one call, so nothing is
+merged, and a document's keys from several peers are one kernel segment, not one per
+peer; a piece waits for its last keys. Backward, its calls run first and the gradients
+of the received rows then go back, in step order, under the local calls.
 
 Within one call every query row and every key row appears at most once, so a call's
 outputs merge into their rows by gather and write-back, and gradients accumulate
@@ -94,22 +95,21 @@ SCHEDULES = ("pipelined", "gathered")
 @dataclass(frozen=True)
 class RankProgram:
     """Everything one outer rank executes for one attention layer, in one of `SCHEDULES`
-    (see the module docstring). `gathered_calls` (gathered schedule only) index the
-    local rows followed by every step's received rows, in step order."""
+    (see the module docstring). Pipelined, a step's calls index the rows it received;
+    gathered, the source buffer: the local rows, then every step's received rows in step
+    order."""
 
     rank: int
     num_tokens: int
     local_calls: tuple[KernelCall, ...]
     transfers: tuple[Transfer, ...]
     schedule: str = "pipelined"
-    gathered_calls: tuple[KernelCall, ...] = ()
 
     def to(self, device: torch.device) -> "RankProgram":
         return replace(
             self,
             local_calls=tuple(c.to(device) for c in self.local_calls),
             transfers=tuple(t.to(device) for t in self.transfers),
-            gathered_calls=tuple(c.to(device) for c in self.gathered_calls),
         )
 
     @property
@@ -250,66 +250,74 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
     layout = layout or _Layout(placement)
     R = placement.num_ranks
     pieces = placement.ranks[rank]
-    pipelined = schedule == "pipelined"
-    local_calls: list[KernelCall] = []
-    if pieces and pipelined:
-        diagonal = [([layout.rows(p)], [layout.rows(p)]) for p in pieces]
-        local_calls.append(_call(diagonal, causal=True, num_q=placement.capacity, num_k=placement.capacity))
-        local_calls.extend(_full_calls(layout, rank, [(p, layout.rows(p)) for p in pieces]))
-
-    transfers: list[Transfer] = []
-    source_rows = {p: layout.rows(p) for p in pieces}  # the gathered source: local rows, then each step's
-    end = placement.capacity
+    exchanges = []  # (round, peer, pieces sent, pieces received) of each step
     for round_ in range(R):
         peer = exchange_partner(rank, round_, R)
         if peer == rank:
             continue
-        send = layout.needed(rank, peer)
-        recv = layout.needed(peer, rank)
-        if not send and not recv:
-            continue
-        keys, pos = [], 0
-        for p in recv:
-            keys.append((p, range(pos, pos + p.length)))
-            source_rows[p] = range(end + pos, end + pos + p.length)
-            pos += p.length
-        end += pos
-        transfers.append(
-            Transfer(
-                round=round_,
-                send_peer=peer if send else None,
-                send_rows=_rows([layout.rows(p) for p in send]) if send else None,
-                recv_peer=peer if recv else None,
-                recv_tokens=pos,
-                calls=_full_calls(layout, rank, keys) if pipelined else (),
-            )
+        send, recv = layout.needed(rank, peer), layout.needed(peer, rank)
+        if send or recv:
+            exchanges.append((round_, peer, send, recv))
+    if schedule == "pipelined":
+        local_calls: list[KernelCall] = []
+        if pieces:
+            diagonal = [([layout.rows(p)], [layout.rows(p)]) for p in pieces]
+            local_calls.append(_call(diagonal, causal=True, num_q=placement.capacity, num_k=placement.capacity))
+            local_calls.extend(_full_calls(layout, rank, [(p, layout.rows(p)) for p in pieces]))
+        step_calls = []
+        for _, _, _, recv in exchanges:
+            offsets = accumulate((p.length for p in recv), initial=0)
+            step_calls.append(_full_calls(layout, rank, [(p, range(o, o + p.length)) for p, o in zip(recv, offsets)]))
+    else:
+        local_calls, step_calls = _prefix_calls(layout, rank, [recv for _, _, _, recv in exchanges])
+    transfers = tuple(
+        Transfer(
+            round=round_,
+            send_peer=peer if send else None,
+            send_rows=_rows([layout.rows(p) for p in send]) if send else None,
+            recv_peer=peer if recv else None,
+            recv_tokens=sum(p.length for p in recv),
+            calls=tuple(calls),
         )
-    if pipelined:
-        return RankProgram(rank, placement.capacity, tuple(local_calls), tuple(transfers))
-    local, gathered = _prefix_calls(layout, rank, source_rows, end)
-    return RankProgram(rank, placement.capacity, local, tuple(transfers), schedule, gathered)
+        for (round_, peer, send, recv), calls in zip(exchanges, step_calls)
+    )
+    return RankProgram(rank, placement.capacity, tuple(local_calls), transfers, schedule)
 
 
-def _prefix_calls(layout: _Layout, rank: int, source_rows: dict[Piece, range],
-                  source_len: int) -> tuple[tuple[KernelCall, ...], tuple[KernelCall, ...]]:
+def _prefix_calls(layout: _Layout, rank: int,
+                  received: list[list[Piece]]) -> tuple[list[KernelCall], list[list[KernelCall]]]:
     """The gathered schedule's calls: every piece of `rank` against all keys of its
-    document up to its end, one bottom-right causal segment (rows in the source buffer:
-    `source_rows`). Pieces whose earlier keys are all local go into local calls (their
-    keys index the local rows), the others into gathered calls; a call holds one piece
-    per document, so that its query and key rows are unique."""
-    groups: dict[tuple[bool, int], list[tuple[list[range], list[range]]]] = defaultdict(list)
-    seen: dict[tuple[bool, int], int] = defaultdict(int)  # pieces of a document per kind so far
+    document up to its end, in one bottom-right causal segment, as soon as those keys are
+    there. Local calls take the pieces whose earlier keys are all local (keys index the
+    local rows); the calls of step i the pieces whose last keys arrive in step i (`received`
+    per step; keys index the source buffer: the local rows, then every step's received rows
+    in step order). A call holds one piece per document, so its query and key rows are
+    unique."""
+    capacity = layout.placement.capacity
+    source_rows = {p: layout.rows(p) for p in layout.placement.ranks[rank]}
+    arrives = {p: -1 for p in source_rows}  # the step after which a piece's rows are there (-1: local)
+    end = capacity
+    for step, recv in enumerate(received):
+        for p in recv:
+            source_rows[p] = range(end, end + p.length)
+            arrives[p] = step
+            end += p.length
+    groups: dict[tuple[int, int], list[tuple[list[range], list[range]]]] = defaultdict(list)
+    seen: dict[tuple[int, int], int] = defaultdict(int)  # pieces of a document per step so far
     for p in layout.placement.ranks[rank]:
         keys = [x for x in layout.doc_pieces[p.doc] if x.start <= p.start]
-        local = all(layout.owner[x] == rank for x in keys)
-        nth = seen[local, p.doc]
-        seen[local, p.doc] += 1
-        groups[local, nth].append(([layout.rows(p)], [source_rows[x] for x in keys]))
-    capacity = layout.placement.capacity
-    calls: dict[bool, list[KernelCall]] = {True: [], False: []}
-    for (local, _), segments in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1])):
-        calls[local].append(_call(segments, causal=True, num_q=capacity, num_k=capacity if local else source_len))
-    return tuple(calls[True]), tuple(calls[False])
+        step = max(arrives[x] for x in keys)
+        nth = seen[step, p.doc]
+        seen[step, p.doc] += 1
+        groups[step, nth].append(([layout.rows(p)], [source_rows[x] for x in keys]))
+    local_calls: list[KernelCall] = []
+    step_calls: list[list[KernelCall]] = [[] for _ in received]
+    for (step, _), segments in sorted(groups.items()):
+        if step < 0:
+            local_calls.append(_call(segments, causal=True, num_q=capacity, num_k=capacity))
+        else:
+            step_calls[step].append(_call(segments, causal=True, num_q=capacity))
+    return local_calls, step_calls
 
 
 def compile_all(placement: Placement, schedule: str = "pipelined") -> list[RankProgram]:

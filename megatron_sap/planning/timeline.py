@@ -11,10 +11,10 @@ instead, in the order `sap_attention` runs them:
   local calls run last (with `recompute_kv`, the K/V are fetched again first and the
   local calls run while they arrive).
 
-The gathered schedule: forward, the exchanges are posted and waited for one after
-another while the local calls run, then the gathered calls run; backward, the gathered
-calls run (after the refetch, with `recompute_kv`), the gradients go back and the
-local calls run under them.
+The gathered schedule runs the same forward loop with its own calls (each piece once,
+after the step that brings its last keys); backward, all its step calls run (after the
+refetch, with `recompute_kv`), then the gradients go back one step after another, the
+local calls under them.
 
 Exchanges of one rank go one after another (one NCCL stream per group); an exchange
 takes its larger side (send or receive) over its link plus a latency per message.
@@ -82,17 +82,6 @@ def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: C
     x = [exchange(s) for s in steps]
     a2a_s = ulysses_cost(model, capacity, U)[1] / 2  # per pass
 
-    if program.schedule == "gathered":
-        local_f, gathered_f = compute(program.local_calls, False), compute(program.gathered_calls, False)
-        local_b, gathered_b = compute(program.local_calls, True), compute(program.gathered_calls, True)
-        exchanges = sum(x)  # one after another on the group's stream
-        forward = max(local_f, exchanges) + gathered_f
-        if recompute_kv:  # local calls under the refetch; the gradients go back after the gathered calls
-            backward = max(local_b, exchanges) + gathered_b + exchanges
-        else:  # the gradients go back under the local calls
-            backward = gathered_b + max(local_b, exchanges)
-        return RankSchedule(forward + a2a_s, backward + a2a_s)
-
     # Forward: post 0; local calls; per step: post the next (it starts when the previous
     # exchange is done), wait for this one, run its calls.
     done = x[:1]  # when each step's exchange completes
@@ -111,11 +100,17 @@ def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: C
             link_free += xi
             arrived.append(link_free)
         t = compute(program.local_calls, True)
-    for i, step in enumerate(steps):
-        if recompute_kv:
-            t = max(t, arrived[i])
-        t += compute(step.calls, True)
-        link_free = max(t, link_free) + x[i]  # the gradients go back to their owner
+    if program.schedule == "gathered":
+        # Every step's calls (a piece's keys may come from earlier steps too), then the
+        # gradients go back one step after another.
+        t = max([t] + arrived[-1:]) + sum(compute(step.calls, True) for step in steps)
+        link_free = t + sum(x)
+    else:
+        for i, step in enumerate(steps):
+            if recompute_kv:
+                t = max(t, arrived[i])
+            t += compute(step.calls, True)
+            link_free = max(t, link_free) + x[i]  # the gradients go back to their owner
     if not recompute_kv:
         t += compute(program.local_calls, True)
     backward = max(t, link_free) + a2a_s
