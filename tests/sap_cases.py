@@ -80,6 +80,7 @@ def run_rank(
     schedule: str = "pipelined",
 ) -> dict:
     """One rank's forward and backward of sap_attention; returns its slices and gradients.
+    `schedule`: sap_attention's, or "mixed" (pipelined on even outer ranks, gathered on odd).
     `tile`: plan with that kernel tile instead of the default model's (small tiles split
     the short documents of these tests into whole-tile chunks)."""
     from dataclasses import replace
@@ -101,6 +102,8 @@ def run_rank(
     idx = plan.local_indices(groups.cp_rank)
     cast = DTYPES[dtype]
     ql, kl, vl = (t[idx].to(cast).requires_grad_() for t in (q, k, v))
+    if schedule == "mixed":  # outer ranks alternate: a rank's schedule changes nothing for its peers
+        schedule = ("pipelined", "gathered")[groups.outer_rank % 2]
     with count_traffic() as log:
         out = sap.sap_attention(ql, kl, vl, plan, groups, softmax_scale=scale, recompute_kv=recompute_kv,
                               schedule=schedule)

@@ -131,6 +131,16 @@ def test_gathered_schedule_world8(pool8):
         check_against_reference(pool8, cu, inner, 8, 2, 8, "float64", seed=5, schedule="gathered")
 
 
+@pytest.mark.parametrize("recompute_kv", [False, True])
+def test_ranks_may_run_different_schedules(pool8, recompute_kv):
+    """`schedule="auto"` decides per rank: pipelined and gathered ranks exchange the same rows
+    in the same order, forward and backward, so a mix is exact and does not deadlock."""
+    rng = random.Random(12)
+    for inner, kind in ((1, "long"), (2, "mixture")):
+        cu = random_cu_seqlens(rng, 8 * rng.randint(24, 64), kind)
+        check_against_reference(pool8, cu, inner, 8, 2, 8, "float64", seed=6, schedule="mixed", recompute_kv=recompute_kv)
+
+
 def test_world1_is_plain_varlen():
     """P = 1 runs in-process without groups or communication."""
     import megatron_sap as sap
