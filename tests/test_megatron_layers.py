@@ -79,6 +79,7 @@ def test_first_call_logs_the_kernels_once(monkeypatch, caplog) -> None:
             _attention()(q, k, v, None, packed_seq_params=_params(CU))
     lines = [r.getMessage() for r in caplog.records if "megatron-sap" in r.getMessage()]
     assert len(lines) == 1 and "kernels 'torch' (backend='auto')" in lines[0] and "no context parallelism" in lines[0]
+    assert "schedule 'auto'" in lines[0]
 
 
 @pytest.mark.parametrize("qk_dim, v_dim", [(24, 16), (16, 24)], ids=["mla-values-smaller", "values-larger"])

@@ -129,7 +129,7 @@ class SAPDotProductAttention(MegatronModule):
         qk_dim, v_dim = q.shape[-1], v.shape[-1]
         scale = self.softmax_scale if self.softmax_scale is not None else qk_dim**-0.5
         if not _announced:
-            _announce(q, options.backend, self.groups)
+            _announce(q, options.backend, self.groups, options.schedule)
         if v_dim < qk_dim:
             v = F.pad(v, (0, qk_dim - v_dim))
         elif v_dim > qk_dim:
@@ -190,12 +190,12 @@ class SAPDotProductAttention(MegatronModule):
         return out.reshape(b, s, -1).transpose(0, 1)
 
 
-def _announce(q: Tensor, backend: str, groups: Any) -> None:
-    """Log, once per process, which kernel backend and CP layout SAP attention runs with
-    (an "auto" backend that falls back to the torch kernels on a GPU is worth seeing)."""
+def _announce(q: Tensor, backend: str, groups: Any, schedule: str) -> None:
+    """Log, once per process, which kernel backend, schedule and CP layout SAP attention runs
+    with (an "auto" backend that falls back to the torch kernels on a GPU is worth seeing)."""
     global _announced
     _announced = True
     kernels = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
     layout = "no context parallelism" if groups is None else f"CP {groups.inner_size} inner x {groups.outer_size} outer"
-    logger.info("megatron-sap: SAP core attention, %s, kernels %r (backend=%r) on %s in %s",
-                layout, kernels, backend, q.device, q.dtype)
+    logger.info("megatron-sap: SAP core attention, %s, kernels %r (backend=%r) on %s in %s, schedule %r",
+                layout, kernels, backend, q.device, q.dtype, schedule)
