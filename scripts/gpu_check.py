@@ -25,8 +25,9 @@ Built-in checks, in the order they run:
   * sap_simulated: every rank's compiled program of a packed batch run in turn on
     this GPU (bf16, the auto backend), in both schedules, against the float64
     reference per document;
-  * sap_no_host_syncs: the sap_attention autograd op (one rank) forward and
-    backward under set_sync_debug_mode("error");
+  * sap_no_host_syncs: the sap_attention autograd op forward and backward under
+    set_sync_debug_mode("error"): one rank, and one rank of a 4-rank plan (exchanges
+    local) in both schedules;
   * sap_executor_vs_kernels: each SAP rank's compute as the executor runs it, in the
     pipelined and the gathered schedule, against the same work in one call per pass,
     and the device time by op of one run of every rank's program (torch.profiler);
@@ -306,22 +307,43 @@ def sap_simulated() -> dict:
 
 
 def sap_no_host_syncs() -> dict:
-    """The sap_attention op (P = 1) forward and backward with host syncs turned into errors."""
-    import megatron_sap as sap
+    """The sap_attention op forward and backward with host syncs turned into errors: one rank
+    (P = 1), and the rank of a 4-rank plan that receives the most, alone with its exchanges
+    made local, in both schedules."""
+    from types import SimpleNamespace
 
-    lengths = [5, 0, 300, 1, 2000, 64, 3000]
-    plan = sap.plan_sequences(_cu(lengths).cpu())
+    import megatron_sap as sap
+    from megatron_sap.comm.p2p import local_exchanges
+
+    lengths = [5, 0, 300, 1, 2000, 64, 3000, 2758]
+    cu = _cu(lengths).cpu()
     q, k, v, dout = _batch(lengths, 32, 8, 128, torch.bfloat16, 3)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    sap.sap_attention(q, k, v, plan).backward(dout)  # compiles and caches the program on this device
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        sap.sap_attention(q, k, v, plan).backward(dout)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    return {"ok": True}
+    runs = [("P=1", sap.plan_sequences(cu[:-1]), None, None, "auto")]
+    plan4 = sap.plan_sequences(cu, outer_size=4)
+    rank = max(range(4), key=lambda r: plan4.program(r, schedule="pipelined").recv_tokens)
+    groups = SimpleNamespace(world_size=4, inner_size=1, outer_rank=rank, cp_rank=rank, outer_group=None,
+                             outer_peer=lambda r: r)
+    for schedule in ("pipelined", "gathered"):
+        runs.append((f"P=4 rank {rank} {schedule}", plan4, groups, plan4.local_indices(rank).to(DEVICE), schedule))
+    checked = []
+    for name, plan, group, idx, schedule in runs:
+        rows = slice(0, plan.local_tokens) if idx is None else idx
+        ql, kl, vl = (t[rows].detach().clone().requires_grad_() for t in (q, k, v))
+        grad = dout[rows].contiguous()
+        with local_exchanges():
+            def step():
+                sap.sap_attention(ql, kl, vl, plan, group, check_agreement=False, schedule=schedule).backward(grad)
+
+            step()  # compiles and caches the program on this device
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        checked.append(name)
+    return {"ok": True, "runs": checked}
 
 
 def method_kernel_times() -> dict:
