@@ -316,22 +316,26 @@ def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             )
 
 
-def _check_agreement(plan: Plan, groups) -> None:
-    """`verify_plan_agreement` once per (plan, group): on plan-cache misses."""
-    if id(groups.cp_group) not in plan.__dict__.get("_agreed_groups", ()):
-        verify_plan_agreement(plan, groups)
+def _check_agreement(plan: Plan, groups, recompute_kv: bool) -> None:
+    """`verify_plan_agreement` once per (plan, group, recompute_kv): on plan-cache misses."""
+    if (id(groups.cp_group), bool(recompute_kv)) not in plan.__dict__.get("_agreed_groups", ()):
+        verify_plan_agreement(plan, groups, recompute_kv)
 
 
-def verify_plan_agreement(plan: Plan, groups) -> None:
-    """Check now that every rank of the CP group planned the same batch and layout.
+def verify_plan_agreement(plan: Plan, groups, recompute_kv: bool = False) -> None:
+    """Check now that every rank of the CP group planned the same batch and layout, and
+    runs it with the same `recompute_kv` (which decides whether the backward exchanges K/V
+    again: ranks that differ would wait for each other).
 
-    One all-reduce of a 64-bit plan hash (and one host sync). Raises on every rank,
-    with both hashes, instead of deadlocking in P2P or computing garbage. A batch
-    splitter calls it once per micro-batch, which also catches a rank that reuses a
-    cached plan while another plans a new batch; `sap_attention` calls it on the first
-    use of a plan with a group.
+    One all-reduce of a 64-bit hash (and one host sync). Raises on every rank, with both
+    hashes, instead of deadlocking in P2P or computing garbage. A batch splitter calls it
+    once per micro-batch, which also catches a rank that reuses a cached plan while
+    another plans a new batch; `sap_attention` calls it on the first use of a plan with a
+    group and a `recompute_kv`. (Ranks may run different schedules: both exchange the
+    same rows in the same order.)
     """
-    mine = int(plan.signature(), 16) & ((1 << 62) - 1)
+    recompute_kv = bool(recompute_kv)
+    mine = (int(plan.signature(), 16) * 2 + recompute_kv) & ((1 << 62) - 1)
     values = torch.tensor([mine, -mine], dtype=torch.int64, device=collective_device(groups.cp_group))
     try:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=groups.cp_group)
@@ -343,11 +347,12 @@ def verify_plan_agreement(plan: Plan, groups) -> None:
     high, low = int(values[0]), -int(values[1])
     if high != low:
         raise RuntimeError(
-            f"CP ranks disagree on the batch: this rank (cp_rank {groups.cp_rank}) planned hash {mine:x} "
-            f"({plan.total_tokens} tokens, {len(plan.cu_seqlens) - 1} documents, layout "
-            f"{plan.inner_size}x{plan.outer_size}), the group has hashes from {low:x} to {high:x}"
+            f"CP ranks disagree on the batch or on recompute_kv: this rank (cp_rank {groups.cp_rank}) planned "
+            f"hash {mine:x} ({plan.total_tokens} tokens, {len(plan.cu_seqlens) - 1} documents, layout "
+            f"{plan.inner_size}x{plan.outer_size}, recompute_kv={recompute_kv}), the group has hashes from "
+            f"{low:x} to {high:x}"
         )
-    plan.__dict__.setdefault("_agreed_groups", set()).add(id(groups.cp_group))
+    plan.__dict__.setdefault("_agreed_groups", set()).add((id(groups.cp_group), recompute_kv))
     mark_ready(groups.cp_group)  # the outer group too when it is the CP group (U = 1)
 
 
@@ -385,7 +390,7 @@ def sap_attention(
     if check_finite if check_finite is not None else os.environ.get("MEGATRON_SAP_CHECK_FINITE") == "1":
         _check_finite(q, k, v)
     if groups is not None and groups.world_size > 1 and check_agreement:
-        _check_agreement(plan, groups)
+        _check_agreement(plan, groups, recompute_kv)
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
     outer = _Outer(groups)
     if outer.group is not None:

@@ -5,8 +5,10 @@ input fails loudly at the entry point instead of producing a wrong answer or a h
 """
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
+import numpy as np
 import torch
 
 INT32_MAX = 2**31 - 1
@@ -25,14 +27,9 @@ def cu_seqlens_to_list(cu_seqlens: Sequence[int] | torch.Tensor, name: str = "cu
             raise ValueError(f"{name} must have an integer dtype, got {cu_seqlens.dtype}")
         values = cu_seqlens.tolist()
     else:
-        try:
-            values = list(cu_seqlens)
-        except TypeError:
-            raise ValueError(f"{name} must be a 1-D sequence of integers, got {type(cu_seqlens).__name__}") from None
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int) and not (hasattr(v, "__index__") and not isinstance(v, float)):
-                raise ValueError(f"{name} must hold integers, got {v!r} ({type(v).__name__})")
-        values = [int(v) for v in values]
+        if not isinstance(cu_seqlens, (Sequence, np.ndarray)) or isinstance(cu_seqlens, (str, bytes)):
+            raise ValueError(f"{name} must be a 1-D sequence of integers, got {type(cu_seqlens).__name__}")
+        values = [_integer(v, name) for v in cu_seqlens]
     if not values:
         raise ValueError(f"{name} is empty; it needs at least [0]")
     if values[0] != 0:
@@ -45,6 +42,18 @@ def cu_seqlens_to_list(cu_seqlens: Sequence[int] | torch.Tensor, name: str = "cu
     if values[-1] > INT32_MAX:
         raise ValueError(f"{name} total {values[-1]} is too large for int32 kernel offsets (max {INT32_MAX})")
     return values
+
+
+def _integer(value: object, name: str) -> int:
+    """An entry of `name` as an int: integers only (Python, numpy, 0-d integer tensors), no
+    bools or floats (which `int()` would truncate)."""
+    dtype = getattr(value, "dtype", None)
+    if isinstance(value, (bool, np.bool_)) or dtype in (torch.bool, np.bool_):
+        raise ValueError(f"{name} must hold integers, got {value!r} ({type(value).__name__})")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must hold integers, got {value!r} ({type(value).__name__})") from None
 
 
 def check_divisible(total: int, parts: int, what: str, by: str) -> int:

@@ -876,3 +876,40 @@ def test_an_inner_rank_moves_a_whole_head_when_kv_heads_are_fewer_than_ranks():
     tokens = stats["sent_tokens_per_outer_rank"][0] + stats["recv_tokens_per_outer_rank"][0]
     assert tokens > 0
     assert stats["sent_bytes_per_rank"][0] == pytest.approx(tokens * one_head + plan.evaluation.a2a_bytes)
+
+
+def test_outer_rank_methods_check_their_rank():
+    plan = plan_of([0, 3, 8], 2, 1)
+    for method in (plan.pieces, plan.group_indices, plan.program, plan.schedule, plan.memory_bytes):
+        for bad in (-1, 2, True, 1.0):
+            with pytest.raises(ValueError, match="outer_rank"):
+                method(bad)
+    assert plan.pieces(1) == plan.pieces(np.int64(1))
+
+
+def test_indices_are_the_callers_to_change():
+    """Plans are shared through the cache: changing the indices one returned changes no plan."""
+    cu = [0, 5, 16]
+    plan = sap.plan_sequences(cu, outer_size=2)
+    expected = [plan.local_indices(r).tolist() for r in range(2)]
+    plan.local_indices(0).add_(100)
+    plan.group_indices(1).zero_()
+    again = sap.plan_sequences(cu, outer_size=2)
+    assert [again.local_indices(r).tolist() for r in range(2)] == expected
+    assert sorted(again.position_ids(0).tolist() + again.position_ids(1).tolist()) == sorted([*range(5), *range(11)])
+
+
+@pytest.mark.parametrize("values", [
+    [torch.tensor(0.0), torch.tensor(3.7), torch.tensor(8.0)],  # 0-d float tensors: int() would truncate
+    [np.array(0.0), np.array(8.9)],
+    [torch.tensor(False), torch.tensor(True), torch.tensor(2)],
+    [0, np.bool_(True), 2],
+    {0: "a", 8: "b"},  # a dict's keys
+    {0, 8},  # unordered
+    "0,8",
+    (n for n in (0, 8)),
+])
+def test_cu_seqlens_must_be_a_sequence_of_integers(values):
+    sap.plan_sequences([0, 8], outer_size=2)  # a cached plan that a misread input could hit
+    with pytest.raises(ValueError, match="cu_seqlens must"):
+        sap.plan_sequences(values, outer_size=2)

@@ -40,8 +40,10 @@ def _local_inputs(plan, cp_rank: int, cu: list[int], heads: int, kv_heads: int, 
 # ---- ranks that disagree ------------------------------------------------------------------------
 
 
-def disagree_job(rank: int, world: int, inner: int, cu: list[int], other_cu: list[int], odd_rank: int) -> str:
-    """Every rank attends with a fresh plan; `odd_rank` plans `other_cu`. Returns 'ok' or the error."""
+def disagree_job(rank: int, world: int, inner: int, cu: list[int], other_cu: list[int], odd_rank: int,
+                 odd_recompute: bool = False) -> str:
+    """Every rank attends with a fresh plan; `odd_rank` plans `other_cu` (and, with
+    `odd_recompute`, alone recomputes the K/V). Returns 'ok' or the error."""
     import megatron_sap as sap
     from megatron_sap.planning import PlanCache
 
@@ -50,7 +52,7 @@ def disagree_job(rank: int, world: int, inner: int, cu: list[int], other_cu: lis
     plan = sap.plan_sequences(mine, outer_size=world // inner, inner_size=inner, cache=PlanCache())
     q, k, v, dout = _local_inputs(plan, groups.cp_rank, mine, 4, 2, seed=0)
     try:
-        sap.sap_attention(q, k, v, plan, groups).backward(dout)
+        sap.sap_attention(q, k, v, plan, groups, recompute_kv=odd_recompute and rank == odd_rank).backward(dout)
     except RuntimeError as exc:
         return str(exc)
     return "ok"
@@ -65,14 +67,24 @@ def test_disagreeing_rank_raises_on_every_rank(request: pytest.FixtureRequest, w
     messages = pool.run(disagree_job, inner, cu, other, odd_rank)
     hashes = []
     for rank, message in enumerate(messages):
-        found = re.search(r"CP ranks disagree on the batch: this rank \(cp_rank (\d+)\) planned hash ([0-9a-f]+) "
-                          r"\(64 tokens, 4 documents, layout .*\), the group has hashes from ([0-9a-f]+) to ([0-9a-f]+)", message)
+        found = re.search(r"CP ranks disagree on the batch or on recompute_kv: this rank \(cp_rank (\d+)\) planned hash "
+                          r"([0-9a-f]+) \(64 tokens, 4 documents, layout .*\), the group has hashes from ([0-9a-f]+) to "
+                          r"([0-9a-f]+)", message)
         assert found, (rank, message)
         cp_rank, mine, low, high = found.groups()
         assert int(cp_rank) == rank and low != high and mine in (low, high), message
         hashes.append((mine, low, high))
     assert len({(low, high) for _, low, high in hashes}) == 1, "every rank must report the same pair"
     assert hashes[odd_rank][0] != hashes[0][0]
+
+
+def test_rank_recomputing_kv_alone_raises_on_every_rank(pool4: WorkerPool) -> None:
+    """recompute_kv decides whether the backward fetches K/V again: a rank that differs
+    would leave its peers waiting, so the agreement check counts it."""
+    cu = [0, 10, 24, 40, 64]
+    messages = pool4.run(disagree_job, 1, cu, cu, 2, True)
+    assert all("recompute_kv=" in m and "disagree" in m for m in messages), messages
+    assert "recompute_kv=True" in messages[2] and "recompute_kv=False" in messages[0]
 
 
 def test_agreeing_ranks_pass(pool4: WorkerPool) -> None:

@@ -104,7 +104,8 @@ def sap_split_batch(
 
     plan = plan_for(cu, groups)
     if groups is not None and get_sap_options().check_agreement:
-        verify_plan_agreement(plan, groups)  # every micro-batch: cheap, and it also catches stale cached plans
+        # every micro-batch: cheap, and it also catches stale cached plans
+        verify_plan_agreement(plan, groups, get_sap_options().recompute_kv)
     cp_rank = 0 if groups is None else groups.cp_rank
     indices = plan.local_indices(cp_rank).to(device)
     positions = plan.position_ids(cp_rank).to(device)

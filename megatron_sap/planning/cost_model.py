@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 LINK_INTRA = "intra"
 LINK_INTER = "inter"
@@ -44,13 +47,19 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for field in ("gpus_per_node", "tile", "num_heads", "num_kv_heads", "head_dim", "bytes_per_element"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"CostModel.{field} must be positive, got {getattr(self, field)}")
-        for field in ("attention_tflops", "intra_node_gbps", "inter_node_gbps", "backward_factor", "pipelined_kernel_factor"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"CostModel.{field} must be positive, got {getattr(self, field)}")
-        if self.message_latency_us < 0:
-            raise ValueError(f"CostModel.message_latency_us must be >= 0, got {self.message_latency_us}")
+            value = getattr(self, field)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value <= 0:
+                raise ValueError(f"CostModel.{field} must be a positive integer, got {value!r}")
+            object.__setattr__(self, field, int(value))  # numpy integers too; equal models compare equal
+        for field in ("attention_tflops", "intra_node_gbps", "inter_node_gbps", "backward_factor",
+                      "pipelined_kernel_factor", "message_latency_us"):
+            value = getattr(self, field)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"CostModel.{field} must be a finite number, got {value!r}")
+            object.__setattr__(self, field, float(value))
+            if value < 0 or (value == 0 and field != "message_latency_us"):
+                raise ValueError(f"CostModel.{field} must be {'>= 0' if field == 'message_latency_us' else 'positive'}, "
+                                 f"got {value}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"CostModel.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

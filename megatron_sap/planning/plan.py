@@ -82,36 +82,49 @@ class Plan:
         return self.__dict__["_signature"]
 
     # ---- placement ----------------------------------------------------------------
-    def _check_rank(self, cp_rank: int) -> int:
-        """`cp_rank` as an int (numpy and 0-d integer tensors too), checked to be in range."""
-        if isinstance(cp_rank, bool) or not isinstance(cp_rank, (numbers.Integral, torch.Tensor)):
-            raise ValueError(f"cp_rank must be an integer, got {cp_rank!r}")
+    def _check_rank(self, rank: int, count: int | None = None, name: str = "cp_rank") -> int:
+        """`rank` as an int (numpy and 0-d integer tensors too), checked to be in
+        range(count) (default: the CP ranks)."""
+        count = self.world_size if count is None else count
+        if isinstance(rank, bool) or not isinstance(rank, (numbers.Integral, torch.Tensor)):
+            raise ValueError(f"{name} must be an integer, got {rank!r}")
         try:
-            rank = operator.index(cp_rank)
+            value = operator.index(rank)
         except TypeError:
-            raise ValueError(f"cp_rank must be an integer, got {cp_rank!r}") from None
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"cp_rank {rank} out of range for a plan over {self.world_size} ranks")
-        return rank
+            raise ValueError(f"{name} must be an integer, got {rank!r}") from None
+        if not 0 <= value < count:
+            kind = "CP" if name == "cp_rank" else "outer"
+            raise ValueError(f"{name} {value} out of range for a plan over {count} {kind} ranks")
+        return value
+
+    def _check_outer(self, outer_rank: int) -> int:
+        """`outer_rank` as an int, checked to be in range."""
+        return self._check_rank(outer_rank, self.outer_size, "outer_rank")
 
     def pieces(self, outer_rank: int) -> list[tuple[int, int, int]]:
         """(document, start, end) pieces the outer group holds, in its local order."""
-        return [(p.doc, p.start, p.end) for p in self.placement.ranks[outer_rank]]
+        return [(p.doc, p.start, p.end) for p in self.placement.ranks[self._check_outer(outer_rank)]]
 
-    def group_indices(self, outer_rank: int) -> torch.Tensor:
-        """Global positions of the outer group's T / R tokens, in its local order."""
+    def _group_indices(self, outer_rank: int) -> torch.Tensor:
+        """`group_indices`, the plan's own (cached) tensor."""
         if outer_rank not in self._indices:
             pieces = self.placement.ranks[outer_rank]
             idx = [torch.arange(p.start, p.end) for p in pieces]
             self._indices[outer_rank] = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
         return self._indices[outer_rank]
 
+    def group_indices(self, outer_rank: int) -> torch.Tensor:
+        """Global positions of the outer group's T / R tokens, in its local order (a new
+        tensor: plans are shared through the cache)."""
+        return self._group_indices(self._check_outer(outer_rank)).clone()
+
     def local_indices(self, cp_rank: int) -> torch.Tensor:
-        """Global packed positions this CP rank holds, in its local order (T / P of them)."""
+        """Global packed positions this CP rank holds, in its local order (T / P of them; a
+        new tensor: plans are shared through the cache)."""
         cp_rank = self._check_rank(cp_rank)
         outer, inner = divmod(cp_rank, self.inner_size)
         n = self.local_tokens
-        return self.group_indices(outer)[inner * n : (inner + 1) * n]
+        return self._group_indices(outer)[inner * n : (inner + 1) * n].clone()
 
     def position_ids(self, cp_rank: int) -> torch.Tensor:
         """Each local token's position inside its own document (for RoPE)."""
@@ -143,6 +156,7 @@ class Plan:
         `schedule`: "pipelined" or "gathered" (see `planning.program`), or "auto" for
         `self.schedule(outer_rank)`."""
         check_schedule(schedule, allow_auto=True)
+        outer_rank = self._check_outer(outer_rank)
         if schedule == "auto":
             schedule = self.schedule(outer_rank)
         device = torch.device(device or "cpu")
@@ -161,6 +175,7 @@ class Plan:
         """The schedule the cost model times faster for an outer rank's program (`timeline`,
         with `pipelined_kernel_factor`; ties: pipelined). Both schedules move the same rows
         in the same rounds, so each rank's choice is its own."""
+        outer_rank = self._check_outer(outer_rank)
         if outer_rank not in self._schedules:
             times = {
                 s: rank_schedule(self.program(outer_rank, schedule=s), self.inner_size, self.capacity, self.cost_model).total_s
@@ -234,6 +249,7 @@ class Plan:
         workspaces and one call's gathered rows come on top (bounded by one call).
         """
         m = cost_model or self.cost_model
+        outer_rank = self._check_outer(outer_rank)
         gathered = (self.schedule(outer_rank) if schedule == "auto" else check_schedule(schedule)) == "gathered"
         U = self.inner_size
         rows = self.capacity
@@ -306,17 +322,17 @@ DEFAULT_CACHE = PlanCache()
 def _cache_key_values(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[int, ...] | None:
     """The cu_seqlens as a tuple of ints when that is cheap and unambiguous, else None."""
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        dtype = cu_seqlens.dtype
+        if cu_seqlens.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             return None
         return tuple(cu_seqlens.tolist())
     if isinstance(cu_seqlens, np.ndarray):
         if cu_seqlens.ndim != 1 or cu_seqlens.dtype.kind not in "iu":
             return None
         return tuple(cu_seqlens.tolist())
-    try:
-        values = tuple(cu_seqlens)
-    except TypeError:
+    if not isinstance(cu_seqlens, (list, tuple, range)):
         return None
+    values = tuple(cu_seqlens)
     if all(type(v) is int for v in values):
         return values
     if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
