@@ -2,11 +2,13 @@
 
 The op only executes a plan (see `megatron_sap.planning`): at the inner level an
 all-to-all turns token shards into head shards; at the outer level the compiled
-program moves the K/V each rank needs and runs the kernel calls on what has arrived,
-merging partial results by log-sum-exp in fp32.
+program moves the K/V each rank needs and runs the kernel calls on what has arrived:
+pipelined, a call per step whose partial results merge by log-sum-exp in fp32; gathered,
+each query piece once all its keys are in, written without a merge (`planning.program`).
 
 Saved for backward (per rank): q, k, v, the output and its lse (fp32, [H, T/R]) and,
-unless `recompute_kv=True`, the K/V rows received from other ranks. With
+unless `recompute_kv=True`, the K/V rows received from other ranks (gathered: the one
+buffer that holds them after the local K/V). With
 `recompute_kv=True` those rows are fetched again during backward (less memory, one
 more forward-sized exchange).
 """
@@ -376,8 +378,8 @@ def sap_attention(
     q [T/P, Hq, D], k/v [T/P, Hkv, D] hold the rank's tokens in `plan.local_indices(cp_rank)`
     order; returns [T/P, Hq, D]. `groups` is the SAPGroups of the CP group (None: one rank).
     `schedule`: "pipelined" (each exchange's kernel calls overlap the next exchange, partial
-    results merged by lse), "gathered" (every exchange first, then each query piece in one
-    kernel segment over all its keys, nothing merged; see `planning.program`) or "auto"
+    results merged by lse), "gathered" (each query piece once all its keys are in, as one
+    kernel segment over all of them, nothing merged; see `planning.program`) or "auto"
     (`plan.schedule(outer_rank)`, what the cost model times faster).
     """
     if not causal:

@@ -110,8 +110,8 @@ def test_float32_and_recompute(pool4):
 
 @pytest.mark.parametrize("inner", [1, 2, 4])
 def test_gathered_schedule(pool4, inner):
-    """The gathered schedule (every exchange first, then one causal segment per query
-    piece over all its keys) is exact too: float64 over every kind of batch, with GQA,
+    """The gathered schedule (each query piece once all its keys are in, as one causal
+    segment over all of them) is exact too: float64 over every kind of batch, with GQA,
     whole-tile chunks, recomputed K/V and float32."""
     rng = random.Random(90 + inner)
     for kind in KINDS:

@@ -55,8 +55,8 @@ def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--sap-schedule", choices=SCHEDULES, default="auto",
-        help="pipelined: each exchange's kernel calls overlap the next exchange; gathered: every exchange "
-        "first, then one kernel segment per query piece (no merges); auto: what the cost model times faster",
+        help="pipelined: each exchange's kernel calls overlap the next exchange; gathered: each query piece "
+        "once all its keys are in, as one kernel segment (no merges); auto: what the cost model times faster",
     )
     return parser
 

@@ -26,8 +26,8 @@ class SAPOptions:
         otherwise deadlock or corrupt attention.
     recompute_kv: fetch remote K/V again in backward instead of keeping it from forward.
     schedule: how a rank runs its program ("auto": what the cost model times faster per rank;
-        "pipelined": each exchange's kernel calls overlap the next exchange; "gathered": every
-        exchange first, then one kernel segment per query piece; see `sap_attention`).
+        "pipelined": each exchange's kernel calls overlap the next exchange; "gathered": each
+        query piece once all its keys are in, as one kernel segment; see `sap_attention`).
     model_shape: (query heads, key/value heads, head dim, bytes per element) that one CP rank's
         attention computes (the model's heads over TP), which the cost model weighs; None: the
         preset's shape.
