@@ -197,7 +197,6 @@ class _SAPOuterAttention(torch.autograd.Function):
             if ctx.recompute_kv:
                 fetched = [_post_kv(program, i, kv, outer, _REFETCH_TAG) for i in range(n)]
                 _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
-            grads = []
         returns: list[tuple[PendingExchange, torch.Tensor | None]] = []
         for i, step in enumerate(program.transfers):
             if ctx.schedule == "gathered":

@@ -10,8 +10,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megatron_sap.planning.program import SCHEDULES as PROGRAM_SCHEDULES
+from megatron_sap.planning.program import check_schedule
+
 BACKENDS = ("auto", "flash-attn", "aten-flash", "torch")  # megatron_sap.kernels backends
-SCHEDULES = ("auto", "pipelined", "gathered")  # sap_attention schedules
+SCHEDULES = ("auto", *PROGRAM_SCHEDULES)  # sap_attention schedules
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,7 @@ class SAPOptions:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown SAP backend {self.backend!r}; choose from {BACKENDS}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown SAP schedule {self.schedule!r}; choose from {SCHEDULES}")
+        check_schedule(self.schedule, allow_auto=True)
         if self.plan_cache_size is not None and self.plan_cache_size < 1:
             raise ValueError(f"plan_cache_size must be >= 1, got {self.plan_cache_size}")
         if self.cost_preset is not None and self.calibration_file is not None:
