@@ -524,6 +524,7 @@ class _Greedy:
                 self.node_index[r] = n
         # With one node, or one rank per node, the node-local choice is the least-loaded ranks.
         self.node_aware = 1 < len(self.node_ranks) < num_ranks
+        self.node_width = max(map(len, self.node_ranks), default=0)  # ranks of the largest node
         self.cost = [_tile_pairs(self.tile, 0, n) for n in lengths]
         self.total = sum(self.cost)
         self.share = self.total / num_ranks
@@ -651,13 +652,14 @@ class _DocChoices:
         rank is the least loaded (the first node to gather k of them, going through the
         ranks by load), else over as few nodes as possible (`_fewest_nodes`)."""
         g, room = self.greedy, self.room
-        node, counts = g.node_index, [0] * len(g.node_ranks)
-        for r in self.by_load:
-            if everyone or room[r] >= need:
-                n = node[r]
-                counts[n] += 1
-                if counts[n] == k:
-                    return [x for x in self.by_load if node[x] == n and (everyone or room[x] >= need)][:k]
+        if k <= g.node_width:  # else no node has k ranks
+            node, counts = g.node_index, [0] * len(g.node_ranks)
+            for r in self.by_load:
+                if everyone or room[r] >= need:
+                    n = node[r]
+                    counts[n] += 1
+                    if counts[n] == k:
+                        return [x for x in self.by_load if node[x] == n and (everyone or room[x] >= need)][:k]
         if self._node_ranks is None:
             self._node_ranks = [sorted(ranks, key=self.load.__getitem__) for ranks in g.node_ranks]
         per_node = self._node_ranks if everyone else [[r for r in ranks if room[r] >= need] for ranks in self._node_ranks]
