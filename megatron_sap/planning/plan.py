@@ -18,7 +18,7 @@ from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, ulysses_cost, whole_documents_s
 from .placement import Build, Placement, candidates
 from .program import SCHEDULES, RankProgram, _Layout, check_schedule, compile_program
-from .timeline import plan_schedule, rank_schedule
+from .timeline import RankSchedule, plan_schedule, rank_schedule
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
 DEFAULT_COST_MODEL = CostModel.preset("h100")
@@ -46,7 +46,7 @@ class Plan:
     _layout: _Layout | None = field(default=None, repr=False)
     _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    _schedules: dict[int, str] = field(default_factory=dict, repr=False)
+    _timings: dict[int, dict[str, RankSchedule]] = field(default_factory=dict, repr=False)  # per outer rank and schedule
 
     # ---- sizes --------------------------------------------------------------------
     @property
@@ -175,14 +175,18 @@ class Plan:
         """The schedule the cost model times faster for an outer rank's program (`timeline`,
         with `pipelined_kernel_factor`; ties: pipelined). Both schedules move the same rows
         in the same rounds, so each rank's choice is its own."""
+        times = self._timing(outer_rank)
+        return "gathered" if times["gathered"].total_s < times["pipelined"].total_s else "pipelined"
+
+    def _timing(self, outer_rank: int) -> dict[str, RankSchedule]:
+        """An outer rank's modelled times in each schedule (`timeline`), computed once."""
         outer_rank = self._check_outer(outer_rank)
-        if outer_rank not in self._schedules:
-            times = {
-                s: rank_schedule(self.program(outer_rank, schedule=s), self.inner_size, self.capacity, self.cost_model).total_s
+        if outer_rank not in self._timings:
+            self._timings[outer_rank] = {
+                s: rank_schedule(self.program(outer_rank, schedule=s), self.inner_size, self.capacity, self.cost_model)
                 for s in SCHEDULES
             }
-            self._schedules[outer_rank] = "gathered" if times["gathered"] < times["pipelined"] else "pipelined"
-        return self._schedules[outer_rank]
+        return self._timings[outer_rank]
 
     # ---- statistics ---------------------------------------------------------------
     def stats(self, cost_model: CostModel | None = None) -> dict[str, Any]:
@@ -206,7 +210,10 @@ class Plan:
         pairs = expand(ev.exact_pairs / U)
         mean = float(np.mean(pairs)) if pairs else 0.0
         memory = [self.memory_bytes(r, m) for r in range(self.outer_size)]
-        schedule = plan_schedule(self, model=m)
+        if cost_model is None:
+            schedule = [self._timing(r)[self.schedule(r)] for r in range(self.outer_size)]
+        else:
+            schedule = plan_schedule(self, model=m)
         return {
             "method": "sap",
             "candidate": self.placement.strategy,

@@ -60,6 +60,7 @@ class KernelCall:
     max_seqlen_q: int
     max_seqlen_k: int
     causal: bool
+    seqlens: tuple[tuple[int, int], ...]  # (query, key) rows of each segment, on the host (for timing)
 
     def to(self, device: torch.device) -> "KernelCall":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
@@ -129,12 +130,14 @@ class _Layout:
         self.local_start: dict[Piece, int] = {}
         self.owner: dict[Piece, int] = {}
         self.doc_pieces: dict[int, list[Piece]] = defaultdict(list)
+        self.held: dict[tuple[int, int], list[Piece]] = defaultdict(list)  # (rank, document): its pieces, in order
         for r, pieces in enumerate(placement.ranks):
             pos = 0
             for p in pieces:
                 self.local_start[p] = pos
                 self.owner[p] = r
                 self.doc_pieces[p.doc].append(p)
+                self.held[r, p.doc].append(p)
                 pos += p.length
         # Latest start of each rank's pieces per document: a rank needs every earlier
         # piece of the document that ends at or before it.
@@ -150,6 +153,10 @@ class _Layout:
         s = self.local_start[p]
         return range(s, s + p.length)
 
+    def peers(self, rank: int) -> set[int]:
+        """The other ranks holding pieces of `rank`'s documents (the only ones it may exchange with)."""
+        return {r for p in self.placement.ranks[rank] for r in self.last_start[p.doc]} - {rank}
+
     def needed(self, src: int, dst: int) -> list[Piece]:
         """Pieces of `src` whose K/V `dst` needs, in `src`'s local order."""
         out = []
@@ -161,7 +168,7 @@ class _Layout:
 
     def queries_of(self, rank: int, key: Piece) -> tuple[Piece, ...]:
         """Pieces of `rank` that attend to all of `key` (same document, after it)."""
-        return tuple(p for p in self.doc_pieces[key.doc] if self.owner[p] == rank and p.start >= key.end)
+        return tuple(p for p in self.held.get((rank, key.doc), ()) if p.start >= key.end)
 
 
 def _int32(values: list[int]) -> torch.Tensor:
@@ -172,6 +179,8 @@ def _rows(ranges: list[range]) -> torch.Tensor:
     """The rows of consecutive ranges, as one index tensor (int64)."""
     if not ranges:
         return torch.zeros(0, dtype=torch.long)
+    if len(ranges) == 1:
+        return torch.from_numpy(np.arange(ranges[0].start, ranges[0].stop, dtype=np.int64))
     return torch.from_numpy(np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in ranges]))
 
 
@@ -201,6 +210,7 @@ def _call(segments: list[tuple[list[range], list[range]]], causal: bool, num_q: 
         max_seqlen_q=max(len_q),
         max_seqlen_k=max(len_k),
         causal=causal,
+        seqlens=tuple(zip(len_q, len_k)),
     )
 
 
@@ -230,9 +240,10 @@ def _full_calls(layout: _Layout, rank: int, keys: list[tuple[Piece, range]]) -> 
     return tuple(_call(call, causal=False) for call in calls)
 
 
-def exchange_partner(rank: int, round_: int, num_ranks: int) -> int:
-    """The outer rank that `rank` exchanges with in round `round_` (itself: none)."""
-    return (round_ - rank) % num_ranks
+def exchange_round(rank: int, peer: int, num_ranks: int) -> int:
+    """The round in which outer ranks `rank` and `peer` exchange: (rank + peer) mod R, the
+    same for both, and a different peer for `rank` in every round."""
+    return (rank + peer) % num_ranks
 
 
 def check_schedule(schedule: str, allow_auto: bool = False) -> str:
@@ -251,10 +262,7 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
     R = placement.num_ranks
     pieces = placement.ranks[rank]
     exchanges = []  # (round, peer, pieces sent, pieces received) of each step
-    for round_ in range(R):
-        peer = exchange_partner(rank, round_, R)
-        if peer == rank:
-            continue
+    for round_, peer in sorted((exchange_round(rank, peer, R), peer) for peer in layout.peers(rank)):
         send, recv = layout.needed(rank, peer), layout.needed(peer, rank)
         if send or recv:
             exchanges.append((round_, peer, send, recv))

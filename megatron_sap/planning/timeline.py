@@ -28,8 +28,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .cost_model import CostModel
 from .evaluate import ulysses_cost
 from .program import KernelCall, RankProgram
@@ -49,9 +47,7 @@ class RankSchedule:
 
 def _call_pairs(call: KernelCall, model: CostModel) -> int:
     """Tile-rounded pairs of one kernel call, segment by segment."""
-    lengths_q = torch.diff(call.cu_seqlens_q).tolist()
-    lengths_k = torch.diff(call.cu_seqlens_k).tolist()
-    return sum(model.block_pairs(q, k, call.causal) for q, k in zip(lengths_q, lengths_k))
+    return sum(model.block_pairs(q, k, call.causal) for q, k in call.seqlens)
 
 
 def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: CostModel,
