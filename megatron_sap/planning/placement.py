@@ -543,7 +543,7 @@ class _Greedy:
         not depend on the slack is worked out once per document in `doc`."""
         n, c, load = doc.n, doc.c, doc.load
         limit = (1.0 + slack) * self.share
-        options: list[tuple[int, int, list[int]]] = []  # (peak, k, ranks heaviest slot first); k = 1: whole
+        options: list[tuple[int, int, list[int], Cut | None]] = []  # (peak, k, ranks heaviest slot first, cut); k = 1: whole
         whole = doc.whole_rank
         if whole is not None:
             if load[whole] + c <= limit:
