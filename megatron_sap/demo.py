@@ -4,7 +4,7 @@ Runs sap_attention (forward and backward) and the Megatron/TE-style zigzag KV ri
 the same rows in the same processes, checks SAP against an independent dense float64
 reference computed per document, and prints agreement and the bytes each method
 really sent. Then, if megatron-core is installed, trains a tiny GPTModel with SAP next
-to CP=1 (`megatron_sap.demo_train`).
+to CP=1 (`megatron_sap.megatron.demo_train`).
 """
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     attention_demo(args.tokens, args.batches, args.seed, args.corpus)
     if not args.skip_training:
-        from megatron_sap.demo_train import run_demo_training
+        from megatron_sap.megatron.demo_train import run_demo_training
 
         run_demo_training()
 

@@ -70,6 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--rows must be >= 1, and more than one row needs --lengths-from or --lengths-file")
     if args.cp_size is not None and (args.inner_size != 1 or args.png):
         parser.error("--inner-size and --png go with --outer-size; --cp-size compares every inner size")
+    if args.outer_size is not None and args.rows > 1:
+        parser.error("--rows goes with --cp-size; --outer-size shows one row")
     return args
 
 
@@ -276,7 +278,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = CostModel.preset(args.preset)
         model = model.with_shape(args.num_heads or model.num_heads, args.num_kv_heads or model.num_kv_heads,
                                  args.head_dim or model.head_dim)
-        batches = batches_from_args(args)
+        try:
+            batches = batches_from_args(args)
+        except RuntimeError as err:  # a corpus that cannot be read here
+            raise ValueError(str(err)) from err
         if args.cp_size is not None:
             results = compare_layouts(batches, args.cp_size, model, args.tensor_parallel_size)
         else:

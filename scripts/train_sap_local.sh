@@ -23,7 +23,7 @@ case "$DEVICE" in
         : "${STEPS:=20}"
         export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
         exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-            -m megatron_sap.demo_train --inner-size "$SAP_INNER" --outer-size "$SAP_OUTER" --steps "$STEPS"
+            -m megatron_sap.megatron.demo_train --inner-size "$SAP_INNER" --outer-size "$SAP_OUTER" --steps "$STEPS"
         ;;
     cuda)
         : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout}"

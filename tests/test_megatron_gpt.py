@@ -25,7 +25,7 @@ DOC_LENGTHS = (301, 17, 64, 95, 1, 34)  # 512 tokens: long, short, one-token doc
 
 def _train(steps: int, batch: dict, cu: list[int], initial: dict | None) -> dict:
     """Build the tiny GPT (weights from `initial` if given), train `steps` Adam steps, record the first step."""
-    from megatron_sap.demo_train import build_tiny_gpt, train_step
+    from megatron_sap.megatron.demo_train import build_tiny_gpt, train_step
 
     model = build_tiny_gpt()
     if initial is not None:
@@ -49,7 +49,7 @@ def run_rank(rank: int, world_size: int, inner: int, outer: int) -> dict:
     """CP=1 reference (every rank alone, data-parallel replicas), then SAP with CP = inner*outer."""
     from megatron.core import parallel_state
 
-    from megatron_sap.demo_train import packed_batch, stdlib_documents
+    from megatron_sap.megatron.demo_train import packed_batch, stdlib_documents
     from megatron_sap.megatron import initialize_sap_parallel, resolve_groups
     from megatron_sap.megatron.plans import plan_for
 
@@ -102,7 +102,7 @@ def test_gpt_sap_cp4_equals_cp1(pool4, inner: int, outer: int) -> None:
 
 def run_tp_rank(rank: int, world_size: int, inner: int, outer: int) -> tuple[list[float], list[float]]:
     """Loss curves: CP=1 TP=1 (replicas), then TP=2 with SAP over CP = inner*outer."""
-    from megatron_sap.demo_train import train_sap
+    from megatron_sap.megatron.demo_train import train_sap
 
     torch.set_num_threads(1)
     return train_sap(1, 1, STEPS), train_sap(inner, outer, STEPS, tensor_parallel=2)

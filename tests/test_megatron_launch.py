@@ -330,6 +330,7 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
         (dict(reset_attention_mask=True, reset_position_ids=False), "add --reset-position-ids"),
         (dict(context_parallel_size=1, reset_attention_mask=True), "add --reset-position-ids"),
         (dict(micro_batch_size=2), "use --micro-batch-size 1 \\(got 2\\)"),
+        (dict(attention_dropout=0.1), "no attention dropout.*--attention-dropout 0"),
         (dict(sft=True, tensor_model_parallel_size=2), "--sft needs TP 1 \\(got TP=2\\)"),
     ],
 )

@@ -780,6 +780,23 @@ def test_cli_needs_tokens_with_lengths_from(capsys):
     assert "--lengths-from and --lengths-file need --tokens" in capsys.readouterr().err
 
 
+def test_cli_shows_one_row_per_layout(capsys):
+    with pytest.raises(SystemExit):
+        plan_cli(["--lengths-from", "stdlib", "--tokens", "4096", "--rows", "3", "--outer-size", "2"])
+    assert "--rows goes with --cp-size" in capsys.readouterr().err
+
+
+def test_cli_reports_a_corpus_it_cannot_read(monkeypatch, capsys):
+    from megatron_sap.bench import data
+
+    def unreadable(corpus):
+        raise RuntimeError(f"corpus {corpus!r} needs the package 'x' to be tokenised")
+
+    monkeypatch.setattr(data, "document_lengths", unreadable)
+    assert plan_cli(["--lengths-from", "stdlib", "--tokens", "4096", "--outer-size", "2"]) == 2
+    assert "error: corpus 'stdlib' needs the package" in capsys.readouterr().err
+
+
 def test_cli_compares_layouts_on_your_own_lengths(tmp_path, capsys):
     """--cp-size models every layout the heads allow within a node on rows packed from a
     lengths file, marks the fastest and prints its Megatron flags."""

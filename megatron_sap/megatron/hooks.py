@@ -124,6 +124,11 @@ def _refuse_unsupported(args: Any) -> None:
             "receive, so they would hang or read wrong boundaries; pretraining data with --reset-position-ids works "
             "at any TP"
         )
+    if getattr(args, "attention_dropout", 0.0):
+        raise ValueError(
+            f"SAP attention has no attention dropout; set attention_dropout=0 (--attention-dropout 0), got "
+            f"{args.attention_dropout} (Megatron's default is 0.1)"
+        )
     if (getattr(args, "micro_batch_size", 1) or 1) > 1:
         raise ValueError(f"SAP trains one packed row per micro-batch: use --micro-batch-size 1 (got {args.micro_batch_size})")
     if getattr(args, "reset_attention_mask", False) and not getattr(args, "reset_position_ids", False):

@@ -2,7 +2,7 @@
 
 Megatron builds core attention through a spec, so per-run settings (backend, cost model) cannot
 travel through constructor arguments; they live here, set once by the launcher hooks
-(`set_options_from_args`) or by a script (`set_sap_options`).
+(`configure_sap`, from the `--sap-*` flags) or by a script (`set_sap_options`).
 """
 from __future__ import annotations
 

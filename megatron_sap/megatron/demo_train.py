@@ -1,8 +1,9 @@
 """Train a tiny Megatron-Core GPT on CPU with SAP context parallelism and compare it with CP=1.
 
-`run_demo_training(steps)` (also `python -m megatron_sap.demo_train`) packs real documents
-(CPython standard-library sources, byte-level tokens), trains the same model once on one process (CP=1, plain varlen attention) and once on
-four gloo processes with SAP (CP=4 as 2x2), and prints both loss curves side by side. Under
+`run_demo_training(steps)` (also `python -m megatron_sap.megatron.demo_train`) packs real
+documents (CPython standard-library sources, byte-level tokens), trains the same model once on
+one process (CP=1, plain varlen attention) and once on four gloo processes with SAP (CP=4 as
+2x2), and prints both loss curves side by side. Under
 torchrun (`scripts/train_sap_local.sh`) it trains with SAP on gloo. The helpers
 (`stdlib_documents`, `packed_batch`, `build_tiny_gpt`, `train_step`) are what the Megatron
 acceptance test uses too.
