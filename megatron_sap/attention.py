@@ -19,6 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from .comm.groups import SAPGroups
 from .comm.p2p import PendingExchange, collective_device, mark_ready, post_exchange, ready_for_batched_p2p
 from .comm.ulysses import GatherHeads, ScatterHeads, check_heads, replicate_kv_heads
 from .kernels import merge_into, resolve_backend, varlen_backward, varlen_forward
@@ -37,7 +38,7 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 class _Outer:
     """What the outer-level executor needs from the groups: ranks and the group."""
 
-    def __init__(self, groups):
+    def __init__(self, groups: SAPGroups | None):
         self.rank = 0 if groups is None else groups.outer_rank
         self.group = None if groups is None else groups.outer_group
         self.peer = (lambda r: r) if groups is None else groups.outer_peer
@@ -155,7 +156,7 @@ class _SAPOuterAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan: Plan, outer: _Outer, scale: float, backend: str, recompute_kv: bool, schedule: str):
-        program = plan.program(outer.rank, q.device, schedule)
+        program = plan.program(outer.rank, q.device, schedule, recompute_kv)
         ctx.plan, ctx.outer, ctx.scale, ctx.backend, ctx.recompute_kv = plan, outer, scale, backend, recompute_kv
         ctx.schedule = program.schedule
         if program.schedule == "gathered":
@@ -274,7 +275,7 @@ def _gathered_backward(ctx, program: RankProgram, dout, q, k, v, out, lse, saved
     return kv, dkv, grads
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, groups) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, groups: SAPGroups | None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
@@ -317,18 +318,18 @@ def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             )
 
 
-def _check_agreement(plan: Plan, groups, recompute_kv: bool) -> None:
+def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool) -> None:
     """`verify_plan_agreement` once per (plan, group, recompute_kv): on plan-cache misses."""
     if (id(groups.cp_group), bool(recompute_kv)) not in plan.__dict__.get("_agreed_groups", ()):
         verify_plan_agreement(plan, groups, recompute_kv)
 
 
-def verify_plan_agreement(plan: Plan, groups, recompute_kv: bool = False) -> None:
+def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = False) -> None:
     """Check now that every rank of the CP group planned the same batch and layout, and
     runs it with the same `recompute_kv` (which decides whether the backward exchanges K/V
     again: ranks that differ would wait for each other).
 
-    One all-reduce of a 64-bit hash (and one host sync). Raises on every rank, with both
+    One all-reduce of a 62-bit hash (and one host sync). Raises on every rank, with both
     hashes, instead of deadlocking in P2P or computing garbage. A batch splitter calls it
     once per micro-batch, which also catches a rank that reuses a cached plan while
     another plans a new batch; `sap_attention` calls it on the first use of a plan with a
@@ -362,7 +363,7 @@ def sap_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     plan: Plan,
-    groups=None,
+    groups: SAPGroups | None = None,
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
@@ -379,7 +380,7 @@ def sap_attention(
     `schedule`: "pipelined" (each exchange's kernel calls overlap the next exchange, partial
     results merged by lse), "gathered" (each query piece once all its keys are in, as one
     kernel segment over all of them, nothing merged; see `planning.program`) or "auto"
-    (`plan.schedule(outer_rank)`, what the cost model times faster).
+    (`plan.schedule(outer_rank, recompute_kv)`, what the cost model times faster).
     """
     if not causal:
         raise ValueError("sap_attention computes causal attention only (causal=False is not supported)")

@@ -187,7 +187,7 @@ def layouts_table(results: list[LayoutResult], cp_size: int) -> str:
 
 
 def _piece_text(plan: Plan, doc: int, start: int, end: int) -> str:
-    """`d<doc>` for a whole document, `d<doc>[a:b]` (offsets inside it) for a part."""
+    """`d<doc>(<length>)` for a whole document, `d<doc>[a:b]` (offsets inside it) for a part."""
     doc_start, doc_end = plan.cu_seqlens[doc], plan.cu_seqlens[doc + 1]
     if (start, end) == (doc_start, doc_end):
         return f"d{doc}({end - start})"

@@ -56,10 +56,7 @@ def _integer(value: object, name: str) -> int:
         raise ValueError(f"{name} must hold integers, got {value!r} ({type(value).__name__})") from None
 
 
-def check_divisible(total: int, parts: int, what: str, by: str) -> int:
-    """Return total // parts, or raise naming both sizes."""
-    if parts <= 0:
-        raise ValueError(f"{by} must be a positive integer, got {parts}")
+def check_divisible(total: int, parts: int, what: str, by: str) -> None:
+    """Raise, naming both sizes, unless `parts` (positive) divides `total`."""
     if total % parts:
         raise ValueError(f"{what} ({total}) must be divisible by {by} ({parts})")
-    return total // parts

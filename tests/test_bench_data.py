@@ -217,8 +217,8 @@ def _point(method: str, inner: int, time_s: float, sent: float = 1.0, imbalance:
     from megatron_sap.bench.scale import MethodPoint
 
     return MethodPoint(corpus="c", preset="h100", T=32_768, P=32, inner=inner, method=method, time_s=time_s,
-                       ideal_s=time_s / 2, compute_s=time_s, comm_s=0.0, sent_bytes_mean=sent, sent_bytes_max=sent,
-                       intra_bytes_mean=sent, inter_bytes_mean=0.0, pairs_max=1.0, pairs_mean=1.0,
+                       ideal_s=time_s / 2, compute_s=time_s, comm_s=0.0, sent_bytes_mean=sent,
+                       intra_bytes_mean=sent, inter_bytes_mean=0.0, pairs_mean=1.0,
                        imbalance=imbalance, padding_tokens=0.0, peak_extra_bytes=0.0, candidate=method)
 
 

@@ -226,7 +226,9 @@ def test_batch_hooks_split_packed_rows_with_sap() -> None:
                                                get_args=lambda: args)
     batch = get_batch(None)
     cu, padded, max_seqlen = batch.pop("cu_seqlens"), batch.pop("cu_seqlens_padded", None), batch.pop("max_seqlen")
-    local, params = split(batch, cu, padded, max_seqlen)
+    with pytest.raises(ValueError, match="its own CP group \\(size 1, this rank 0\\), got cp_size=2"):
+        split(dict(batch), cu, padded, max_seqlen, cp_size=2, cp_rank=1)
+    local, params = split(batch, cu, padded, max_seqlen, cp_size=1, cp_rank=0)
     assert list(local) == ["tokens", "labels", "loss_mask", "attention_mask", "position_ids"]
     assert params.cu_seqlens_q.tolist() == [0, 3, 5, 8] and params.max_seqlen_q == 3
     assert torch.equal(local["labels"], local["tokens"] + 1)

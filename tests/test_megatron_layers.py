@@ -125,6 +125,7 @@ def test_packed_sbhd_with_batch_one() -> None:
     [
         (dict(config=_config(attention_dropout=0.1)), "attention_dropout"),
         (dict(attn_mask_type=AttnMaskType.no_mask), "causal"),
+        (dict(attention_type="cross"), "attention_type 'cross'"),
         (dict(cp_comm_type="p2p"), "cp_comm_type"),
     ],
 )

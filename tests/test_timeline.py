@@ -101,6 +101,21 @@ def test_auto_schedule_follows_the_kernel_factor():
         assert plan.stats()["schedule_per_outer_rank"][0] == holder_schedule
 
 
+def test_auto_schedule_is_timed_as_the_executor_runs():
+    """With recompute_kv the backward fetches the K/V again, which the two schedules wait for
+    differently: the choice is the faster one under that setting, and here it differs."""
+    model = CostModel.preset("h100", pipelined_kernel_factor=1.4)
+    plan = sap.plan_sequences([0, 3072], outer_size=3, cost_model=model, cache=None)
+    chosen = {}
+    for recompute_kv in (False, True):
+        times = {s: plan_schedule(plan, recompute_kv, schedule=s)[0].total_s for s in ("pipelined", "gathered")}
+        chosen[recompute_kv] = plan.schedule(0, recompute_kv)
+        assert chosen[recompute_kv] == min(times, key=times.get)
+        assert plan.program(0, recompute_kv=recompute_kv).schedule == chosen[recompute_kv]
+        assert plan_schedule(plan, recompute_kv)[0].total_s == pytest.approx(min(times.values()))
+    assert chosen[False] != chosen[True]
+
+
 def test_unknown_schedule_is_refused():
     plan = sap.plan_sequences([0, 256], outer_size=2, cache=None)
     with pytest.raises(ValueError, match="unknown SAP schedule 'ring'"):

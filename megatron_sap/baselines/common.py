@@ -51,15 +51,6 @@ class BaselineLayout:
         """Padding rows over all ranks."""
         return self.world_size * self.local_tokens - self.total_tokens
 
-    def stats(self) -> dict[str, Any]:
-        """Cost-model-free counts: rows, padding and real causal pairs per rank."""
-        return {
-            "tokens_per_rank": [self.local_tokens] * self.world_size,
-            "real_tokens_per_rank": [int((p >= 0).sum()) for p in self.positions],
-            "padding_tokens": self.padding_tokens,
-            "causal_pairs_per_rank": [causal_pairs(p, self.cu_seqlens) for p in self.positions],
-        }
-
 
 def as_cu_seqlens(cu_seqlens: Tensor | Sequence[int]) -> Tensor:
     """Validated int64 CPU copy of document boundaries."""

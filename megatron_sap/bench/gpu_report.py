@@ -167,8 +167,8 @@ def _per_rank_rows(result: dict) -> list[str]:
 
 def _memory_table(result: dict) -> str:
     lines = [
-        "Peak memory per rank (`torch.cuda.max_memory_allocated`; each rank run alone with local exchanges; inputs, "
-        "output and gradients included), next to the method's formula plus output and gradients:",
+        "Peak memory per rank (`torch.cuda.max_memory_allocated`; each rank run alone with local exchanges; output "
+        "and input gradients included, the inputs not), next to the method's formula plus output and gradients:",
         "",
         "| row | method | peak MiB (max rank) | peak MiB (min rank) | formula MiB (max rank) |",
         "|---|---|---|---|---|",

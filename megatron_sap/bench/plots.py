@@ -35,7 +35,8 @@ def _grid(points: list[MethodPoint], Ts: Sequence[int]):
 
 
 def _plotted_ts(points: list[MethodPoint]) -> list[int]:
-    """The smallest and largest T of the projection (one column each)."""
+    """The T values plotted, one column each: all of them if two or fewer, else the second
+    smallest and the largest."""
     Ts = sorted({p.T for p in points})
     return Ts if len(Ts) <= 2 else [Ts[1], Ts[-1]]
 

@@ -50,10 +50,8 @@ class MethodPoint:
     compute_s: float  # kernel time of the busiest rank, forward + backward
     comm_s: float  # transfer time of the busiest sender, forward + backward, no overlap
     sent_bytes_mean: float  # per rank, forward + backward
-    sent_bytes_max: float
     intra_bytes_mean: float
     inter_bytes_mean: float
-    pairs_max: float
     pairs_mean: float
     imbalance: float
     padding_tokens: float
@@ -130,10 +128,8 @@ def summarise(stats: dict[str, Any], model: CostModel) -> dict[str, float]:
         "compute_s": compute,
         "comm_s": comm,
         "sent_bytes_mean": float(sent.mean()),
-        "sent_bytes_max": float(sent.max()),
         "intra_bytes_mean": float(intra.mean()),
         "inter_bytes_mean": float(inter.mean()),
-        "pairs_max": float(pairs.max()),
         "pairs_mean": float(pairs.mean()),
         "imbalance": float(stats["imbalance"]),
         "padding_tokens": float(np.sum(stats["padding_tokens"])),
@@ -186,8 +182,9 @@ def sap_layouts(P: int, model: CostModel) -> list[int]:
 
 
 def baseline_layouts(method: str, P: int, model: CostModel) -> list[int]:
-    """Inner sizes U a baseline is evaluated with in the projection: its default
-    (`baseline_inner`) and, for ``a2a+p2p``, every `node_inner_sizes` degree."""
+    """Inner sizes U a baseline is evaluated with in the projection: for ``a2a+p2p`` every
+    `node_inner_sizes` degree (its default `baseline_inner` where there is none), else its
+    default."""
     if method == "a2a+p2p":
         return node_inner_sizes(P, model) or [baseline_inner(method, P, model)]
     return [baseline_inner(method, P, model)]

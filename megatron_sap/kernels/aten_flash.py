@@ -17,6 +17,7 @@ Flash kernel conventions that differ from ours:
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -95,7 +96,8 @@ class FlashVarlen:
     per device. The head dim was checked by `resolve_backend`.
     """
 
-    def __init__(self, kernel_forward, kernel_backward) -> None:
+    def __init__(self, kernel_forward: Callable[..., tuple[Tensor, Tensor]],
+                 kernel_backward: Callable[..., tuple[Tensor, Tensor, Tensor]]) -> None:
         self._kernel_forward = kernel_forward
         self._kernel_backward = kernel_backward
         self.padded_lse = functools.cache(self._probe_padded_lse)

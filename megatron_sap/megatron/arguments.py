@@ -42,7 +42,7 @@ def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--sap-calibration-file", default=None,
-        help="JSON of measured cost-model rates (as scripts/gpu_check.sh writes docs/calibration.json); replaces --sap-cost-preset",
+        help="JSON of measured cost-model rates (as scripts/gpu_check.sh writes docs/calibration.json); not with --sap-cost-preset",
     )
     group.add_argument("--sap-plan-cache-size", type=int, default=None, help="plans kept per process")
     group.add_argument(

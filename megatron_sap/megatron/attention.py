@@ -67,6 +67,8 @@ class SAPDotProductAttention(MegatronModule):
             raise ValueError(f"SAP attention does not support sliding windows (window_size={config.window_size})")
         if attn_mask_type not in _CAUSAL_MASKS:
             raise ValueError(f"SAP attention is causal self-attention, got attn_mask_type {attn_mask_type}")
+        if attention_type != "self":
+            raise ValueError(f"SAP attention is causal self-attention, got attention_type {attention_type!r}")
         self.groups = sap_groups_from_pg_collection(pg_collection)
         if self.groups is not None and getattr(config, "multi_latent_attention", False) and getattr(config, "apply_rope_fusion", False):
             raise ValueError(

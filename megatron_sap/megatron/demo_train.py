@@ -65,7 +65,7 @@ def packed_batch(tokens: Tensor, cu_seqlens: list[int]) -> dict[str, Tensor]:
     }
 
 
-def build_tiny_gpt(seed: int = 1234, num_layers: int = 2):
+def build_tiny_gpt(seed: int = 1234, num_layers: int = 2) -> torch.nn.Module:
     """A 2-layer fp32 GPT (RoPE, GQA 4:2, SwiGLU, RMSNorm) with SAP core attention, built on CPU.
 
     Needs Megatron's parallel state initialized (e.g. by `initialize_sap_parallel`); the config
@@ -109,7 +109,7 @@ def build_tiny_gpt(seed: int = 1234, num_layers: int = 2):
     return model
 
 
-def train_step(model, optimizer: torch.optim.Optimizer, batch: dict[str, Tensor], cu_seqlens: list[int]) -> tuple[Tensor, float]:
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Tensor], cu_seqlens: list[int]) -> tuple[Tensor, float]:
     """One step: SAP split, forward, token-mean loss, backward, gradient all-reduce as DDP does, update.
 
     Gradients are summed over data-parallel-with-CP and divided by the data-parallel size: the

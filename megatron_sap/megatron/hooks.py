@@ -15,7 +15,8 @@
 * `gpt_builders.get_gpt_heterogeneous_layer_spec` (Megatron-LM's root module): heterogeneous
   specs name their core attention directly, bypassing the providers, so it is swapped afterwards.
 
-Every hook defers to Megatron's original unless the parsed args ask for SAP.
+Every hook defers to Megatron's original unless the parsed args ask for SAP (`pretrain` only
+adds the `--sap-*` flags to the parser).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .arguments import add_sap_args, chain_args_providers, sap_settings_from_args
-from .batch import cu_seqlens_from_position_ids, sap_split_batch
+from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_split_batch
 from .rope import install_sap_rope
 from .specs import swap_core_attention, use_sap_core_attention
 
@@ -186,7 +187,9 @@ def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], A
 
 
 def wrap_get_thd_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
-    """Megatron's THD split replaced by `sap_split_batch` when SAP is on (same arguments and result)."""
+    """Megatron's THD split replaced by `sap_split_batch` when SAP is on (same arguments and
+    result). SAP splits over its own CP group and finds the longest document itself: a given
+    `cp_size` or `cp_rank` must be that group's, and `max_seqlen` is not read."""
 
     @functools.wraps(split)
     def sap_thd_split(
@@ -199,6 +202,14 @@ def wrap_get_thd_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], A
     ) -> tuple[dict[str, Any], Any]:
         if not sap_requested(get_args()):
             return split(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size=cp_size, cp_rank=cp_rank)
+        if cp_size is not None or cp_rank is not None:
+            groups = resolve_groups(None)
+            size, rank = (1, 0) if groups is None else (groups.world_size, groups.cp_rank)
+            if cp_size not in (None, size) or cp_rank not in (None, rank):
+                raise ValueError(
+                    f"SAP splits the batch over its own CP group (size {size}, this rank {rank}), got "
+                    f"cp_size={cp_size}, cp_rank={cp_rank}"
+                )
         # Padding tokens belong to the document they follow; SAP needs no per-document padding.
         boundaries = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
         return sap_split_batch(batch, boundaries.flatten())

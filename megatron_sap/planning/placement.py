@@ -124,7 +124,7 @@ class Cut:
     anything (closed forms); `sends` is the [k, k] matrix.
     """
 
-    def __init__(self, chunks: Sequence[int], paired: bool, tile: int):
+    def __init__(self, chunks: Sequence[int], paired: bool, tile: int) -> None:
         offsets = list(accumulate(chunks, initial=0))
         n = len(chunks)
         k = n // 2 if paired else n

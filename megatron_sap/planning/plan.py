@@ -46,7 +46,7 @@ class Plan:
     _layout: _Layout | None = field(default=None, repr=False)
     _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    _timings: dict[int, dict[str, RankSchedule]] = field(default_factory=dict, repr=False)  # per outer rank and schedule
+    _timings: dict[tuple[int, bool], dict[str, RankSchedule]] = field(default_factory=dict, repr=False)  # per (outer rank, recompute_kv)
 
     # ---- sizes --------------------------------------------------------------------
     @property
@@ -151,14 +151,14 @@ class Plan:
 
     # ---- program ------------------------------------------------------------------
     def program(self, outer_rank: int, device: torch.device | str | None = None,
-                schedule: str = "auto") -> RankProgram:
+                schedule: str = "auto", recompute_kv: bool = False) -> RankProgram:
         """The compiled program of an outer rank on `device` (compiled once, then cached), in
         `schedule`: "pipelined" or "gathered" (see `planning.program`), or "auto" for
-        `self.schedule(outer_rank)`."""
+        `self.schedule(outer_rank, recompute_kv)`."""
         check_schedule(schedule, allow_auto=True)
         outer_rank = self._check_outer(outer_rank)
         if schedule == "auto":
-            schedule = self.schedule(outer_rank)
+            schedule = self.schedule(outer_rank, recompute_kv)
         device = torch.device(device or "cpu")
         key = (outer_rank, str(device), schedule)
         if key not in self._programs:
@@ -171,22 +171,23 @@ class Plan:
                 self._programs[key] = self._programs[cpu_key].to(device)
         return self._programs[key]
 
-    def schedule(self, outer_rank: int) -> str:
+    def schedule(self, outer_rank: int, recompute_kv: bool = False) -> str:
         """The schedule the cost model times faster for an outer rank's program (`timeline`,
-        with `pipelined_kernel_factor`; ties: pipelined). Both schedules move the same rows
-        in the same rounds, so each rank's choice is its own."""
-        times = self._timing(outer_rank)
+        with `pipelined_kernel_factor`, run with or without `recompute_kv`; ties: pipelined).
+        Both schedules move the same rows in the same rounds, so each rank's choice is its own."""
+        times = self._timing(outer_rank, recompute_kv)
         return "gathered" if times["gathered"].total_s < times["pipelined"].total_s else "pipelined"
 
-    def _timing(self, outer_rank: int) -> dict[str, RankSchedule]:
+    def _timing(self, outer_rank: int, recompute_kv: bool = False) -> dict[str, RankSchedule]:
         """An outer rank's modelled times in each schedule (`timeline`), computed once."""
-        outer_rank = self._check_outer(outer_rank)
-        if outer_rank not in self._timings:
-            self._timings[outer_rank] = {
-                s: rank_schedule(self.program(outer_rank, schedule=s), self.inner_size, self.capacity, self.cost_model)
+        key = (self._check_outer(outer_rank), bool(recompute_kv))
+        if key not in self._timings:
+            self._timings[key] = {
+                s: rank_schedule(self.program(key[0], schedule=s), self.inner_size, self.capacity, self.cost_model,
+                                 key[1])
                 for s in SCHEDULES
             }
-        return self._timings[outer_rank]
+        return self._timings[key]
 
     # ---- statistics ---------------------------------------------------------------
     def stats(self, cost_model: CostModel | None = None) -> dict[str, Any]:
@@ -288,7 +289,7 @@ class Plan:
 class PlanCache:
     """LRU of plans keyed by batch signature and layout, with hit/miss counters."""
 
-    def __init__(self, maxsize: int = 64):
+    def __init__(self, maxsize: int = 64) -> None:
         if maxsize < 1:
             raise ValueError(f"plan cache size must be >= 1, got {maxsize}")
         self.maxsize = maxsize
@@ -390,7 +391,7 @@ def plan_sequences(
     finished candidate no slower than its floor (`Plan.pruned`).
     `cost_model` is a `CostModel` or a preset name (default: the `h100` preset); `slacks`
     the load slacks of the greedy passes (non-negative).
-    Plans are cached by (cu_seqlens, sizes, cost model): a repeated batch shape costs a
+    Plans are cached by (cu_seqlens, sizes, cost model, slacks): a repeated batch shape costs a
     dictionary lookup. Pass `cache=None` to bypass the cache.
     """
     for name, size in (("outer_size", outer_size), ("inner_size", inner_size)):

@@ -34,8 +34,8 @@ of the received rows then go back, in step order, under the local calls.
 Within one call every query row and every key row appears at most once, so a call's
 outputs merge into their rows by gather and write-back, and gradients accumulate
 without atomics (the merges
-are bitwise deterministic on every device; the flash kernels' own backward follows
-torch's deterministic setting, see docs/architecture.md).
+are bitwise deterministic on every device; for the kernels' own backward see
+docs/architecture.md).
 """
 from __future__ import annotations
 

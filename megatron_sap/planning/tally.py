@@ -19,22 +19,25 @@ document is in, the tally holds all that `evaluate` needs.
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from .cost_model import LINK_INTER, LINK_INTRA, CostModel
+
+if TYPE_CHECKING:  # placement imports this module
+    from .placement import Cut
 
 
 class Tally:
     """Compute and transfers of the documents placed so far over `num_ranks` outer ranks
     of `inner_size` ranks each: per rank, `tiles` (tile pairs computed), `local` (those
     whose keys it holds), `send_s` / `recv_s` (seconds of its forward sends and
-    receives) and `messages` (the ranks it receives from); `sends_to[r]` and
+    receives) and `messages` (how many ranks it receives from); `sends_to[r]` and
     `receives_from[r]` are bit masks of the ranks r sends to and receives from;
     `tokens` is the forward KV tokens moved in all."""
 
-    def __init__(self, num_ranks: int, inner_size: int, model: CostModel):
+    def __init__(self, num_ranks: int, inner_size: int, model: CostModel) -> None:
         self.inner_size, self.model = inner_size, model
         self.node = [model.node_of(r * inner_size) for r in range(num_ranks)]
         self.num_nodes = self.node[-1] + 1 if num_ranks else 0  # node ids count up from 0
@@ -68,8 +71,8 @@ class Tally:
     def matches(self, inner_size: int, model: CostModel) -> bool:
         return inner_size == self.inner_size and model == self.model
 
-    def add(self, ranks: Sequence[int], cut) -> None:
-        """Slot i of `cut` (a `placement.Cut`) goes to rank `ranks[i]`."""
+    def add(self, ranks: Sequence[int], cut: Cut) -> None:
+        """Slot i of `cut` goes to rank `ranks[i]`."""
         tiles, local = self.tiles, self.local
         for r, c, lc in zip(ranks, cut.costs, cut.local_costs):
             tiles[r] += c
@@ -97,7 +100,7 @@ class Tally:
                 floor = rank_floor
         self.floor_s = floor
 
-    def _add_transfers(self, ranks: Sequence[int], cut) -> None:
+    def _add_transfers(self, ranks: Sequence[int], cut: Cut) -> None:
         """Bytes and messages of the document's KV exchange. A cut whose slots all hold
         a head and a tail (every slot sends every other) or all a head and no tail (each
         sends the later ones) is priced per slot from its totals, in O(k); any other
@@ -150,7 +153,7 @@ class Tally:
             self.messages[r] += count
             self.recv_s[r] += count * self.latency_s
 
-    def _intra_tokens(self, ranks: Sequence[int], cut, pattern: str) -> tuple[list[int], list[int]]:
+    def _intra_tokens(self, ranks: Sequence[int], cut: Cut, pattern: str) -> tuple[list[int], list[int]]:
         """Per slot, the KV tokens it sends to and receives from slots on its own node."""
         heads, tails = cut.heads, cut.tails
         nodes = [self.node[r] for r in ranks]
@@ -184,7 +187,7 @@ class Tally:
                 later[g] += 1
         return out_intra, into_intra
 
-    def _add_pairs(self, ranks: Sequence[int], cut) -> None:
+    def _add_pairs(self, ranks: Sequence[int], cut: Cut) -> None:
         """Any cut: each pair of slots that exchanges anything, at its link's rate."""
         send_s, recv_s, latency = self.send_s, self.recv_s, self.latency_s
         bit, sends_to, receives_from, messages = self.bit, self.sends_to, self.receives_from, self.messages

@@ -27,10 +27,14 @@ compute alone), but this one follows the executor; the benchmarks report it for 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .cost_model import CostModel
 from .evaluate import ulysses_cost
 from .program import KernelCall, RankProgram
+
+if TYPE_CHECKING:  # plan imports this module
+    from .plan import Plan
 
 
 @dataclass(frozen=True)
@@ -113,10 +117,10 @@ def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: C
     return RankSchedule(forward, backward)
 
 
-def plan_schedule(plan, recompute_kv: bool = False, model: CostModel | None = None,
+def plan_schedule(plan: Plan, recompute_kv: bool = False, model: CostModel | None = None,
                   schedule: str = "auto") -> list[RankSchedule]:
-    """Every outer rank's schedule for `plan` (a `Plan`) in `schedule` ("auto": each
-    rank's `plan.schedule`), compiling its programs."""
+    """Every outer rank's schedule for `plan` in `schedule` ("auto": each
+    rank's `plan.schedule`, with `recompute_kv`), compiling its programs."""
     model = model or plan.cost_model
-    return [rank_schedule(plan.program(r, schedule=schedule), plan.inner_size, plan.capacity, model, recompute_kv)
+    return [rank_schedule(plan.program(r, schedule=schedule, recompute_kv=recompute_kv), plan.inner_size, plan.capacity, model, recompute_kv)
             for r in range(plan.outer_size)]
