@@ -179,8 +179,6 @@ def _rows(ranges: list[range]) -> torch.Tensor:
     """The rows of consecutive ranges, as one index tensor (int64)."""
     if not ranges:
         return torch.zeros(0, dtype=torch.long)
-    if len(ranges) == 1:
-        return torch.from_numpy(np.arange(ranges[0].start, ranges[0].stop, dtype=np.int64))
     return torch.from_numpy(np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in ranges]))
 
 
