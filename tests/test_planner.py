@@ -17,6 +17,7 @@ from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
 from megatron_sap.planning.evaluate import evaluate, rank_work, ulysses_cost, whole_documents_s
 from megatron_sap.planning.placement import (
     Cut,
+    _chunks,
     _tile_pairs,
     build_all,
     candidates,
@@ -274,6 +275,25 @@ def test_split_need_and_heavy_costs_are_the_cuts(split):
                 assert split_need(length, k, split, tile) == cut.need == max(cut.sizes)
                 assert sum(cut.sizes) == length and min(cut.sizes) > 0 if length >= k else True
                 assert cut.heavy == tuple(sorted(cut.costs, reverse=True)) == tuple(cut.costs[i] for i in cut.order)
+
+
+@pytest.mark.parametrize("split", ["zigzag", "contiguous"])
+def test_memoised_cuts_equal_fresh_ones(split):
+    """`split_cut` shares one cut per tile count (shortened by each length's partial
+    tile): every attribute the greedy, the tally and the placement read is that of a cut
+    made from the length's own chunks."""
+    attributes = ("heads", "head_at", "tails", "tail_at", "sizes", "need", "costs", "order", "heavy", "pattern",
+                  "local_costs", "recv_tokens", "send_tokens", "tokens", "send_pairs")
+    for tile in (16, 128):
+        for tiles in (1, 2, 5, 8, 33):
+            for length in range((tiles - 1) * tile + 1, tiles * tile + 1, max(1, tile // 5)):
+                for k in range(1, 6):
+                    memoised, fresh = split_cut(length, k, split, tile), Cut(*_chunks(length, k, split, tile), tile)
+                    for name in attributes:
+                        assert getattr(memoised, name) == getattr(fresh, name), (name, length, k)
+                    assert memoised.slots() == fresh.slots()
+                    if k > 1:
+                        np.testing.assert_array_equal(memoised.sends, fresh.sends)
 
 
 @pytest.mark.parametrize("split", ["zigzag", "contiguous"])

@@ -68,9 +68,10 @@ def _tile_pairs(t: int, offset: int, length: int) -> int:
 
 
 class _memo:
-    """An attribute computed on first use and then stored on the instance (as
+    """A cut's attribute computed on first use and then stored on the instance (as
     functools.cached_property, without the lock it takes on Python < 3.12: a fresh batch
-    makes hundreds of cuts)."""
+    makes hundreds of cuts). None depends on the size of the document's last chunk, so
+    a `Cut.shortened` copy takes it from the cut it was made from, computed once there."""
 
     def __init__(self, compute: Callable):
         self.compute, self.name, self.__doc__ = compute, compute.__name__, compute.__doc__
@@ -78,7 +79,8 @@ class _memo:
     def __get__(self, obj: object, owner: type | None = None):
         if obj is None:
             return self
-        value = obj.__dict__[self.name] = self.compute(obj)
+        source = obj.__dict__.get("unshortened")
+        value = obj.__dict__[self.name] = self.compute(obj) if source is None else getattr(source, self.name)
         return value
 
 
@@ -234,6 +236,25 @@ class Cut:
                 pairs += [(j, i) for j in range(i) if h[j]]
         return tuple(pairs)
 
+    def shortened(self, short: int) -> Cut:
+        """This cut with its last chunk (the document's end) `short` tokens shorter, for
+        `short` under a tile: the same tile-rounded costs, and the same transfers (no
+        slot needs the keys at a document's end but the one holding them), so only that
+        slot's size changes."""
+        if not short:
+            return self
+        other = object.__new__(Cut)
+        other.__dict__.update(self.__dict__)
+        other.unshortened = self  # the memoised attributes' source (see `_memo`)
+        if self.tails[0]:  # paired: the last chunk is slot 0's tail
+            other.tails = (self.tails[0] - short,) + self.tails[1:]
+            other.sizes = (self.sizes[0] - short,) + self.sizes[1:]
+        else:  # consecutive: the last chunk is the last slot's head
+            other.heads = self.heads[:-1] + (self.heads[-1] - short,)
+            other.sizes = self.sizes[:-1] + (self.sizes[-1] - short,)
+        other.need = max(other.sizes)
+        return other
+
     @property
     def sends(self) -> np.ndarray | None:
         """[k, k]: the forward KV tokens slot j sends slot i (read-only); None for a
@@ -329,7 +350,17 @@ def split_cut(length: int, k: int, split: str, tile: int) -> Cut:
     the greedy gives heavier pieces to lighter ranks and fills the rest with short
     documents.
     """
-    return Cut(*_chunks(length, k, split, tile), tile)
+    tiles = -(-length // tile)
+    if tiles < 2 * k:
+        return Cut(*_chunks(length, k, split, tile), tile)
+    return _whole_tile_cut(tiles, k, split, tile).shortened(tiles * tile - length)
+
+
+@lru_cache(maxsize=4096)
+def _whole_tile_cut(tiles: int, k: int, split: str, tile: int) -> Cut:
+    """`split_cut` of a document of `tiles` whole tiles: every document with as many
+    tiles is this cut `shortened` by its partial tile, so cuts recur by tile count."""
+    return Cut(*_chunks(tiles * tile, k, split, tile), tile)
 
 
 def _chunks(length: int, k: int, split: str, tile: int) -> tuple[list[int], bool]:
@@ -682,8 +713,10 @@ class _DocChoices:
         """Fragmented room: the document cut over the ranks with the most room."""
         if self._fragments is None:
             offset, ranks, chunks = 0, [], []
-            room, load = self.room, self.load
-            for r in sorted([r for r in range(self.greedy.R) if room[r]], key=lambda r: (-room[r], load[r], r)):
+            room = self.room
+            # The most room first; among equal rooms the least loaded (by_load's order, which
+            # the stable sort keeps).
+            for r in sorted(filter(room.__getitem__, self.by_load), key=room.__getitem__, reverse=True):
                 if offset == self.n:
                     break
                 take = min(room[r], self.n - offset)
