@@ -2,6 +2,7 @@
 """Planning time, this checkout against another revision, row by row in one process.
 
     python scripts/planner_ab.py REV [UxR ...]      # default layouts: 1x8 8x8 1x64
+    python scripts/planner_ab.py REV --uniform 50 500   # rows of short documents instead
 
 The speed of plain Python on a shared machine moves by tens of percent from minute to
 minute, so two separate `make bench` runs say little about a planner change. This
@@ -25,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 OLD = "megatron_sap_at_rev"
@@ -47,6 +50,8 @@ def main() -> int:
     parser.add_argument("rev", help="the git revision to compare with")
     parser.add_argument("layouts", nargs="*", default=["1x8", "8x8", "1x64"], help="U x R layouts")
     parser.add_argument("--rows", type=int, default=24, help="rows per corpus and layout")
+    parser.add_argument("--uniform", nargs=2, type=int, metavar=("MIN", "MAX"),
+                        help="instead of the corpora, rows of document lengths drawn uniformly from [MIN, MAX]")
     args = parser.parse_args()
 
     from megatron_sap.bench.data import CORPORA, document_lengths
@@ -55,11 +60,15 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         old = import_revision(args.rev, Path(tmp))
-        for corpus in CORPORA:
+        corpora = {corpus: document_lengths(corpus) for corpus in CORPORA}
+        if args.uniform:
+            low, high = args.uniform
+            corpora = {f"{low}-{high}": np.random.default_rng(0).integers(low, high + 1, size=100_000)}
+        for corpus, lengths in corpora.items():
             for index, layout in enumerate(args.layouts):
                 inner, outer = map(int, layout.split("x"))
                 times: dict[str, list[float]] = {"rev": [], "now": []}
-                for i, cu in enumerate(pack(document_lengths(corpus), 128 * 1024, args.rows, seed=5 + index)):
+                for i, cu in enumerate(pack(lengths, 128 * 1024, args.rows, seed=5 + index)):
                     order = (("rev", old), ("now", new)) if i % 2 == 0 else (("now", new), ("rev", old))
                     pieces = {}
                     for name, module in order:

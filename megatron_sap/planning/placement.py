@@ -741,6 +741,7 @@ class _GreedyBuild(Build):
         self.names = tuple(m.name for m in members)
         self.indices = tuple(m.index for m in members)
         self.index = members[0].index
+        self.tightest = min(m.slack for m in members)
         self.floor_s = self.tally.floor_s
 
     def step(self) -> list[Build]:
@@ -750,6 +751,12 @@ class _GreedyBuild(Build):
         if len(self.members) == 1:
             m = self.members[0]
             self._place(d, g.choose(doc, m.slack, m.split, m.spread))
+            return [self]
+        whole = doc.whole_rank
+        if whole is not None and doc.load[whole] + doc.c <= (1.0 + self.tightest) * g.share:
+            # Kept whole by the tightest pass, so by all: a larger slack only raises the
+            # limit, and the split and spread modes change only how a document is split.
+            self._place(d, ((whole,), split_cut(doc.n, 1, "contiguous", g.tile)))
             return [self]
         groups: dict[tuple, tuple[tuple[tuple[int, ...], Cut], list[_Member]]] = {}
         for m in self.members:
