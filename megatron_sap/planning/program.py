@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from functools import cached_property
 from itertools import accumulate
 
 import numpy as np
@@ -49,45 +50,80 @@ import torch
 from .placement import Piece, Placement
 
 
-@dataclass(frozen=True)
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True, eq=False)
 class KernelCall:
-    """One varlen kernel call: segment i pairs query rows i with key rows i."""
+    """One varlen kernel call: segment i pairs query rows i with key rows i.
 
-    q_rows: torch.Tensor | None  # local rows used as queries, in segment order (None: all, in order)
-    k_rows: torch.Tensor | None  # rows of the key/value source (None: all, in order)
-    cu_seqlens_q: torch.Tensor  # int32
-    cu_seqlens_k: torch.Tensor  # int32
-    max_seqlen_q: int
-    max_seqlen_k: int
+    The rows are kept as ranges; their index tensors and `cu_seqlens` are made on
+    `device` when first used (`to` makes them at once): the cost model times a program
+    from `seqlens` alone, and a rank compiles both schedules to time them but runs one.
+    """
+
+    q_ranges: tuple[range, ...] | None  # local rows used as queries, in segment order (None: all, in order)
+    k_ranges: tuple[range, ...] | None  # rows of the key/value source (None: all, in order)
     causal: bool
-    seqlens: tuple[tuple[int, int], ...]  # (query, key) rows of each segment, on the host (for timing)
+    seqlens: tuple[tuple[int, int], ...]  # (query, key) rows of each segment
+    device: torch.device = CPU
 
-    def to(self, device: torch.device) -> "KernelCall":
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return replace(
-            self,
-            q_rows=move(self.q_rows),
-            k_rows=move(self.k_rows),
-            cu_seqlens_q=move(self.cu_seqlens_q),
-            cu_seqlens_k=move(self.cu_seqlens_k),
-        )
+    @cached_property
+    def q_rows(self) -> torch.Tensor | None:
+        return None if self.q_ranges is None else _rows(self.q_ranges, self.device)
+
+    @cached_property
+    def k_rows(self) -> torch.Tensor | None:
+        return None if self.k_ranges is None else _rows(self.k_ranges, self.device)
+
+    @cached_property
+    def cu_seqlens_q(self) -> torch.Tensor:  # int32
+        return _offsets([q for q, _ in self.seqlens], self.device)
+
+    @cached_property
+    def cu_seqlens_k(self) -> torch.Tensor:  # int32
+        return _offsets([k for _, k in self.seqlens], self.device)
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(q for q, _ in self.seqlens)
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return max(k for _, k in self.seqlens)
+
+    def to(self, device: torch.device | str) -> "KernelCall":
+        call = replace(self, device=torch.device(device))
+        call.q_rows, call.k_rows, call.cu_seqlens_q, call.cu_seqlens_k  # made now, not in the hot loop
+        return call
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Transfer:
-    """One batched P2P step: send `send_rows` to `send_peer`, receive `recv_tokens` rows
-    from `recv_peer` (outer ranks; None when that side is empty), then run `calls`."""
+    """One batched P2P step: send the rows `send_ranges` (`send_rows` as a tensor on
+    `device`, made when first used) to `send_peer`, receive `recv_tokens` rows from
+    `recv_peer` (outer ranks; None when that side is empty), then run `calls`."""
 
     round: int  # exchange round s: the peer is (s - rank) mod R on both sides
     send_peer: int | None
-    send_rows: torch.Tensor | None
+    send_ranges: tuple[range, ...] | None
     recv_peer: int | None
     recv_tokens: int
     calls: tuple[KernelCall, ...]
+    device: torch.device = CPU
 
-    def to(self, device: torch.device) -> "Transfer":
-        rows = None if self.send_rows is None else self.send_rows.to(device, non_blocking=True)
-        return replace(self, send_rows=rows, calls=tuple(c.to(device) for c in self.calls))
+    @property
+    def send_tokens(self) -> int:
+        return sum(map(len, self.send_ranges)) if self.send_ranges else 0
+
+    @cached_property
+    def send_rows(self) -> torch.Tensor | None:
+        return None if self.send_ranges is None else _rows(self.send_ranges, self.device)
+
+    def to(self, device: torch.device | str) -> "Transfer":
+        step = replace(self, calls=tuple(c.to(device) for c in self.calls), device=torch.device(device))
+        step.send_rows  # made now, not in the hot loop
+        return step
 
 
 SCHEDULES = ("pipelined", "gathered")
@@ -115,7 +151,7 @@ class RankProgram:
 
     @property
     def sent_tokens(self) -> int:
-        return sum(0 if t.send_rows is None else len(t.send_rows) for t in self.transfers)
+        return sum(t.send_tokens for t in self.transfers)
 
     @property
     def recv_tokens(self) -> int:
@@ -171,15 +207,17 @@ class _Layout:
         return tuple(p for p in self.held.get((rank, key.doc), ()) if p.start >= key.end)
 
 
-def _int32(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32)
+def _offsets(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """`cu_seqlens` (int32) of segments of these lengths."""
+    return torch.tensor(list(accumulate(lengths, initial=0)), dtype=torch.int32).to(device, non_blocking=True)
 
 
-def _rows(ranges: list[range]) -> torch.Tensor:
+def _rows(ranges: tuple[range, ...], device: torch.device) -> torch.Tensor:
     """The rows of consecutive ranges, as one index tensor (int64)."""
     if not ranges:
-        return torch.zeros(0, dtype=torch.long)
-    return torch.from_numpy(np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in ranges]))
+        return torch.zeros(0, dtype=torch.long, device=device)
+    rows = torch.from_numpy(np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in ranges]))
+    return rows.to(device, non_blocking=True)
 
 
 def _all_rows(ranges: list[range], count: int) -> bool:
@@ -196,19 +234,13 @@ def _call(segments: list[tuple[list[range], list[range]]], causal: bool, num_q: 
           num_k: int | None = None) -> KernelCall:
     """A kernel call of `segments` (query row ranges, key row ranges); rows are None where
     they are all `num_q` (`num_k`) rows in order."""
-    q_ranges = [r for q, _ in segments for r in q]
-    k_ranges = [r for _, k in segments for r in k]
-    len_q = [sum(len(r) for r in q) for q, _ in segments]
-    len_k = [sum(len(r) for r in k) for _, k in segments]
+    q_ranges = tuple(r for q, _ in segments for r in q)
+    k_ranges = tuple(r for _, k in segments for r in k)
     return KernelCall(
-        q_rows=None if num_q is not None and _all_rows(q_ranges, num_q) else _rows(q_ranges),
-        k_rows=None if num_k is not None and _all_rows(k_ranges, num_k) else _rows(k_ranges),
-        cu_seqlens_q=_int32(list(accumulate(len_q, initial=0))),
-        cu_seqlens_k=_int32(list(accumulate(len_k, initial=0))),
-        max_seqlen_q=max(len_q),
-        max_seqlen_k=max(len_k),
+        q_ranges=None if num_q is not None and _all_rows(q_ranges, num_q) else q_ranges,
+        k_ranges=None if num_k is not None and _all_rows(k_ranges, num_k) else k_ranges,
         causal=causal,
-        seqlens=tuple(zip(len_q, len_k)),
+        seqlens=tuple((sum(map(len, q)), sum(map(len, k))) for q, k in segments),
     )
 
 
@@ -280,7 +312,7 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
         Transfer(
             round=round_,
             send_peer=peer if send else None,
-            send_rows=_rows([layout.rows(p) for p in send]) if send else None,
+            send_ranges=tuple(layout.rows(p) for p in send) if send else None,
             recv_peer=peer if recv else None,
             recv_tokens=sum(p.length for p in recv),
             calls=tuple(calls),

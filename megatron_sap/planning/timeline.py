@@ -70,8 +70,8 @@ def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: C
 
     def exchange(step) -> float:
         sides = []
-        if step.send_rows is not None and len(step.send_rows):
-            sides.append(model.transfer_seconds(len(step.send_rows) * kv_bytes,
+        if step.send_tokens:
+            sides.append(model.transfer_seconds(step.send_tokens * kv_bytes,
                                                 model.link_between(program.rank * U, step.send_peer * U)))
         if step.recv_tokens:
             sides.append(model.transfer_seconds(step.recv_tokens * kv_bytes,
