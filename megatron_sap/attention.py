@@ -14,6 +14,7 @@ more forward-sized exchange).
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -287,6 +288,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k/v must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
+    if q.shape[2] == 0:
+        raise ValueError(f"head_dim must be positive, got shape {tuple(q.shape)}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if not isinstance(plan, Plan):
@@ -386,6 +389,9 @@ def sap_attention(
         raise ValueError("sap_attention computes causal attention only (causal=False is not supported)")
     _check_inputs(q, k, v, plan, groups)
     check_schedule(schedule, allow_auto=True)
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
     # The backend and dtype are checked here, before any exchange is posted: an error
     # raised between posting and waiting would leave the peers' transfers pending.
     backend = resolve_backend(backend, q.device, q.dtype, q.shape[2])
@@ -393,7 +399,6 @@ def sap_attention(
         _check_finite(q, k, v)
     if groups is not None and groups.world_size > 1 and check_agreement:
         _check_agreement(plan, groups, recompute_kv)
-    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
     outer = _Outer(groups)
     if outer.group is not None:
         ready_for_batched_p2p(outer.group, f"outer group (cp_rank {groups.cp_rank})")

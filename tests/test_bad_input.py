@@ -90,6 +90,7 @@ def test_plan_sequences_rejects_bad_input_through_the_cache() -> None:
         (dict(slacks=(0.0, -0.5)), ValueError, "slacks must be non-negative"),
         (dict(slacks=("0.1",)), ValueError, "slacks must be non-negative numbers"),
         (dict(slacks=()), ValueError, "slacks must be non-negative numbers"),
+        (dict(slacks=None), ValueError, "slacks must be non-negative numbers .*, got None"),
     ],
 )
 def test_plan_sequences_rejects_bad_options(kwargs: dict, error: type, pattern: str) -> None:
@@ -135,6 +136,24 @@ def test_sap_attention_rejects_mismatched_head_dims() -> None:
     _, k, v = _qkv(8, dim=16)
     with pytest.raises(ValueError, match=r"same head_dim, got 8 and 16"):
         sap.sap_attention(q, k, v, _plan([0, 8]))
+
+
+def test_sap_attention_rejects_an_empty_head_dim() -> None:
+    q, k, v = _qkv(8, dim=0)
+    with pytest.raises(ValueError, match=r"head_dim must be positive, got shape \(8, 4, 0\)"):
+        sap.sap_attention(q, k, v, _plan([0, 8]))
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_sap_attention_rejects_a_non_finite_softmax_scale(scale: float) -> None:
+    q, k, v = _qkv(8)
+    with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
+        sap.sap_attention(q, k, v, _plan([0, 8]), softmax_scale=scale)
+
+
+def test_stats_take_a_preset_by_name() -> None:
+    plan = _plan([0, 5, 16], outer=2)
+    assert plan.stats(cost_model="h200") == plan.stats(cost_model=sap.CostModel.preset("h200"))
 
 
 def test_sap_attention_rejects_k_v_shape_mismatch() -> None:

@@ -190,13 +190,16 @@ class Plan:
         return self._timings[key]
 
     # ---- statistics ---------------------------------------------------------------
-    def stats(self, cost_model: CostModel | None = None) -> dict[str, Any]:
+    def stats(self, cost_model: CostModel | str | None = None) -> dict[str, Any]:
         """Per-CP-rank tokens, pairs, bytes (forward + backward) and modelled times.
 
         Bytes use the cost model's shape (heads, head dim, element size); pass another
-        `cost_model` to count for a different shape. Inner ranks each move their own
-        head slice (1/U of the outer traffic) and add the Ulysses all-to-all (intra-node).
+        `cost_model` (or a preset name) to count for a different shape. Inner ranks each move
+        their own head slice (1/U of the outer traffic) and add the Ulysses all-to-all
+        (intra-node).
         """
+        if cost_model is not None:
+            cost_model = _cost_model(cost_model)
         m = cost_model or self.cost_model
         ev = self.evaluation if cost_model is None else evaluate(self.placement, self.inner_size, m)
         U = self.inner_size
@@ -399,7 +402,10 @@ def plan_sequences(
             raise ValueError(f"{name} must be a positive integer, got {size!r}")
     outer_size, inner_size = int(outer_size), int(inner_size)
     model = _cost_model(cost_model)
-    slacks = tuple(slacks)
+    try:
+        slacks = tuple(slacks)
+    except TypeError:
+        raise ValueError(f"slacks must be non-negative numbers (load over the ideal a pass allows), got {slacks!r}") from None
     if not slacks or any(not isinstance(s, numbers.Real) or isinstance(s, bool) or not s >= 0 for s in slacks):
         raise ValueError(f"slacks must be non-negative numbers (load over the ideal a pass allows), got {slacks}")
     values = _cache_key_values(cu_seqlens)
