@@ -84,11 +84,11 @@ class KernelCall:
     def cu_seqlens_k(self) -> torch.Tensor:  # int32
         return _offsets([k for _, k in self.seqlens], self.device)
 
-    @property
+    @cached_property
     def max_seqlen_q(self) -> int:
         return max(q for q, _ in self.seqlens)
 
-    @property
+    @cached_property
     def max_seqlen_k(self) -> int:
         return max(k for _, k in self.seqlens)
 
