@@ -60,10 +60,11 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         old = import_revision(args.rev, Path(tmp))
-        corpora = {corpus: document_lengths(corpus) for corpus in CORPORA}
         if args.uniform:
             low, high = args.uniform
             corpora = {f"{low}-{high}": np.random.default_rng(0).integers(low, high + 1, size=100_000)}
+        else:
+            corpora = {corpus: document_lengths(corpus) for corpus in CORPORA}
         for corpus, lengths in corpora.items():
             for index, layout in enumerate(args.layouts):
                 inner, outer = map(int, layout.split("x"))
