@@ -166,14 +166,13 @@ class _SAPOuterAttention(torch.autograd.Function):
             return out
         kv = torch.stack([k, v], 1)  # [T/R, 2, Hkv, D]: one message per step
         received: list[torch.Tensor] = []
-        n = len(program.transfers)
-        pending = _post_kv(program, 0, kv, outer, 0) if n else None
+        # Every exchange is posted before any kernel runs: they follow one another on the
+        # link as soon as each peer has posted its side, whatever the kernels are doing.
+        posted = [_post_kv(program, i, kv, outer, 0) for i in range(len(program.transfers))]
         acc_out, acc_lse = _local_forward(program, q, kv, scale, backend)
-        for i in range(n):
-            handle, recv = pending
-            pending = _post_kv(program, i + 1, kv, outer, 0) if i + 1 < n else None
+        for step, (handle, recv) in zip(program.transfers, posted):
             handle.wait()
-            _forward_calls(program.transfers[i].calls, q, recv, acc_out, acc_lse, scale, backend)
+            _forward_calls(step.calls, q, recv, acc_out, acc_lse, scale, backend)
             received.append(recv)
         out = acc_out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc_lse, *([] if recompute_kv else received))
@@ -238,16 +237,13 @@ def _gathered_forward(program: RankProgram, q, k, v, outer: _Outer, scale, backe
     in, and writes its rows of the output (nothing is merged)."""
     source, slices = _gathered_source(program, k, v)
     kv = source[: len(k)]
-    n = len(program.transfers)
-    pending = _post_kv(program, 0, kv, outer, 0, slices[0]) if n else None
+    posted = _post_all(program, source, slices, outer, 0)  # every exchange before any kernel
     out = torch.empty_like(q)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=_accumulation_dtype(q.dtype), device=q.device)
     _write_forward(program.local_calls, q, kv, out, lse, scale, backend)
-    for i in range(n):
-        handle, _ = pending
-        pending = _post_kv(program, i + 1, kv, outer, 0, slices[i + 1]) if i + 1 < n else None
+    for step, (handle, _) in zip(program.transfers, posted):
         handle.wait()
-        _write_forward(program.transfers[i].calls, q, source, out, lse, scale, backend)
+        _write_forward(step.calls, q, source, out, lse, scale, backend)
     return out, lse, source
 
 

@@ -621,16 +621,29 @@ def test_pruning_skips_most_candidates_on_one_node():
 
 def test_signature_tells_apart_plans_that_place_pieces_differently():
     """Ranks with different cost models can choose the same strategy with other pieces; the
-    agreement check hashes the signature, so it must see the pieces."""
+    agreement check hashes the signature, so it must see the pieces (and the cost model,
+    which also orders the exchanges)."""
     differ = 0
     for seed in range(40):
         cu = realistic_cu_seqlens(16384, seed)
         a = sap.plan_sequences(cu, outer_size=8, cost_model="h100", cache=None)
         b = sap.plan_sequences(cu, outer_size=8, cost_model="cpu", cache=None)
-        same_pieces = a.placement.ranks == b.placement.ranks
-        assert (a.signature() == b.signature()) == (same_pieces and a.strategy == b.strategy)
-        differ += a.strategy == b.strategy and not same_pieces
+        c = sap.plan_sequences(cu, outer_size=8, cost_model=CostModel.preset("h100"), cache=None)
+        assert a.signature() != b.signature() and a.signature() == c.signature()
+        differ += a.strategy == b.strategy and a.placement.ranks != b.placement.ranks
     assert differ > 0  # the case exists on these batches
+
+
+def test_signature_sees_the_exchange_order():
+    """The same pieces under two cost models can exchange in different orders: ranks that
+    would run them so get different signatures, and the agreement check stops them."""
+    cu = realistic_cu_seqlens(32768, 3)
+    fast_links = CostModel.preset("h100", inter_node_gbps=400.0)
+    slow_links = CostModel.preset("h100", inter_node_gbps=5.0)
+    a = sap.plan_sequences(cu, outer_size=16, cost_model=fast_links, cache=None)
+    b = sap.Plan(a.cu_seqlens, a.outer_size, a.inner_size, slow_links, a.placement, a.evaluation, {})
+    assert a.exchange_order() != b.exchange_order()
+    assert a.signature() != b.signature()
 
 
 def test_candidates_outmoved_near_the_fastest_are_given_up():

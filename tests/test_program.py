@@ -14,6 +14,7 @@ from megatron_sap.planning.evaluate import evaluate
 from megatron_sap.planning.placement import build_all, candidates
 from megatron_sap.planning.plan import DEFAULT_SLACKS
 from megatron_sap.planning.program import exchange_round
+from megatron_sap.planning.timeline import joint_schedule
 from test_planner import cu_seqlens_for, expected_mask
 
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -76,7 +77,11 @@ def simulate(plan: sap.Plan, schedule: str = "pipelined") -> list[np.ndarray]:
         assert program.schedule == schedule
         source = [rows[r]]  # the gathered calls' key rows: local, then each step's received rows
         rounds = [t.round for t in program.transfers]
-        assert rounds == sorted(set(rounds)) and all(0 <= s < R for s in rounds)
+        assert len(set(rounds)) == len(rounds) and all(0 <= s < R for s in rounds)
+        # Steps follow the plan's one order of rank pairs, which every rank runs.
+        order = plan.exchange_order()
+        positions = [order[min(r, (d - r) % R), max(r, (d - r) % R)] for d in rounds]
+        assert positions == sorted(positions)
         for transfer in program.transfers:
             d = transfer.round
             src = dst = (d - r) % R  # the round's partner, both ways
@@ -125,6 +130,8 @@ def check_programs(plan: sap.Plan) -> None:
             mine[plan.group_indices(r).numpy()] = True
             np.testing.assert_array_equal(count[mine], expected[mine], err_msg=f"rank {r} misses or repeats pairs ({schedule})")
             assert not count[~mine].any(), f"rank {r} computes queries it does not hold ({schedule})"
+        programs = [plan.program(r, schedule=schedule) for r in range(plan.outer_size)]
+        joint_schedule(programs, plan.inner_size, plan.capacity, plan.cost_model)  # raises if they would wait forever
         sent = [plan.program(r, schedule=schedule).sent_tokens for r in range(plan.outer_size)]
         received = [plan.program(r, schedule=schedule).recv_tokens for r in range(plan.outer_size)]
         assert sent == stats["sent_tokens_per_outer_rank"]

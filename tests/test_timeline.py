@@ -1,19 +1,27 @@
 """The executor's schedule of the compiled programs under the cost model (`planning.timeline`)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 import megatron_sap as sap
 from megatron_sap.planning import CostModel
-from megatron_sap.planning.timeline import plan_schedule
+from megatron_sap.planning.timeline import joint_schedule, plan_schedule, rank_schedule
+
+
+def alone(plan, recompute_kv=False, schedule="auto"):
+    """Every outer rank's times run alone (its peers always ready)."""
+    return [rank_schedule(plan.program(r, schedule=schedule, recompute_kv=recompute_kv), plan.inner_size,
+                          plan.capacity, plan.cost_model, recompute_kv) for r in range(plan.outer_size)]
 
 
 def test_two_ranks_by_hand():
     """One document of two tiles over two ranks: rank 0 holds the second tile and receives the
     first. Forward: its local diagonal runs under the transfer, then the full block. Backward:
-    the full block first, its gradients go back under the local diagonal."""
+    the full block first, its gradients go back under the local diagonal. Run together, the
+    owner's backward ends when the gradients are back; alone, it would not wait for them."""
     model = CostModel.preset("h100")
     plan = sap.plan_sequences([0, 256], outer_size=2, cost_model=model, cache=None)
     assert plan.pieces(0) == [(0, 128, 256)] and plan.pieces(1) == [(0, 0, 128)]
@@ -24,8 +32,10 @@ def test_two_ranks_by_hand():
     assert holder.forward_s == pytest.approx(max(c_f, x) + c_f)
     assert holder.backward_s == pytest.approx(max(2 * c_b, c_b + x))
     assert owner.forward_s == pytest.approx(max(c_f, x))
-    assert owner.backward_s == pytest.approx(max(c_b, x))
+    assert owner.backward_s == pytest.approx(c_b + x)
     assert plan.stats()["modelled_time_s"] == pytest.approx(max(holder.total_s, owner.total_s))
+    assert alone(plan)[1].backward_s == pytest.approx(max(c_b, x))
+    assert alone(plan)[0] == holder
 
 
 def test_one_rank_is_its_compute():
@@ -80,7 +90,8 @@ def test_gathered_schedule_by_hand():
     assert holder.forward_s == pytest.approx(x + 2 * c_f)
     assert holder.backward_s == pytest.approx(2 * c_b + x)
     assert owner.forward_s == pytest.approx(max(c_f, x))
-    assert owner.backward_s == pytest.approx(max(c_b, x))
+    assert owner.backward_s == pytest.approx(2 * c_b + x)  # the gradients come back after the holder's call
+    assert alone(plan, schedule="gathered")[1].backward_s == pytest.approx(max(c_b, x))
     refetch = plan_schedule(plan, recompute_kv=True, schedule="gathered")[0]
     assert refetch.backward_s == pytest.approx(x + 2 * c_b + x)
 
@@ -94,9 +105,9 @@ def test_auto_schedule_follows_the_kernel_factor():
         plan = sap.plan_sequences([0, 256], outer_size=2, cost_model=model, cache=None)
         assert plan.schedule(0) == holder_schedule
         assert plan.program(0).schedule == holder_schedule
-        chosen = plan_schedule(plan)
+        chosen = alone(plan)
         for r in range(2):
-            times = {s: plan_schedule(plan, schedule=s)[r].total_s for s in ("pipelined", "gathered")}
+            times = {s: alone(plan, schedule=s)[r].total_s for s in ("pipelined", "gathered")}
             assert chosen[r].total_s == pytest.approx(min(times.values()))
         assert plan.stats()["schedule_per_outer_rank"][0] == holder_schedule
 
@@ -108,11 +119,11 @@ def test_auto_schedule_is_timed_as_the_executor_runs():
     plan = sap.plan_sequences([0, 3072], outer_size=3, cost_model=model, cache=None)
     chosen = {}
     for recompute_kv in (False, True):
-        times = {s: plan_schedule(plan, recompute_kv, schedule=s)[0].total_s for s in ("pipelined", "gathered")}
+        times = {s: alone(plan, recompute_kv, schedule=s)[0].total_s for s in ("pipelined", "gathered")}
         chosen[recompute_kv] = plan.schedule(0, recompute_kv)
         assert chosen[recompute_kv] == min(times, key=times.get)
         assert plan.program(0, recompute_kv=recompute_kv).schedule == chosen[recompute_kv]
-        assert plan_schedule(plan, recompute_kv)[0].total_s == pytest.approx(min(times.values()))
+        assert alone(plan, recompute_kv)[0].total_s == pytest.approx(min(times.values()))
     assert chosen[False] != chosen[True]
 
 
@@ -120,3 +131,39 @@ def test_unknown_schedule_is_refused():
     plan = sap.plan_sequences([0, 256], outer_size=2, cache=None)
     with pytest.raises(ValueError, match="unknown SAP schedule 'ring'"):
         plan.program(0, schedule="ring")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_run_together_no_rank_is_faster_than_alone(seed):
+    """Waiting for peers only delays: every rank's joint time is at least its time alone,
+    in every schedule and with or without recompute_kv."""
+    rng = random.Random(seed)
+    outer, inner = rng.choice([(3, 1), (4, 1), (4, 2), (6, 1), (8, 1)])
+    lengths = [rng.choice([1, 60, 130, 500, 1500, 4000]) for _ in range(rng.randint(2, 14))]
+    lengths[-1] += -sum(lengths) % (outer * inner)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
+    for recompute_kv in (False, True):
+        for schedule in ("auto", "pipelined", "gathered"):
+            joint = plan_schedule(plan, recompute_kv, schedule=schedule)
+            for together, by_itself in zip(joint, alone(plan, recompute_kv, schedule)):
+                assert together.forward_s >= by_itself.forward_s * (1 - 1e-12)
+                assert together.backward_s >= by_itself.backward_s * (1 - 1e-12)
+
+
+def test_programs_that_would_wait_forever_are_refused():
+    """Three ranks that each exchange with both others, each running its exchanges in a
+    different rotation: every rank waits for a peer that waits for the third."""
+    plan = sap.plan_sequences([0, 3 * 1024], outer_size=3, cache=None)
+    programs = [plan.program(r, schedule="pipelined") for r in range(3)]
+    assert all(len(p.transfers) == 2 for p in programs)
+    joint_schedule(programs, 1, plan.capacity, plan.cost_model)  # the plan's own order runs
+    peers = [[t.send_peer if t.send_peer is not None else t.recv_peer for t in p.transfers] for p in programs]
+    cyclic = []
+    for r, program in enumerate(programs):  # rank r first meets r + 1
+        steps = program.transfers if peers[r][0] == (r + 1) % 3 else program.transfers[::-1]
+        cyclic.append(dataclasses.replace(program, transfers=tuple(steps)))
+    with pytest.raises(RuntimeError, match="wait for each other"):
+        joint_schedule(cyclic, 1, plan.capacity, plan.cost_model)

@@ -16,6 +16,7 @@ import torch
 from ..validation import check_divisible, cu_seqlens_to_list
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, ulysses_cost, whole_documents_s
+from .order import exchange_order
 from .placement import Build, Placement, candidates
 from .program import SCHEDULES, RankProgram, _Layout, check_schedule, compile_program
 from .timeline import RankSchedule, plan_schedule, rank_schedule
@@ -44,6 +45,7 @@ class Plan:
     considered: dict[str, float]  # modelled makespan of every candidate evaluated, by strategy
     pruned: dict[str, float] = field(default_factory=dict)  # floor on the modelled makespan of the others
     _layout: _Layout | None = field(default=None, repr=False)
+    _order: dict[tuple[int, int], int] | None = field(default=None, repr=False)
     _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _timings: dict[tuple[int, bool], dict[str, RankSchedule]] = field(default_factory=dict, repr=False)  # per (outer rank, recompute_kv)
@@ -72,12 +74,14 @@ class Plan:
         return self.placement.strategy
 
     def signature(self) -> str:
-        """A short hash of the batch, the layout and where every piece lives: equal on ranks
-        that planned the same batch alike (ranks with different cost models can choose the
-        same strategy with other pieces)."""
+        """A short hash of the batch, the layout, where every piece lives and the cost
+        model: equal on ranks that planned the same batch alike (ranks with different cost
+        models can choose the same strategy with other pieces, or the same pieces with
+        their exchanges in another order)."""
         if "_signature" not in self.__dict__:
             pieces = [[(p.start, p.end) for p in rank] for rank in self.placement.ranks]
-            text = f"{self.cu_seqlens}|{self.outer_size}|{self.inner_size}|{self.placement.strategy}|{pieces}"
+            text = (f"{self.cu_seqlens}|{self.outer_size}|{self.inner_size}|{self.placement.strategy}|{pieces}|"
+                    f"{self.cost_model!r}")
             self.__dict__["_signature"] = hashlib.sha1(text.encode()).hexdigest()[:16]
         return self.__dict__["_signature"]
 
@@ -164,17 +168,29 @@ class Plan:
         if key not in self._programs:
             cpu_key = (outer_rank, "cpu", schedule)
             if cpu_key not in self._programs:
-                if self._layout is None:
-                    self._layout = _Layout(self.placement)
-                self._programs[cpu_key] = compile_program(self.placement, outer_rank, self._layout, schedule)
+                self._programs[cpu_key] = compile_program(self.placement, outer_rank, self._get_layout(), schedule,
+                                                          self.exchange_order())
             if key != cpu_key:
                 self._programs[key] = self._programs[cpu_key].to(device)
         return self._programs[key]
 
+    def _get_layout(self) -> _Layout:
+        if self._layout is None:
+            self._layout = _Layout(self.placement)
+        return self._layout
+
+    def exchange_order(self) -> dict[tuple[int, int], int]:
+        """The position of every exchanging pair of outer ranks (a, b), a < b, in the order
+        every rank runs its exchanges (`planning.order`; computed once)."""
+        if self._order is None:
+            self._order = exchange_order(self.evaluation.traffic_tokens, self.cost_model, self.inner_size)
+        return self._order
+
     def schedule(self, outer_rank: int, recompute_kv: bool = False) -> str:
-        """The schedule the cost model times faster for an outer rank's program (`timeline`,
-        with `pipelined_kernel_factor`, run with or without `recompute_kv`; ties: pipelined).
-        Both schedules move the same rows in the same rounds, so each rank's choice is its own."""
+        """The schedule the cost model times faster for an outer rank's program run alone
+        (`timeline.rank_schedule`, with `pipelined_kernel_factor`, with or without
+        `recompute_kv`; ties: pipelined). Both schedules move the same rows in the same order,
+        so each rank's choice is its own."""
         times = self._timing(outer_rank, recompute_kv)
         return "gathered" if times["gathered"].total_s < times["pipelined"].total_s else "pipelined"
 
@@ -214,10 +230,7 @@ class Plan:
         pairs = expand(ev.exact_pairs / U)
         mean = float(np.mean(pairs)) if pairs else 0.0
         memory = [self.memory_bytes(r, m) for r in range(self.outer_size)]
-        if cost_model is None:
-            schedule = [self._timing(r)[self.schedule(r)] for r in range(self.outer_size)]
-        else:
-            schedule = plan_schedule(self, model=m)
+        schedule = plan_schedule(self, model=m)
         return {
             "method": "sap",
             "candidate": self.placement.strategy,
@@ -237,9 +250,10 @@ class Plan:
             "sent_bytes_intra_per_rank": [x + ev.a2a_bytes for x in expand(sent_intra * kv)],
             "sent_bytes_inter_per_rank": expand(sent_inter * kv),
             "peak_extra_bytes_per_rank": expand([max(x["forward"], x["backward"]) for x in memory]),
-            # The executor's schedule of the compiled programs (`timeline`), each rank in the
-            # schedule it runs by default (`schedule`); beside it the planner's own estimate,
-            # which chose among the candidates (neither bounds the other).
+            # The executor's schedule of the compiled programs, all ranks together
+            # (`timeline.joint_schedule`), each rank in the schedule it runs by default
+            # (`schedule`); beside it the planner's own estimate, which chose among the
+            # candidates (neither bounds the other).
             "modelled_time_s": max(r.total_s for r in schedule),
             "outer_rank_time_s": [r.total_s for r in schedule],
             "schedule_per_outer_rank": [self.schedule(r) for r in range(self.outer_size)],
@@ -257,7 +271,9 @@ class Plan:
 
         Buffers alive at the peak of the forward and of the backward pass, beyond q, k,
         v and the output, for the cost model's shape; accumulators are fp32. Kernel
-        workspaces and one call's gathered rows come on top (bounded by one call).
+        workspaces and one call's gathered rows come on top (bounded by one call); with
+        `recompute_kv`, so do the backward's copies of the rows sent again (as many as
+        the forward's).
         """
         m = cost_model or self.cost_model
         outer_rank = self._check_outer(outer_rank)
@@ -269,6 +285,9 @@ class Plan:
         b, a = m.bytes_per_element, 4
         kv_row = 2 * kv_heads * m.head_dim
         received = float(self.evaluation.traffic_tokens[:, outer_rank].sum())
+        # every exchange is posted at once: the copies of the rows sent (forward), and the
+        # buffers their gradients come back into (backward), are all alive together
+        sent = float(self.evaluation.traffic_tokens[outer_rank].sum()) * kv_row * b
         stacked_kv = rows * kv_row * b
         # head-sharded q, k, v and output of the inner all-to-all; their gradients in backward
         ulysses = rows * (2 * heads + 2 * kv_heads) * m.head_dim * b if U > 1 else 0.0
@@ -276,10 +295,11 @@ class Plan:
         # gathered: the local and received K/V share one buffer (stacked_kv + kept), and the
         # output is written in place: no fp32 output accumulator, only the lse
         accumulators = rows * heads * a if gathered else rows * heads * (m.head_dim + 1) * a
-        forward = stacked_kv + accumulators + kept + ulysses
+        forward = stacked_kv + accumulators + kept + sent + ulysses
         backward = (
             stacked_kv
             + kept
+            + sent  # gradients of the rows sent, coming back
             + rows * heads * m.head_dim * a  # dq accumulator
             + rows * kv_row * a  # dK/dV accumulator
             + received * kv_row * (a + b)  # gradients of received rows until returned

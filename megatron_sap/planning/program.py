@@ -6,22 +6,24 @@ documents. Structure, for outer rank r:
 
 - `local_calls`: kernel calls whose keys are local (every piece's causal diagonal,
   then full blocks against the rank's own earlier pieces of the same document);
-- `transfers`: one step per exchange round s = 0..R-1 that moves anything for r. In
-  round s, outer rank r and its partner p = (s - r) mod R (a matching of the ranks:
-  p's partner in round s is r) exchange in one batched P2P call: r sends p the rows of
-  its pieces that p needs and receives the rows of p's that it needs; then it runs
-  `calls` on the received rows. Every pair of ranks meets in exactly one round, so a
+- `transfers`: one step per peer that r exchanges anything with. Outer ranks r and p
+  meet in round s = (r + p) mod R (a matching of the ranks: p's partner in round s is
+  r; the round tags the step's messages) and exchange in one batched P2P call: r sends
+  p the rows of its pieces that p needs and receives the rows of p's that it needs;
+  then it runs `calls` on the received rows. Every pair of ranks meets once, so a
   rank's sends to and receives from one peer travel together, in both directions of
   the link at once: its exchanges take the sum over peers of the larger side, where
   pairing a send to r+d with a receive from r-d (a ring schedule) took the sum over
-  steps, up to twice as long where traffic is one-sided per peer.
+  steps, up to twice as long where traffic is one-sided per peer. The steps follow one
+  order of the rank pairs that every rank runs (`order.exchange_order`), which keeps
+  ranks from waiting long for each other; any such order is free of deadlock.
 
 The backward pass runs the same steps with the roles reversed: the gradients of the
 received rows go back to their owner, which adds them at `send_rows`.
 
 That is the ``pipelined`` schedule: each step's calls run on the rows it received while
 the next exchange is in flight, and every call's partial (out, lse) is merged into fp32
-accumulators. The ``gathered`` schedule moves the same rows in the same rounds into one
+accumulators. The ``gathered`` schedule moves the same rows in the same steps into one
 source buffer (the local rows, then every step's received rows in step order) and runs
 each query piece once, against all keys of its document up to its end in one
 bottom-right causal segment, as soon as those keys are there: the local calls take the
@@ -43,6 +45,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -104,7 +107,7 @@ class Transfer:
     `device`, made when first used) to `send_peer`, receive `recv_tokens` rows from
     `recv_peer` (outer ranks; None when that side is empty), then run `calls`."""
 
-    round: int  # exchange round s: the peer is (s - rank) mod R on both sides
+    round: int  # exchange round s: the peer is (s - rank) mod R on both sides (the messages' tag)
     send_peer: int | None
     send_ranges: tuple[range, ...] | None
     recv_peer: int | None
@@ -285,8 +288,10 @@ def check_schedule(schedule: str, allow_auto: bool = False) -> str:
 
 
 def compile_program(placement: Placement, rank: int, layout: _Layout | None = None,
-                    schedule: str = "pipelined") -> RankProgram:
-    """The program of outer rank `rank` for `placement`, in `schedule` (see `SCHEDULES`)."""
+                    schedule: str = "pipelined", order: Mapping[tuple[int, int], int] | None = None) -> RankProgram:
+    """The program of outer rank `rank` for `placement`, in `schedule` (see `SCHEDULES`),
+    its exchanges in `order` (the position of each pair (a, b), a < b, that exchanges
+    anything: `order.exchange_order`; default: by exchange round)."""
     check_schedule(schedule)
     layout = layout or _Layout(placement)
     R = placement.num_ranks
@@ -296,6 +301,8 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
         send, recv = layout.needed(rank, peer), layout.needed(peer, rank)
         if send or recv:
             exchanges.append((round_, peer, send, recv))
+    if order is not None:
+        exchanges.sort(key=lambda e: order[min(rank, e[1]), max(rank, e[1])])
     if schedule == "pipelined":
         local_calls: list[KernelCall] = []
         if pieces:
@@ -358,7 +365,8 @@ def _prefix_calls(layout: _Layout, rank: int,
     return local_calls, step_calls
 
 
-def compile_all(placement: Placement, schedule: str = "pipelined") -> list[RankProgram]:
-    """Programs of every outer rank (tests and statistics)."""
+def compile_all(placement: Placement, schedule: str = "pipelined",
+                order: Mapping[tuple[int, int], int] | None = None) -> list[RankProgram]:
+    """Programs of every outer rank (tests and statistics), exchanges in `order` (default: by round)."""
     layout = _Layout(placement)
-    return [compile_program(placement, r, layout, schedule) for r in range(placement.num_ranks)]
+    return [compile_program(placement, r, layout, schedule, order) for r in range(placement.num_ranks)]
