@@ -1,20 +1,25 @@
 """Evaluate a placement under the cost model: per-rank work, traffic and modelled time.
 
-The executor's program runs, on each outer rank, its local blocks first and then one
-step per peer, the next step's transfer in flight while the current step computes.
-Per rank and pass (forward, then backward at `backward_factor` times the compute):
+The executor's program runs, on each outer rank, one step per peer. Forward, every
+step's transfer is posted at once and they run back to back while the local blocks
+compute; each step's blocks run once its transfer is in. Backward, each step's blocks
+run and their dK/dV go back at once, one transfer after another, and the local blocks
+run last. With the m steps taken as equal (x = X / m, r = C_remote / m), per rank:
 
-    T = C                                                if the rank receives nothing
-    T = max(C_local, x) + (m - 1) * max(r, x) + r        otherwise, x = X / m, r = C_remote / m
+    forward  = C                                    if the rank receives nothing
+             = max(C, x + C_remote, X + r)          otherwise
+    backward = b C                                  if the rank receives nothing
+             = max(b C, b r + X, b C_remote + x)    otherwise
 
-a pipeline of m steps: the first transfer overlaps the local blocks, each later one the
-previous step's compute, and the last step's compute overlaps nothing. C is the kernel
-time of all the rank's blocks, C_local that of blocks whose keys are local, C_remote =
-C - C_local, X the transfer time (max of its send and receive sides, each message
-paying the latency) and m the number of messages it receives. The backward pass returns dK/dV over the same links with the same
-bytes. With an inner (Ulysses) group of U ranks every outer quantity is split over U
-head slices and the all-to-all of q, k, v, out (and their gradients) is added, not
-overlapped. The layer time is the largest rank time (the makespan).
+(the forward's last step computes from max over steps i of i x + (m - i + 1) r, or the
+local blocks end later; the backward's last gradient arrives after max over i of
+i b r + (m - i + 1) x). C is the kernel time of all the rank's blocks, C_local that of
+blocks whose keys are local, C_remote = C - C_local, b = `backward_factor`, X the
+transfer time (max of its send and receive sides, each message paying the latency) and m
+the number of messages it receives. The backward pass returns dK/dV over the same links
+with the same bytes. With an inner (Ulysses) group of U ranks every outer quantity is
+split over U head slices and the all-to-all of q, k, v, out (and their gradients) is
+added, not overlapped. The layer time is the largest rank time (the makespan).
 """
 from __future__ import annotations
 
@@ -125,15 +130,15 @@ def evaluate(placement: Placement, inner_size: int, model: CostModel) -> Evaluat
     comp = model.compute_seconds(tile_pairs, head_fraction=frac)
     local = model.compute_seconds(local_pairs, head_fraction=frac)
 
-    def pass_time(scale: float) -> np.ndarray:
-        c, cl = comp * scale, local * scale
-        m = np.maximum(messages, 1)
-        x, r = xfer / m, (c - cl) / m
-        pipelined = np.maximum(cl, x) + (m - 1) * np.maximum(r, x) + r
-        return np.where(messages > 0, pipelined, c)
-
+    # The pipelines of the module docstring, over m equal steps.
+    x = xfer / np.maximum(messages, 1)
+    remote = comp - local
+    forward = np.maximum.reduce([comp, x + remote, xfer + remote / np.maximum(messages, 1)])
+    b = model.backward_factor
+    backward = np.maximum.reduce([b * comp, b * remote / np.maximum(messages, 1) + xfer, b * remote + x])
+    receives = messages > 0
     a2a_bytes, a2a_time = ulysses_cost(model, placement.capacity, U)
-    rank_time = pass_time(1.0) + pass_time(model.backward_factor) + a2a_time
+    rank_time = np.where(receives, forward, comp) + np.where(receives, backward, b * comp) + a2a_time
     ideal = whole_documents_s([sum(record.cut.sizes) for record in placement.records], R * U, model)
     return Evaluation(
         placement=placement,

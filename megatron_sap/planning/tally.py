@@ -3,18 +3,19 @@
 Candidates are built document by document (the heaviest first, in the greedy). The
 tally keeps, per outer rank, the tile pairs it computes (and those whose keys it
 holds), the seconds its KV sends and receives take (bytes over its links' bandwidth,
-plus the latency of each message: one per pair of ranks that exchange anything), and
-`floor_s`: the slowest rank's floor, forward and backward. A pass of a rank's pipeline
-(see `evaluate`) that receives m messages takes
+plus the latency of each message: one per pair of ranks that exchange anything) and
+`floor_s`: the slowest rank's floor, forward and backward. A pass of a rank that
+receives m messages takes (see `evaluate`)
 
-    T = max(C_local, x) + (m - 1) * max(r, x) + r  >=  C + (m - 1)/m * max(0, X - C_remote)
+    forward  = max(C, X/m + C_remote, X + C_remote/m)
+    backward = max(b C, X + b C_remote/m, X/m + b C_remote)
 
-(x = X/m, r = C_remote/m), and at least its transfers X; a rank that receives nothing
-takes its compute C. Adding documents lowers none of these bounds (C grows at least as
-fast as C_remote, and (m - 1)/m only grows), so `floor_s` bounds from below the
-modelled layer time of every placement that completes the candidate. A candidate whose
-floor is already slower than the fastest one so far is given up there. Once every
-document is in, the tally holds all that `evaluate` needs.
+and one that receives nothing its kernels. With R - 1 (the most messages a rank can
+receive) for m, these bound it from below, and adding documents lowers none of C,
+C_remote and X, so `floor_s` bounds from below the modelled layer time of every
+placement that completes the candidate. A candidate whose floor is already slower than
+the fastest one so far is given up there. Once every document is in, the tally holds
+all that `evaluate` needs.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class Tally:
         self.latency_s = model.message_latency_us * 1e-6
         self.pair_s = model.compute_seconds(1.0, head_fraction=1.0 / inner_size)
         self.backward_factor = model.backward_factor
+        self.most_messages = max(num_ranks - 1, 1)  # a rank receives from every other at most
         self.bit = [1 << r for r in range(num_ranks)]
         self.tiles = [0] * num_ranks
         self.local = [0] * num_ranks
@@ -79,21 +81,18 @@ class Tally:
             local[r] += lc
         if len(ranks) > 1:
             self._add_transfers(ranks, cut)
-        # Each pass of a rank that receives: the larger of its transfers and the pipeline
-        # bound (see the module docstring); of one that receives nothing, its compute.
+        # Each pass of a rank that receives: its pipeline (see the module docstring) with
+        # the most messages it could get; of one that receives nothing, its kernels.
         pair_s, backward, send_s, recv_s, messages = self.pair_s, self.backward_factor, self.send_s, self.recv_s, self.messages
+        most = self.most_messages
         floor = self.floor_s
         for r in ranks:
             c = tiles[r] * pair_s
-            m = messages[r]
-            if m:
+            if messages[r]:
                 x = send_s[r] if send_s[r] > recv_s[r] else recv_s[r]
-                x_over = x - (c - local[r] * pair_s)  # X - C_remote
-                share = (m - 1) / m
-                forward = c + share * x_over if x_over > 0 else c
-                x_over = x - backward * (c - local[r] * pair_s)
-                back = backward * c + share * x_over if x_over > 0 else backward * c
-                rank_floor = (forward if forward > x else x) + (back if back > x else x)
+                remote = c - local[r] * pair_s
+                forward = max(c, x + remote / most, remote + x / most)
+                rank_floor = forward + max(backward * c, x + backward * remote / most, backward * remote + x / most)
             else:
                 rank_floor = (1.0 + backward) * c
             if rank_floor > floor:
