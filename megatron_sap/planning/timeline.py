@@ -70,17 +70,20 @@ def _exchange_s(program: RankProgram, step: Transfer, inner_size: int, model: Co
     return max(sides, default=0.0)
 
 
+def _kernel_s(program: RankProgram, calls: Sequence[KernelCall], inner_size: int, model: CostModel) -> float:
+    """Forward seconds of kernel calls of `program` (tile-rounded per segment, the
+    pipelined schedule's at `pipelined_kernel_factor`)."""
+    factor = model.pipelined_kernel_factor if program.schedule == "pipelined" else 1.0
+    return factor * model.compute_seconds(float(sum(_call_pairs(c, model) for c in calls)), head_fraction=1.0 / inner_size)
+
+
 def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: CostModel,
                   recompute_kv: bool = False) -> RankSchedule:
     """The forward and backward seconds of one outer rank's `program` (see module docstring)."""
     U = inner_size
-    fraction = 1.0 / U
-
-    factor = model.pipelined_kernel_factor if program.schedule == "pipelined" else 1.0
 
     def compute(calls, backward: bool) -> float:
-        return factor * model.compute_seconds(float(sum(_call_pairs(c, model) for c in calls)), backward=backward,
-                                              head_fraction=fraction)
+        return _kernel_s(program, calls, U, model) * (model.backward_factor if backward else 1.0)
 
     steps = program.transfers
     x = [_exchange_s(program, s, U, model) for s in steps]
@@ -156,14 +159,10 @@ def joint_schedule(programs: Sequence[RankProgram], inner_size: int, capacity: i
     U, R = inner_size, len(programs)
     a2a_s = ulysses_cost(model, capacity, U)[1] / 2  # per pass
 
-    def forward_s(program: RankProgram, calls) -> float:
-        factor = model.pipelined_kernel_factor if program.schedule == "pipelined" else 1.0
-        return factor * model.compute_seconds(float(sum(_call_pairs(c, model) for c in calls)), head_fraction=1.0 / U)
-
     x = [[_exchange_s(p, s, U, model) for s in p.transfers] for p in programs]
-    forward_calls = [[forward_s(p, s.calls) for s in p.transfers] for p in programs]
+    forward_calls = [[_kernel_s(p, s.calls, U, model) for s in p.transfers] for p in programs]
     backward_calls = [[model.backward_factor * f for f in steps] for steps in forward_calls]
-    local_forward = [forward_s(p, p.local_calls) for p in programs]
+    local_forward = [_kernel_s(p, p.local_calls, U, model) for p in programs]
     local_backward = [model.backward_factor * f for f in local_forward]
 
     # Forward: every exchange posted at once; an exchange starts when both ranks' links are
