@@ -243,3 +243,32 @@ def test_double_backward_is_refused():
     (dq,) = torch.autograd.grad(out, q, dout, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         torch.autograd.grad(dq.pow(2).sum(), q)
+
+
+@pytest.mark.parametrize("schedule", ["pipelined", "gathered"])
+def test_forward_posts_every_exchange_before_any_kernel(monkeypatch, schedule):
+    """The executor posts all of a rank's forward exchanges, in its program's order, before
+    its first kernel call, so a transfer never waits for the kernels of an earlier step
+    (what `timeline` models). One rank of a 4-rank plan, its exchanges made local."""
+    from types import SimpleNamespace
+
+    from megatron_sap import attention
+    from megatron_sap.comm.p2p import local_exchanges
+
+    cu = [0, 700, 1500, 4096]
+    plan = sap.plan_sequences(cu, outer_size=4, cache=None)
+    rank = max(range(4), key=lambda r: len(plan.program(r, schedule=schedule).transfers))
+    program = plan.program(rank, schedule=schedule)
+    assert len(program.transfers) >= 2
+    events = []
+    post, forward = attention.post_exchange, attention.varlen_forward
+    monkeypatch.setattr(attention, "post_exchange", lambda *a, **k: events.append(("post", a[5])) or post(*a, **k))
+    monkeypatch.setattr(attention, "varlen_forward", lambda *a, **k: events.append(("kernel", None)) or forward(*a, **k))
+    groups = SimpleNamespace(world_size=4, inner_size=1, outer_rank=rank, cp_rank=rank, outer_group=None,
+                             outer_peer=lambda r: r)
+    q, k, v = (torch.randn(plan.local_tokens, h, 16) for h in (4, 2, 2))
+    with local_exchanges():
+        sap.sap_attention(q, k, v, plan, groups, schedule=schedule, check_agreement=False)
+    posts = [tag for kind, tag in events if kind == "post"]
+    assert posts == [step.round for step in program.transfers]
+    assert events.index(("kernel", None)) == len(posts)
