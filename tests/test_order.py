@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 import megatron_sap as sap
@@ -87,3 +88,12 @@ def test_many_pairs_exchange_in_rounds():
     for r, peers in enumerate(by_rank(order, R)):
         rounds = [exchange_round(r, p, R) for p in peers]
         assert rounds == sorted(rounds) and len(set(rounds)) == len(rounds)
+
+
+def test_the_plans_order_is_read_only():
+    """Plans are shared through the cache: their exchange order cannot be changed in place."""
+    plan = sap.plan_sequences([0, 3 * 1024], outer_size=3, cache=None)
+    order = plan.exchange_order()
+    assert plan.exchange_order() is order and len(order) == 3
+    with pytest.raises(TypeError):
+        order[0, 1] = 5

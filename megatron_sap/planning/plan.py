@@ -8,7 +8,8 @@ import operator
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ class Plan:
     considered: dict[str, float]  # modelled makespan of every candidate evaluated, by strategy
     pruned: dict[str, float] = field(default_factory=dict)  # floor on the modelled makespan of the others
     _layout: _Layout | None = field(default=None, repr=False)
-    _order: dict[tuple[int, int], int] | None = field(default=None, repr=False)
+    _order: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
     _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _timings: dict[tuple[int, bool], dict[str, RankSchedule]] = field(default_factory=dict, repr=False)  # per (outer rank, recompute_kv)
@@ -179,11 +180,12 @@ class Plan:
             self._layout = _Layout(self.placement)
         return self._layout
 
-    def exchange_order(self) -> dict[tuple[int, int], int]:
+    def exchange_order(self) -> Mapping[tuple[int, int], int]:
         """The position of every exchanging pair of outer ranks (a, b), a < b, in the order
-        every rank runs its exchanges (`planning.order`; computed once)."""
+        every rank runs its exchanges (`planning.order`; computed once, read-only: plans
+        are shared through the cache)."""
         if self._order is None:
-            self._order = exchange_order(self.evaluation.traffic_tokens, self.cost_model, self.inner_size)
+            self._order = MappingProxyType(exchange_order(self.evaluation.traffic_tokens, self.cost_model, self.inner_size))
         return self._order
 
     def schedule(self, outer_rank: int, recompute_kv: bool = False) -> str:
