@@ -33,19 +33,15 @@ def test_ranks_wait_less_than_in_exchange_rounds():
     the ranks' exchanges in the planned order than in exchange rounds ((r + p) mod R),
     where early rounds hold up later ones."""
     model = CostModel.preset("h100")
-    planned, rounds = 0.0, 0.0
+    totals = {"planned": 0.0, "rounds": 0.0}
     for corpus in ("stdlib", "sharegpt"):
         for cu in pack(document_lengths(corpus), 32 * 1024, 2, seed=0):
             for outer, inner in ((8, 4), (16, 1)):
                 plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cost_model=model, cache=None)
-                for order, total in ((plan.exchange_order(), "planned"), (None, "rounds")):
+                for name, order in (("planned", plan.exchange_order()), ("rounds", None)):
                     programs = compile_all(plan.placement, "pipelined", order)
-                    seconds = max(r.total_s for r in joint_schedule(programs, inner, plan.capacity, model))
-                    if total == "planned":
-                        planned += seconds
-                    else:
-                        rounds += seconds
-    assert planned < 0.95 * rounds
+                    totals[name] += max(r.total_s for r in joint_schedule(programs, inner, plan.capacity, model))
+    assert totals["planned"] < 0.95 * totals["rounds"]
 
 
 def by_rank(order: dict[tuple[int, int], int], R: int) -> list[list[int]]:

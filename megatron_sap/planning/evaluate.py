@@ -131,11 +131,11 @@ def evaluate(placement: Placement, inner_size: int, model: CostModel) -> Evaluat
     local = model.compute_seconds(local_pairs, head_fraction=frac)
 
     # The pipelines of the module docstring, over m equal steps.
-    x = xfer / np.maximum(messages, 1)
-    remote = comp - local
-    forward = np.maximum.reduce([comp, x + remote, xfer + remote / np.maximum(messages, 1)])
+    m = np.maximum(messages, 1)
+    x, remote = xfer / m, comp - local
+    forward = np.maximum.reduce([comp, x + remote, xfer + remote / m])
     b = model.backward_factor
-    backward = np.maximum.reduce([b * comp, b * remote / np.maximum(messages, 1) + xfer, b * remote + x])
+    backward = np.maximum.reduce([b * comp, b * remote / m + xfer, b * remote + x])
     receives = messages > 0
     a2a_bytes, a2a_time = ulysses_cost(model, placement.capacity, U)
     rank_time = np.where(receives, forward, comp) + np.where(receives, backward, b * comp) + a2a_time
