@@ -307,6 +307,7 @@ def contiguous_chunk_sizes(length: int, k: int, tile: int) -> list[int]:
     return sizes
 
 
+@lru_cache(maxsize=8192)  # weighed for every degree the greedy tries, at every step
 def split_need(length: int, k: int, split: str, tile: int) -> int:
     """The largest slot of `split_cut(length, k, split, tile)`, without making the cut."""
     tiles = -(-length // tile)
@@ -555,7 +556,6 @@ class _Greedy:
                 self.node_index[r] = n
         # With one node, or one rank per node, the node-local choice is the least-loaded ranks.
         self.node_aware = 1 < len(self.node_ranks) < num_ranks
-        self.node_width = max(map(len, self.node_ranks), default=0)  # ranks of the largest node
         self.cost = [_tile_pairs(self.tile, 0, n) for n in lengths]
         self.total = sum(self.cost)
         self.share = self.total / num_ranks
@@ -611,16 +611,21 @@ class _DocChoices:
     and kept for the other passes when `shared`."""
 
     __slots__ = ("greedy", "d", "load", "room", "n", "c", "by_load", "whole_rank", "shared",
-                 "_sorted_loads", "_rooms", "_node_ranks", "_widest", "_splits", "_slots", "_fragments")
+                 "_sorted_loads", "_roomy", "_rooms", "_widest", "_splits", "_slots", "_fragments")
 
     def __init__(self, greedy: _Greedy, d: int, load: list[int], room: list[int], shared: bool):
         self.greedy, self.d, self.load, self.room, self.shared = greedy, d, load, room, shared
         self.n, self.c = n, _ = greedy.lengths[d], greedy.cost[d]
         self.by_load = sorted(range(greedy.R), key=load.__getitem__)
-        self.whole_rank = next((r for r in self.by_load if room[r] >= n), None) if n <= greedy.capacity else None
+        self.whole_rank = None
+        if n <= greedy.capacity:
+            for r in self.by_load:
+                if room[r] >= n:
+                    self.whole_rank = r
+                    break
         self._sorted_loads: list[int] | None = None
-        self._rooms: list[int] | None = None  # every rank's room, ascending
-        self._node_ranks: list[list[int]] | None = None  # per node, its ranks least loaded first
+        self._roomy: list[int] | None = None  # the ranks with room, least loaded first
+        self._rooms: list[int] | None = None  # their rooms, ascending
         self._widest: int | None = None
         self._splits: dict[tuple[int, str], tuple | None] = {}
         self._slots: dict[tuple[int, int], tuple[tuple[int, ...], Cut]] = {}
@@ -633,11 +638,18 @@ class _DocChoices:
         return self._sorted_loads
 
     @property
+    def roomy(self) -> list[int]:
+        """The ranks with room left, least loaded first (late in a pass most ranks are full)."""
+        if self._roomy is None:
+            self._roomy = list(filter(self.room.__getitem__, self.by_load))
+        return self._roomy
+
+    @property
     def widest(self) -> int:
         """The most ranks with room for a 1/R share of the document, chunks of a tile at least."""
         if self._widest is None:
             need = -(-self.n // self.greedy.R)
-            self._widest = min(self.n // (2 * self.greedy.tile), sum(1 for r in self.by_load if self.room[r] >= need))
+            self._widest = min(self.n // (2 * self.greedy.tile), sum(1 for r in self.roomy if self.room[r] >= need))
         return self._widest
 
     def split_over(self, k: int, split: str) -> tuple | None:
@@ -655,46 +667,48 @@ class _DocChoices:
 
     def _weigh_split(self, k: int, split: str) -> tuple | None:
         g, load, room = self.greedy, self.load, self.room
+        roomy = self.roomy
         if self._rooms is None:
-            self._rooms = sorted(room)
+            self._rooms = sorted(map(room.__getitem__, roomy))
+        if len(roomy) < k:
+            return None
         # Whole-tile chunks first; where too few ranks have room for them (a document
         # that must fill ranks whose room is not whole tiles), token-level chunks.
         for tile, make_cut in ((g.tile, split_cut), (1, token_split_cut)):
             need = split_need(self.n, k, split, tile)
-            everyone = need <= self._rooms[0]
-            if everyone or len(room) - bisect_left(self._rooms, need) >= k:
+            if len(roomy) - bisect_left(self._rooms, need) >= k:
                 break
         else:
             return None
         cut = make_cut(self.n, k, split, g.tile)
         heavy = cut.heavy
-        first = self.by_load[:k] if everyone else list(islice((r for r in self.by_load if room[r] >= need), k))
+        # The ranks with room for the largest slot, least loaded first.
+        eligible = roomy if need <= self._rooms[0] else [r for r in roomy if room[r] >= need]
+        first = eligible[:k]
         near = first
         if g.node_aware:
-            near = self._node_local(k, need, everyone)
+            near = self._node_local(k, eligible)
             if near == first:
                 near = first
         peak_first = max(map(add, map(load.__getitem__, first), heavy))
         peak_near = peak_first if near is first else max(map(add, map(load.__getitem__, near), heavy))
         return near, first, peak_near, peak_first, cut
 
-    def _node_local(self, k: int, need: int, everyone: bool) -> list[int]:
-        """k ranks with room for `need` tokens: of the node whose k-th least-loaded such
-        rank is the least loaded (the first node to gather k of them, going through the
-        ranks by load), else over as few nodes as possible (`_fewest_nodes`)."""
-        g, room = self.greedy, self.room
-        if k <= g.node_width:  # else no node has k ranks
-            node, counts = g.node_index, [0] * len(g.node_ranks)
-            for r in self.by_load:
-                if everyone or room[r] >= need:
-                    n = node[r]
-                    counts[n] += 1
-                    if counts[n] == k:
-                        return [x for x in self.by_load if node[x] == n and (everyone or room[x] >= need)][:k]
-        if self._node_ranks is None:
-            self._node_ranks = [sorted(ranks, key=self.load.__getitem__) for ranks in g.node_ranks]
-        per_node = self._node_ranks if everyone else [[r for r in ranks if room[r] >= need] for ranks in self._node_ranks]
-        return _fewest_nodes(per_node, self.by_load.index, k, self.load)
+    def _node_local(self, k: int, eligible: list[int]) -> list[int]:
+        """k of the `eligible` ranks (least loaded first): those of the first node to
+        gather k of them going through the ranks by load (the node whose k-th
+        least-loaded eligible rank is the least loaded), else over as few nodes as
+        possible (`_fewest_nodes`)."""
+        node = self.greedy.node_index
+        per_node: dict[int, list[int]] = {}  # in the order of each node's least-loaded rank
+        for r in eligible:
+            ranks = per_node.get(node[r])
+            if ranks is None:
+                ranks = per_node[node[r]] = []
+            ranks.append(r)
+            if len(ranks) == k:
+                return ranks
+        return _fewest_nodes(list(per_node.values()), k, self.load)
 
     def slots(self, chosen: list[int], cut: Cut) -> tuple[tuple[int, ...], Cut]:
         """The rank of each slot of `cut` when its heaviest slots go to `chosen` in order."""
@@ -716,7 +730,7 @@ class _DocChoices:
             room = self.room
             # The most room first; among equal rooms the least loaded (by_load's order, which
             # the stable sort keeps).
-            for r in sorted(filter(room.__getitem__, self.by_load), key=room.__getitem__, reverse=True):
+            for r in sorted(self.roomy, key=room.__getitem__, reverse=True):
                 if offset == self.n:
                     break
                 take = min(room[r], self.n - offset)
@@ -989,14 +1003,13 @@ class _WholeBuild(Build):
         return [self]
 
 
-def _fewest_nodes(per_node: list[list[int]], position: Callable[[int], int], k: int, load: list[int]) -> list[int]:
+def _fewest_nodes(per_node: list[list[int]], k: int, load: list[int]) -> list[int]:
     """k ranks spread over as few nodes as possible when no node has k: the nodes with
-    the most of the eligible ranks `per_node` (each least loaded first) first, ties to
-    the node whose least-loaded one comes first in the ranks by load (`position` of a
-    rank there); the result least-loaded first."""
-    seen = sorted((ranks for ranks in per_node if ranks), key=lambda ranks: position(ranks[0]))
+    the most of the eligible ranks `per_node` (each least loaded first; the nodes in
+    the order of their least-loaded rank) first, ties in that order; the result least
+    loaded first."""
     chosen: list[int] = []
-    for ranks in sorted(seen, key=len, reverse=True):
+    for ranks in sorted(per_node, key=len, reverse=True):
         chosen.extend(ranks[: k - len(chosen)])
         if len(chosen) == k:
             break
@@ -1011,7 +1024,11 @@ def _split_degrees(doc_cost: int, sorted_loads: list[int], limit: float, max_k: 
     rounding makes the estimate slightly optimistic), then the largest degree as the
     fallback when nothing fits.
     """
-    for k in range(2, max_k + 1):
+    # No k under doc_cost / (limit - the lowest load) fits: start there.
+    room = limit - sorted_loads[0] if sorted_loads else 0
+    if room <= 0:
+        return [max_k] if max_k >= 2 else []
+    for k in range(max(2, int(doc_cost / room)), max_k + 1):
         if sorted_loads[k - 1] + doc_cost / k <= limit:
             return [k2 for k2 in (k, k + 1, k + 2) if k2 <= max_k] + ([max_k] if k + 2 < max_k else [])
     return [max_k] if max_k >= 2 else []
