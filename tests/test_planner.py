@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -656,6 +659,33 @@ def test_signature_sees_the_exchange_order():
     b = sap.Plan(a.cu_seqlens, a.outer_size, a.inner_size, slow_links, a.placement, a.evaluation, {})
     assert a.exchange_order() != b.exchange_order()
     assert a.signature() != b.signature()
+
+
+_PLANS_IN_A_PROCESS = """
+import sys
+import megatron_sap as sap
+from megatron_sap.bench.data import document_lengths
+from megatron_sap.bench.packing import pack
+for corpus in ("stdlib", "sharegpt"):
+    for inner, outer in ((1, 8), (2, 16), (8, 8), (1, 48)):
+        for cu in pack(document_lengths(corpus), 96 * 1024, 2, seed=11):
+            plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
+            print(plan.signature(), sorted(plan.exchange_order().items()), plan.program(outer - 1).transfers[-1:])
+"""
+
+
+def test_every_process_plans_a_batch_alike():
+    """Every rank plans its batch on its own and the executor only checks that the
+    signatures agree: plans (pieces, exchange order, programs) must not depend on the
+    process, e.g. on string hashing, which differs between processes."""
+    outputs = set()
+    for seed in ("0", "1"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        result = subprocess.run([sys.executable, "-c", _PLANS_IN_A_PROCESS], capture_output=True, text=True,
+                                env=env, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+        outputs.add(result.stdout)
+    assert len(outputs) == 1 and len(next(iter(outputs)).splitlines()) == 16
 
 
 def test_candidates_outmoved_near_the_fastest_are_given_up():

@@ -30,7 +30,7 @@ from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
-from itertools import accumulate, chain, islice
+from itertools import accumulate, chain
 from operator import add, itemgetter
 from typing import Callable, Iterator, NamedTuple, Sequence
 
