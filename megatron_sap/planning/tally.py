@@ -126,21 +126,8 @@ class Tally:
             group = 0
             for r in ranks:
                 group |= bit[r]
-            # Every slot sends to and receives from every other: a pair new to the
-            # tally is new both ways (see `_link`).
-            sends_to, receives_from, messages, latency = self.sends_to, self.receives_from, self.messages, self.latency_s
             for r in ranks:
-                others = group ^ bit[r]
-                new = others & ~sends_to[r]
-                if new:
-                    sends_to[r] |= new
-                    send_s[r] += new.bit_count() * latency
-                new = others & ~receives_from[r]
-                if new:
-                    receives_from[r] |= new
-                    count = new.bit_count()
-                    messages[r] += count
-                    recv_s[r] += count * latency
+                self._link(r, group ^ bit[r], group ^ bit[r])
             return
         later, after = [0] * len(ranks), 0
         for j in range(len(ranks) - 1, -1, -1):
