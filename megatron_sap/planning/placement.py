@@ -617,12 +617,7 @@ class _DocChoices:
         self.greedy, self.d, self.load, self.room, self.shared = greedy, d, load, room, shared
         self.n, self.c = n, _ = greedy.lengths[d], greedy.cost[d]
         self.by_load = sorted(range(greedy.R), key=load.__getitem__)
-        self.whole_rank = None
-        if n <= greedy.capacity:
-            for r in self.by_load:
-                if room[r] >= n:
-                    self.whole_rank = r
-                    break
+        self.whole_rank = next((r for r in self.by_load if room[r] >= n), None) if n <= greedy.capacity else None
         self._sorted_loads: list[int] | None = None
         self._roomy: list[int] | None = None  # the ranks with room, least loaded first
         self._rooms: list[int] | None = None  # their rooms, ascending
@@ -1025,10 +1020,10 @@ def _split_degrees(doc_cost: int, sorted_loads: list[int], limit: float, max_k: 
     fallback when nothing fits.
     """
     # No k under doc_cost / (limit - the lowest load) fits: start there.
-    room = limit - sorted_loads[0] if sorted_loads else 0
-    if room <= 0:
+    headroom = limit - sorted_loads[0]
+    if headroom <= 0:
         return [max_k] if max_k >= 2 else []
-    for k in range(max(2, int(doc_cost / room)), max_k + 1):
+    for k in range(max(2, int(doc_cost / headroom)), max_k + 1):
         if sorted_loads[k - 1] + doc_cost / k <= limit:
             return [k2 for k2 in (k, k + 1, k + 2) if k2 <= max_k] + ([max_k] if k + 2 < max_k else [])
     return [max_k] if max_k >= 2 else []
