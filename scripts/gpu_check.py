@@ -37,7 +37,10 @@ Built-in checks, in the order they run:
     backward with local exchanges (the executors' compute without communication);
   * rank_memory: every rank's peak memory for SAP and the KV ring (each rank run
     alone with local exchanges), beside the formulas;
-  * torch_backend_accuracy: the torch backend's accuracy on the GPU in float32.
+  * torch_backend_accuracy: the torch backend's accuracy on the GPU in float32;
+  * host_planning_time: planning on this machine's CPU, as `make bench` measures it
+    (a fresh plan of packed 128K-token rows at P = 8 and 64, a cache hit, rank 0's
+    program): the planner runs on the training host's CPU, once per micro-batch.
 """
 from __future__ import annotations
 
@@ -507,6 +510,14 @@ def rank_memory() -> dict:
     return {"ok": True, **results}
 
 
+def host_planning_time() -> dict:
+    """Planning time on this machine's CPU, one thread (`megatron_sap.bench.planning_time`)."""
+    from megatron_sap.bench import planning_time
+
+    rows = planning_time.measure()
+    return {"ok": True, "cpu": planning_time.cpu_name(), "rows": planning_time.as_records(rows)}
+
+
 CALIBRATION_OUT = Path("docs/calibration.json")
 
 # Append further checks here (functions returning a dict with "ok").
@@ -519,6 +530,7 @@ CHECKS: list[Callable[[], dict]] = [
     method_executor_times,
     rank_memory,
     torch_backend_accuracy,
+    host_planning_time,
 ]
 
 

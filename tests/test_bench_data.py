@@ -238,6 +238,7 @@ def test_modelled_targets_judge_sap_at_its_fastest_layout():
 
 def test_gpu_section_renders_the_gpu_check_report(tmp_path):
     from megatron_sap.bench.gpu_report import gpu_section
+    from megatron_sap.bench.planning_time import as_records
 
     assert gpu_section(tmp_path / "missing.json") is None
     times = {"forward_ms_per_rank": [1.0, 2.0], "backward_ms_per_rank": [2.0, 4.0], "max_over_mean": 4 / 3}
@@ -267,6 +268,10 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
                                           "kernel_calls_per_rank": [2], "executor_forward_ms_per_rank": [0.75]}},
                 "pipelined_kernel_factor": 1.364,
             },
+            "host_planning_time": {
+                "ok": True, "cpu": "Some CPU",
+                "rows": as_records([("stdlib", 8, 8, 0.00412, 0.003, 1.25e-5, 0.0021)]),
+            },
             "method_kernel_times": {
                 "ok": True, "shape": {"world": 2},
                 "stdlib/T=32768/sap": times,
@@ -293,3 +298,4 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
     assert "| stdlib/T=32768 | sap | 5.00 | 4.00 | 1.250 | 1.00x |" in body
     assert "| stdlib/T=32768 | p2p | 10.00 | 9.00 | 1.111 | 2.00x |" in body
     assert "Peak memory" not in body  # the failed check has no table
+    assert "CPU (Some CPU, one thread)" in body and "| stdlib | 8x8 | 4.1 | 3.0 | 12 | 2.1 |" in body

@@ -37,6 +37,8 @@ def gpu_section(path: Path) -> tuple[str, str] | None:
         parts.append(_executor_times_table(checks["method_executor_times"]))
     if checks.get("rank_memory", {}).get("ok"):
         parts.append(_memory_table(checks["rank_memory"]))
+    if checks.get("host_planning_time", {}).get("ok"):
+        parts.append(_planning_table(checks["host_planning_time"]))
     return title, "\n\n".join(parts)
 
 
@@ -179,4 +181,19 @@ def _memory_table(result: dict) -> str:
             peaks = row["peak_MiB_per_rank"]
             lines.append(f"| {where} | {method} | {max(peaks):.0f} | {min(peaks):.0f} | "
                          f"{max(row['formula_plus_output_and_grads_MiB']):.0f} |")
+    return "\n".join(lines)
+
+
+def _planning_table(result: dict) -> str:
+    lines = [
+        f"Planning on the GPU machine's CPU ({result['cpu']}, one thread), as `make bench` measures it on its own "
+        "machine (a fresh plan of packed 128K-token rows, a cache hit, outer rank 0's program):",
+        "",
+        "| corpus | U x R | fresh plan ms (median) | fresh plan ms (min) | cache hit us (median) | "
+        "rank 0's program ms (median) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        lines.append(f"| {row['corpus']} | {row['layout']} | {row['fresh_median_ms']:.1f} | {row['fresh_min_ms']:.1f} | "
+                     f"{row['hit_median_us']:.0f} | {row['program_median_ms']:.1f} |")
     return "\n".join(lines)

@@ -9,8 +9,10 @@ so they move with its load.
 """
 from __future__ import annotations
 
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import megatron_sap as sap
 from megatron_sap.planning import PlanCache
@@ -51,6 +53,27 @@ def measure(num_batches: int = 16) -> list[tuple[str, int, int, float, float, fl
             rows.append((corpus, inner, outer, statistics.median(fresh), min(fresh), statistics.median(hits),
                          statistics.median(programs)))
     return rows
+
+
+def cpu_name() -> str:
+    """This machine's CPU model (Linux's /proc/cpuinfo), for the report beside the times."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def as_records(rows: list[tuple[str, int, int, float, float, float, float]]) -> list[dict]:
+    """`measure`'s rows as JSON-able dicts (ms and us, rounded), for the GPU check's report."""
+    return [
+        {"corpus": corpus, "layout": f"{inner}x{outer}", "fresh_median_ms": round(median * 1e3, 2),
+         "fresh_min_ms": round(best * 1e3, 2), "hit_median_us": round(hit * 1e6, 1),
+         "program_median_ms": round(program * 1e3, 2)}
+        for corpus, inner, outer, median, best, hit, program in rows
+    ]
 
 
 def table(rows: list[tuple[str, int, int, float, float, float, float]]) -> str:
