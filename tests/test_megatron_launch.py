@@ -108,11 +108,28 @@ def test_levels_default_from_hierarchical_sizes(flags: str, levels: tuple[int, i
         ("--sap-cost-preset h100 --sap-calibration-file cal.json", "not both"),
         ("--sap-plan-cache-size 0", "plan_cache_size"),
         ("--context-parallel-size 4 --sap-inner-size 0", ">= 1"),
+        ("--sap-calibration-file /nonexistent/calibration.json", "cannot read the cost-model calibration file"),
     ],
 )
 def test_bad_flag_combinations_are_rejected(flags: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         sap_settings_from_args(_parse(flags))
+
+
+def test_a_calibration_file_is_read_when_the_flags_are(tmp_path) -> None:
+    """A broken calibration file fails at start-up, not at the first batch; a good one is taken."""
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read the cost-model calibration file .*broken.json"):
+        sap_settings_from_args(_parse(f"--sap-calibration-file {broken}"))
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object of CostModel fields"):
+        sap_settings_from_args(_parse(f"--sap-calibration-file {listed}"))
+    good = tmp_path / "calibration.json"
+    good.write_text('{"cost_model": {"attention_tflops": 123.0}}')
+    options = sap_settings_from_args(_parse(f"--sap-calibration-file {good}")).options
+    assert options.calibration_file == str(good)
 
 
 @pytest.mark.parametrize(

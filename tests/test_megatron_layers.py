@@ -229,6 +229,8 @@ def test_cu_seqlens_from_reset_position_ids() -> None:
     assert cu_seqlens_from_position_ids(position_ids).tolist() == [0, 3, 4, 8]
     with pytest.raises(ValueError, match="position 0"):
         cu_seqlens_from_position_ids(torch.tensor([[1, 2, 0]]))
+    with pytest.raises(ValueError, match="empty row"):
+        cu_seqlens_from_position_ids(torch.zeros(1, 0, dtype=torch.long))
 
 
 def test_loss_is_the_token_mean_on_one_rank() -> None:
@@ -238,6 +240,17 @@ def test_loss_is_the_token_mean_on_one_rank() -> None:
     assert float(loss.detach()) == pytest.approx(8 / 3) and float(mean) == pytest.approx(8 / 3)
     loss.backward()
     torch.testing.assert_close(losses.grad, mask / 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_loss_of_half_precision_losses_is_summed_in_fp32(dtype) -> None:
+    """A 128K-token row's sum overflows fp16 (and its count rounds in bf16): the sums run in fp32."""
+    losses = torch.full((1, 70000), 2.0, dtype=dtype)
+    losses[0, 0] = 100.0
+    loss, mean = sap_loss(losses, torch.ones(1, 70000))
+    want = (2.0 * 69999 + 100.0) / 70000
+    assert loss.dtype == torch.float32
+    assert float(loss) == pytest.approx(want, rel=1e-6) and float(mean) == pytest.approx(want, rel=1e-6)
 
 
 def _core_attentions(node, found: list) -> list:

@@ -54,6 +54,8 @@ def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
     if position_ids.dim() != 2 or position_ids.size(0) != 1:
         raise ValueError(f"position_ids must be [1, T] (micro-batch size 1), got shape {tuple(position_ids.shape)}")
     row = position_ids[0]
+    if row.numel() == 0:
+        raise ValueError("position_ids is an empty row (0 tokens)")
     starts = torch.nonzero(row == 0, as_tuple=False).flatten()
     if starts.numel() == 0 or int(starts[0]) != 0:
         raise ValueError("position_ids must start a document (position 0) at token 0")
@@ -146,8 +148,11 @@ def sap_loss(
     """
     if per_token_loss.shape != loss_mask.shape:
         raise ValueError(f"per-token loss {tuple(per_token_loss.shape)} and loss mask {tuple(loss_mask.shape)} differ")
-    mask = loss_mask.to(per_token_loss.dtype)
-    local_sum = (per_token_loss * mask).sum()
+    # In fp32 at least (as Megatron's loss functions): fp16 overflows and bf16 rounds a
+    # 128K-token row's sums and counts.
+    dtype = torch.promote_types(per_token_loss.dtype, torch.float32)
+    mask = loss_mask.to(dtype)
+    local_sum = (per_token_loss.to(dtype) * mask).sum()
     totals = torch.stack([local_sum.detach(), mask.sum()])
     groups = resolve_groups(cp_group)
     if groups is not None:

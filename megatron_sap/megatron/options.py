@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megatron_sap.planning.cost_model import CostModel
 from megatron_sap.planning.program import SCHEDULES as PROGRAM_SCHEDULES
 from megatron_sap.planning.program import check_schedule
 
@@ -58,6 +59,8 @@ class SAPOptions:
             raise ValueError(f"plan_cache_size must be >= 1, got {self.plan_cache_size}")
         if self.cost_preset is not None and self.calibration_file is not None:
             raise ValueError("give either a SAP cost preset or a calibration file, not both")
+        if self.calibration_file is not None:
+            CostModel.from_calibration(self.calibration_file)  # a bad file fails here, not at the first batch
         if self.model_shape is not None:
             object.__setattr__(self, "model_shape", tuple(self.model_shape))  # a cache key downstream
             if len(self.model_shape) != 4 or min(self.model_shape) < 1:

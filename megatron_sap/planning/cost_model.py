@@ -81,9 +81,14 @@ class CostModel:
         are rejected); the GPU check script writes such a file.
         """
         if not isinstance(source, dict):
-            with open(source) as f:
-                source = json.load(f)
-        values = source.get("cost_model", source)
+            try:
+                with open(source) as f:
+                    source = json.load(f)
+            except (OSError, ValueError) as exc:  # missing, unreadable, or not JSON
+                raise ValueError(f"cannot read the cost-model calibration file {os.fspath(source)!r}: {exc}") from exc
+        values = source.get("cost_model", source) if isinstance(source, dict) else source
+        if not isinstance(values, dict):
+            raise ValueError(f"a calibration is a JSON object of CostModel fields, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
