@@ -209,6 +209,20 @@ def test_split_batch_slices_by_plan_and_builds_packed_params() -> None:
     assert params.cu_seqlens_q_padded is None and params.cp_group is None
 
 
+def test_split_batch_leaves_the_packing_entries_as_they_are() -> None:
+    """A THD batch that still holds its packing (as Megatron's data loaders build it) splits
+    like one without: those entries, and non-tensors, come back unchanged."""
+    tokens = torch.arange(CU[-1]).unsqueeze(0)
+    cu = torch.tensor([CU], dtype=torch.int32)
+    max_seqlen = torch.tensor([13], dtype=torch.int32)
+    batch = {"tokens": tokens, "cu_seqlens": cu, "cu_seqlens_padded": cu, "max_seqlen": max_seqlen, "step": 3}
+    local, params = sap_split_batch(batch, cu)
+    plain, _ = sap_split_batch({"tokens": tokens}, CU)
+    assert torch.equal(local["tokens"], plain["tokens"])
+    assert local["cu_seqlens"] is cu and local["cu_seqlens_padded"] is cu and local["max_seqlen"] is max_seqlen
+    assert local["step"] == 3 and params.cu_seqlens_q.tolist() == CU
+
+
 @pytest.mark.parametrize(
     "batch, cu, match",
     [

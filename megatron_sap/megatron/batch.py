@@ -73,6 +73,14 @@ def _as_cu_seqlens(cu_seqlens: Union[Tensor, list[int]], total_tokens: int, devi
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
+PACKING_KEYS = frozenset({"cu_seqlens", "cu_seqlens_padded", "max_seqlen"})  # batch entries that describe the packing
+
+
+def _is_token_tensor(key: str, value: object) -> bool:
+    """Whether a batch entry is one of the [1, T] tensors the split slices."""
+    return isinstance(value, Tensor) and key != "attention_mask" and key not in PACKING_KEYS
+
+
 def sap_split_batch(
     batch: Mapping[str, Optional[Tensor]],
     cu_seqlens: Union[Tensor, list[int]],
@@ -84,9 +92,12 @@ def sap_split_batch(
     ([1, T/P], in plan order); `position_ids` becomes each token's position inside its own document;
     `attention_mask` becomes None (documents come from cu_seqlens). The PackedSeqParams holds the
     global cu_seqlens (qkv_format "thd") and the longest document length. The SAP-aware RoPE is
-    installed and told the per-token positions, keyed by the returned cu_seqlens tensor.
+    installed and told the per-token positions, keyed by the returned cu_seqlens tensor. The
+    packing entries Megatron's THD batches carry (`cu_seqlens`, `cu_seqlens_padded`,
+    `max_seqlen`) and entries that are not tensors come back unchanged, as Megatron's own
+    `get_thd_batch_on_this_cp_rank` leaves them.
     """
-    lengths = {key: value.shape for key, value in batch.items() if isinstance(value, Tensor) and key != "attention_mask"}
+    lengths = {key: value.shape for key, value in batch.items() if _is_token_tensor(key, value)}
     if not lengths:
         raise ValueError("batch holds no tensors to split")
     for key, shape in lengths.items():
@@ -116,6 +127,8 @@ def sap_split_batch(
     for key, value in batch.items():
         if key == "attention_mask" or value is None:
             local[key] = None
+        elif not _is_token_tensor(key, value):
+            local[key] = value
         elif key == "position_ids":
             local[key] = positions.to(value.dtype).unsqueeze(0)
         else:
