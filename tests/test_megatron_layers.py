@@ -184,6 +184,14 @@ def test_installed_rope_only_changes_registered_batches() -> None:
         attention.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=unregistered, cp_group=one_rank),
         rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=unregistered, cp_group=one_rank),
     )
+    two_ranks = SimpleNamespace(size=lambda: 2, rank=lambda: 0)
+    with pytest.raises(ValueError, match="no sap_split_batch call registered"):  # Megatron's layout would be wrong here
+        attention.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=unregistered, cp_group=two_ranks)
+    row_freqs = torch.rand(CU[-1], 1, 1, 8)
+    torch.testing.assert_close(  # no packed batch: Megatron's
+        attention.apply_rotary_pos_emb(t[:, None], row_freqs, config, cp_group=two_ranks),
+        rope_utils.apply_rotary_pos_emb(t[:, None], row_freqs, config, cp_group=two_ranks),
+    )
     tokens = torch.arange(CU[-1]).unsqueeze(0)
     _, params = sap_split_batch({"tokens": tokens}, CU)
     positions = token_positions(params.cu_seqlens_q)

@@ -7,7 +7,8 @@ pieces of them, so each local token must be rotated by its true position inside 
 `sap_split_batch` registers those per-token positions against the global `cu_seqlens` tensor
 it puts into the `PackedSeqParams`; the replacement `apply_rotary_pos_emb` installed by
 `install_sap_rope()` looks the positions up by that tensor and falls back to Megatron's function
-for every other call. Keying on the tensor (not on a global "current batch") keeps activation
+for every other call, except packed `cu_seqlens` under CP > 1 that no split registered (a
+copied tensor, or a batch split by Megatron's own THD split), which it refuses. Keying on the tensor (not on a global "current batch") keeps activation
 recomputation and interleaved pipeline micro-batches correct.
 """
 from __future__ import annotations
@@ -95,6 +96,14 @@ def _sap_apply_rotary_pos_emb(original: Callable) -> Callable:
     ) -> Tensor:
         positions = token_positions(cu_seqlens)
         if positions is None:
+            if cu_seqlens is not None and cp_group is not None and cp_group.size() > 1:
+                # Megatron's THD RoPE would place these tokens by its own 2*CP-chunk layout,
+                # which is not how SAP split them: the rotations would be silently wrong.
+                raise ValueError(
+                    "RoPE got packed cu_seqlens under context parallelism that no sap_split_batch call "
+                    "registered: pass the PackedSeqParams sap_split_batch returns (the same cu_seqlens tensor, "
+                    "not a copy), or split the batch with sap_split_batch"
+                )
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
         return rotate_by_positions(
             t,
