@@ -290,6 +290,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if not isinstance(plan, Plan):
         raise ValueError(f"plan must be a megatron_sap Plan from plan_sequences, got {type(plan).__name__}")
+    if groups is not None and not isinstance(groups, SAPGroups):
+        raise TypeError(f"groups must be SAPGroups (from init_sap_groups) or None, got {type(groups).__name__}")
     world = 1 if groups is None else groups.world_size
     inner = 1 if groups is None else groups.inner_size
     if plan.world_size != world or plan.inner_size != inner:
@@ -385,6 +387,8 @@ def sap_attention(
         raise ValueError("sap_attention computes causal attention only (causal=False is not supported)")
     _check_inputs(q, k, v, plan, groups)
     check_schedule(schedule, allow_auto=True)
+    if not isinstance(recompute_kv, bool):
+        raise TypeError(f"recompute_kv must be True or False, got {recompute_kv!r}")
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")

@@ -81,6 +81,10 @@ def simulate_plan(
 
     With `dout`, also the gradients. Per-rank kernel time is recorded (CUDA events on GPU).
     """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3 or t.shape[0] != plan.total_tokens:
+            raise ValueError(f"{name} must be the whole batch [T={plan.total_tokens}, heads, head_dim], "
+                             f"got shape {tuple(t.shape)}")
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
     acc_dtype = _accumulation_dtype(q.dtype)
     device = q.device

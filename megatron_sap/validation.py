@@ -25,6 +25,8 @@ def cu_seqlens_to_list(cu_seqlens: Sequence[int] | torch.Tensor, name: str = "cu
             raise ValueError(f"{name} must be 1-D, got shape {tuple(cu_seqlens.shape)}")
         if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
             raise ValueError(f"{name} must have an integer dtype, got {cu_seqlens.dtype}")
+        if cu_seqlens.is_meta:
+            raise ValueError(f"{name} is a meta tensor: it has no values to plan from")
         values = cu_seqlens.tolist()
     else:
         if not isinstance(cu_seqlens, (Sequence, np.ndarray)) or isinstance(cu_seqlens, (str, bytes)):

@@ -204,6 +204,49 @@ def test_sap_attention_rejects_plan_for_another_layout(
         sap.sap_attention(q, k, v, plan, groups)
 
 
+@pytest.mark.parametrize("rank", [torch.tensor(True), torch.tensor([[1]]), torch.tensor(1.0), 1.0, True])
+def test_plan_ranks_must_be_integers(rank) -> None:
+    plan = _plan([0, 3, 8], outer=2, inner=2)
+    for method in (plan.local_indices, plan.position_ids, plan.work, plan.pieces):
+        with pytest.raises(ValueError, match="must be an integer"):
+            method(rank)
+    assert plan.local_indices(torch.tensor(1)).tolist() == plan.local_indices(1).tolist()
+
+
+def test_plan_sequences_rejects_something_else_as_cache() -> None:
+    with pytest.raises(TypeError, match="cache must be a PlanCache or None, got int"):
+        sap.plan_sequences([0, 5, 16], outer_size=2, cache=3)
+
+
+@pytest.mark.parametrize("size", [0, True, 2.5])
+def test_plan_cache_size_must_be_a_positive_integer(size) -> None:
+    with pytest.raises(ValueError, match="plan cache size must be an integer >= 1"):
+        PlanCache(size)
+
+
+def test_sap_attention_rejects_other_groups_and_flags() -> None:
+    plan = _plan([0, 8])
+    q, k, v = _qkv(8)
+    with pytest.raises(TypeError, match="groups must be SAPGroups .* got int"):
+        sap.sap_attention(q, k, v, plan, 3)
+    with pytest.raises(TypeError, match="recompute_kv must be True or False, got 'yes'"):
+        sap.sap_attention(q, k, v, plan, recompute_kv="yes")
+
+
+def test_simulate_plan_needs_the_whole_batch() -> None:
+    from megatron_sap.simulate import simulate_plan
+
+    plan = _plan([0, 5, 16], outer=2)
+    q, k, v = _qkv(16)
+    with pytest.raises(ValueError, match=r"q must be the whole batch \[T=16, heads, head_dim\], got shape \(8, 4, 8\)"):
+        simulate_plan(q[:8], k, v, plan)
+
+
+def test_a_meta_cu_seqlens_is_rejected() -> None:
+    with pytest.raises(ValueError, match="meta tensor"):
+        sap.plan_sequences(torch.tensor([0, 8], device="meta"), cache=None)
+
+
 def test_sap_attention_rejects_something_else_as_plan() -> None:
     q, k, v = _qkv(8)
     with pytest.raises(ValueError, match=r"plan must be a megatron_sap Plan from plan_sequences, got list"):

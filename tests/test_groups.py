@@ -115,6 +115,9 @@ def error_messages(rank: int, world_size: int) -> list[str]:
         dict(inner_size=2, ranks=[0, 9]),
         dict(inner_size=2, outer_size=2, ranks=[0, 1]),
         dict(inner_size=2, ranks=[0, 1], tensor_parallel_size=2),
+        dict(inner_size=0),
+        dict(inner_size=2, outer_size=True),
+        dict(ranks=[0.0, 1.0], outer_size=2),
     ):
         with pytest.raises(ValueError) as info:
             init_sap_groups(**kwargs)
@@ -252,6 +255,9 @@ def test_errors_are_clear(dist_pool: WorkerPool) -> None:
         "ranks [0, 9] exceed the world of 4 ranks",
         "len(ranks)=2 != inner_size * outer_size = 2 * 2",
         "tensor_parallel_size and pipeline_parallel_size describe the job; do not combine with ranks",
+        "sizes must be positive integers, got {'inner_size': 0}",
+        "sizes must be positive integers, got {'outer_size': True}",
+        "cp_ranks must be integer global ranks, got [0.0, 1.0]",
         "is not SAP's inner group",
         "the outer group is required: both levels have more than one rank",
         "an inner group of size 2 and an outer group of size 4 do not tile the CP group of size 4 [0, 1, 2, 3]",

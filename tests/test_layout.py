@@ -156,6 +156,8 @@ def test_link_class_and_spans_nodes() -> None:
         ),
         (dict(world_size=8, inner_size=0, outer_size=2), r"positive integers, got \{'inner_size': 0\}"),
         (dict(world_size=8, inner_size=2, outer_size=2, pipeline_parallel_size=-1), "'pipeline_parallel_size': -1"),
+        (dict(world_size=8, inner_size=True, outer_size=8), r"positive integers, got \{'inner_size': True\}"),
+        (dict(world_size=True, inner_size=1, outer_size=1), r"positive integers, got \{'world_size': True\}"),
         (dict(world_size=8, inner_size=2, outer_size=2, order="tp-cp-xp-dp-pp"), "order='tp-cp-xp-dp-pp' must name"),
         (dict(world_size=8, inner_size=2, outer_size=2, order="tp-cp-cp-pp"), "at most once"),
         (dict(world_size=8, inner_size=2, outer_size=2, order="tp-dp-pp"), r"omits dimensions of size > 1: \{'cp': 4"),
@@ -179,3 +181,7 @@ def test_explicit_cp_group() -> None:
         CPGroupLayout.from_cp_ranks([0, 1, 1, 2], inner_size=2)
     with pytest.raises(ValueError, match="empty"):
         CPGroupLayout.from_cp_ranks([], inner_size=1)
+    with pytest.raises(ValueError, match=r"integer global ranks, got \[0.0, 1.0\]"):
+        CPGroupLayout.from_cp_ranks([0.0, 1.0], inner_size=1)
+    with pytest.raises(ValueError, match=r"positive integers, got \{'inner_size': True\}"):
+        CPGroupLayout.from_cp_ranks([0, 1], inner_size=True)

@@ -16,7 +16,7 @@ from typing import overload
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from megatron_sap.comm.layout import CPGroupLayout, sap_group_layout, spans_nodes
+from megatron_sap.comm.layout import CPGroupLayout, check_positive_sizes, sap_group_layout, spans_nodes
 
 
 @dataclass
@@ -150,10 +150,13 @@ def init_sap_groups(
     if not dist.is_initialized():
         raise RuntimeError("init_sap_groups needs torch.distributed to be initialised first")
     world_size = dist.get_world_size()
+    check_positive_sizes(inner_size=inner_size, tensor_parallel_size=tensor_parallel_size,
+                         pipeline_parallel_size=pipeline_parallel_size,
+                         **({} if outer_size is None else {"outer_size": outer_size}))
     if ranks is None:
         if outer_size is None:
             per_outer_rank = inner_size * tensor_parallel_size * pipeline_parallel_size
-            if per_outer_rank < 1 or world_size % per_outer_rank:
+            if world_size % per_outer_rank:
                 raise ValueError(
                     f"cannot derive outer_size: world_size={world_size} is not divisible by inner_size * "
                     f"tensor_parallel_size * pipeline_parallel_size = {inner_size} * {tensor_parallel_size} * "

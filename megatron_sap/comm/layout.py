@@ -14,6 +14,7 @@ node).
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
@@ -41,9 +42,12 @@ class CPGroupLayout:
     def from_cp_ranks(cls, cp_ranks: Sequence[int], inner_size: int) -> CPGroupLayout:
         """Split a CP group, given as global ranks in cp_rank order, into inner groups of `inner_size`."""
         ranks = tuple(cp_ranks)
-        _check_positive(inner_size=inner_size)
+        check_positive_sizes(inner_size=inner_size)
         if not ranks:
             raise ValueError("cp_ranks is empty")
+        if any(isinstance(r, bool) or not isinstance(r, numbers.Integral) for r in ranks):
+            raise ValueError(f"cp_ranks must be integer global ranks, got {list(ranks)}")
+        ranks = tuple(int(r) for r in ranks)
         if len(set(ranks)) != len(ranks) or min(ranks) < 0:
             raise ValueError(f"cp_ranks must be distinct non-negative global ranks, got {list(ranks)}")
         if len(ranks) % inner_size:
@@ -92,7 +96,7 @@ def sap_group_layout(
     attention, Megatron folds expert parallelism into DP. The CP groups equal Megatron-Core's
     `RankGenerator(tp, 1, dp, pp, cp, order).get_ranks("cp")`.
     """
-    _check_positive(
+    check_positive_sizes(
         world_size=world_size,
         inner_size=inner_size,
         outer_size=outer_size,
@@ -125,7 +129,7 @@ def sap_group_layout(
 
 def spans_nodes(ranks: Sequence[int], gpus_per_node: int) -> bool:
     """Whether global ranks lie on more than one node (nodes hold consecutive blocks of ranks)."""
-    _check_positive(gpus_per_node=gpus_per_node)
+    check_positive_sizes(gpus_per_node=gpus_per_node)
     return len({rank // gpus_per_node for rank in ranks}) > 1
 
 
@@ -148,8 +152,9 @@ def _parse_order(order: str, sizes: dict[str, int]) -> list[str]:
     return tokens
 
 
-def _check_positive(**values: int) -> None:
+def check_positive_sizes(**values: int) -> None:
     """ValueError naming every argument that is not a positive integer."""
-    bad = {name: value for name, value in values.items() if not (isinstance(value, int) and value >= 1)}
+    bad = {name: value for name, value in values.items()
+           if isinstance(value, bool) or not (isinstance(value, numbers.Integral) and value >= 1)}
     if bad:
         raise ValueError(f"sizes must be positive integers, got {bad}")

@@ -91,7 +91,10 @@ class Plan:
         """`rank` as an int (numpy and 0-d integer tensors too), checked to be in
         range(count) (default: the CP ranks)."""
         count = self.world_size if count is None else count
-        if isinstance(rank, bool) or not isinstance(rank, (numbers.Integral, torch.Tensor)):
+        if isinstance(rank, bool) or not isinstance(rank, (numbers.Integral, torch.Tensor)) or (
+            isinstance(rank, torch.Tensor)
+            and (rank.dim() != 0 or rank.dtype.is_floating_point or rank.dtype.is_complex or rank.dtype == torch.bool)
+        ):
             raise ValueError(f"{name} must be an integer, got {rank!r}")
         try:
             value = operator.index(rank)
@@ -315,8 +318,9 @@ class PlanCache:
     """LRU of plans keyed by batch signature and layout, with hit/miss counters."""
 
     def __init__(self, maxsize: int = 64) -> None:
-        if maxsize < 1:
-            raise ValueError(f"plan cache size must be >= 1, got {maxsize}")
+        if isinstance(maxsize, bool) or not isinstance(maxsize, numbers.Integral) or maxsize < 1:
+            raise ValueError(f"plan cache size must be an integer >= 1, got {maxsize!r}")
+        maxsize = int(maxsize)
         self.maxsize = maxsize
         self.hits = 0
         self.misses = 0
@@ -356,8 +360,8 @@ def _cache_key_values(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[int, ..
     """The cu_seqlens as a tuple of ints when that is cheap and unambiguous, else None."""
     if isinstance(cu_seqlens, torch.Tensor):
         dtype = cu_seqlens.dtype
-        if cu_seqlens.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-            return None
+        if cu_seqlens.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool or cu_seqlens.is_meta:
+            return None  # cu_seqlens_to_list names the problem
         return tuple(cu_seqlens.tolist())
     if isinstance(cu_seqlens, np.ndarray):
         if cu_seqlens.ndim != 1 or cu_seqlens.dtype.kind not in "iu":
@@ -430,6 +434,8 @@ def plan_sequences(
         raise ValueError(f"slacks must be non-negative numbers (load over the ideal a pass allows), got {slacks!r}") from None
     if not slacks or any(not isinstance(s, numbers.Real) or isinstance(s, bool) or not s >= 0 for s in slacks):
         raise ValueError(f"slacks must be non-negative numbers (load over the ideal a pass allows), got {slacks}")
+    if cache is not None and not isinstance(cache, PlanCache):
+        raise TypeError(f"cache must be a PlanCache or None, got {type(cache).__name__}")
     values = _cache_key_values(cu_seqlens)
     key = None
     if cache is not None and values is not None:
