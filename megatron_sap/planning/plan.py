@@ -217,7 +217,9 @@ class Plan:
         Bytes use the cost model's shape (heads, head dim, element size); pass another
         `cost_model` (or a preset name) to count for a different shape. Inner ranks each move
         their own head slice (1/U of the outer traffic) and add the Ulysses all-to-all
-        (intra-node).
+        (intra-node). `pairs_per_rank` counts the causal (q, k) pairs over all heads, as a
+        share of heads: every inner rank of an outer group computes that group's `work` on
+        1/U of the heads, so its entry is the work's pairs / U (possibly fractional).
         """
         if cost_model is not None:
             cost_model = _cost_model(cost_model)
