@@ -290,7 +290,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if not isinstance(plan, Plan):
         raise ValueError(f"plan must be a megatron_sap Plan from plan_sequences, got {type(plan).__name__}")
-    if groups is not None and not isinstance(groups, SAPGroups):
+    if groups is not None and not all(hasattr(groups, a) for a in ("world_size", "inner_size", "cp_rank")):
         raise TypeError(f"groups must be SAPGroups (from init_sap_groups) or None, got {type(groups).__name__}")
     world = 1 if groups is None else groups.world_size
     inner = 1 if groups is None else groups.inner_size
