@@ -8,8 +8,9 @@ pieces of them, so each local token must be rotated by its true position inside 
 it puts into the `PackedSeqParams`; the replacement `apply_rotary_pos_emb` installed by
 `install_sap_rope()` looks the positions up by that tensor and falls back to Megatron's function
 for every other call, except packed `cu_seqlens` under CP > 1 that no split registered (a
-copied tensor, or a batch split by Megatron's own THD split), which it refuses. Keying on the tensor (not on a global "current batch") keeps activation
-recomputation and interleaved pipeline micro-batches correct.
+copied tensor, or a batch split by Megatron's own THD split), which it refuses. Keying on the
+tensor (not on a global "current batch") keeps activation recomputation and interleaved
+pipeline micro-batches correct.
 """
 from __future__ import annotations
 
