@@ -332,6 +332,7 @@ def _cu(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         (_cu([0, 4, 8]), _cu([[0, 4, 8]]), r"cu_seqlens_k must be a 1-D int32/int64 tensor, got shape \(1, 3\)"),
         (_cu([0, 4, 8]), _cu([0, 4, 8]).to("meta"), r"must be on one device, got \['cpu', 'meta'\]"),
         ([0, 4, 8], _cu([0, 4, 8]), r"cu_seqlens_q must be a tensor, got list"),
+        (_cu([]), _cu([0, 4, 8]), r"cu_seqlens_q must hold at least one entry \(0\), got an empty tensor"),
     ],
 )
 def test_kernels_reject_bad_cu_seqlens(cu_q: torch.Tensor | list, cu_k: torch.Tensor, pattern: str) -> None:
@@ -362,6 +363,8 @@ def test_kernels_reject_max_seqlen_below_the_longest_segment(max_q: int, max_k: 
         (lambda q, k, v: (q[:, :3], k, v), r"query heads \(3\) must be a positive multiple of key/value heads \(2\)"),
         (lambda q, k, v: (q, k, v[:, :1]), r"k and v must have the same shape, got \(8, 2, 8\) and \(8, 1, 8\)"),
         (lambda q, k, v: (q, k.to("meta"), v.to("meta")), r"must be on one device, got \['cpu', 'meta'\]"),
+        (lambda q, k, v: (q[..., :0], k[..., :0], v[..., :0]), r"head_dim must be positive"),
+        (lambda q, k, v: (q[:, :0], k, v), r"query heads \(0\) must be a positive multiple"),
     ],
 )
 def test_kernels_reject_bad_tensors(change, pattern: str) -> None:
@@ -379,6 +382,46 @@ def test_kernel_backward_rejects_mismatched_out_and_lse() -> None:
         varlen_backward(q[:7], q, k, v, out, lse, cu, cu, 5, 5, causal=True)
     with pytest.raises(ValueError, match=r"lse must be \[Hq, Tq\] = \(4, 8\), got \(8, 4\)"):
         varlen_backward(q, q, k, v, out, lse.T, cu, cu, 5, 5, causal=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        (dict(causal="no"), TypeError, "causal must be True or False, got 'no'"),
+        (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be a finite number, got nan"),
+        (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be a finite number, got inf"),
+        (dict(max_seqlen_q=6.5), TypeError, "max_seqlen_q must be an integer on the host"),
+        (dict(max_seqlen_k=torch.tensor(5)), TypeError, "max_seqlen_k must be an integer on the host"),
+    ],
+)
+def test_kernels_reject_bad_call_arguments(kwargs: dict, error: type, pattern: str) -> None:
+    q, k, v = _qkv(8)
+    cu = _cu([0, 3, 8])
+    call = dict(max_seqlen_q=5, max_seqlen_k=5, causal=True, softmax_scale=None) | kwargs
+    lengths = (call.pop("max_seqlen_q"), call.pop("max_seqlen_k"))
+    with pytest.raises(error, match=pattern):
+        varlen_forward(q, k, v, cu, cu, *lengths, **call)
+    out, lse = varlen_forward(q, k, v, cu, cu, 5, 5, causal=True)
+    with pytest.raises(error, match=pattern):
+        varlen_backward(q, q, k, v, out, lse, cu, cu, *lengths, **call)
+
+
+def test_kernel_backward_takes_the_forwards_lse_dtype() -> None:
+    q, k, v = _qkv(8)
+    cu = _cu([0, 3, 8])
+    out, lse = varlen_forward(q, k, v, cu, cu, 5, 5, causal=True)
+    with pytest.raises(ValueError, match="lse must be float32 or float64 .*, got torch.bfloat16"):
+        varlen_backward(q, q, k, v, out, lse.bfloat16(), cu, cu, 5, 5, causal=True)
+
+
+def test_merge_into_rejects_parts_of_another_shape() -> None:
+    from megatron_sap.kernels import merge_into
+
+    acc_out, acc_lse = torch.zeros(6, 4, 8), torch.full((4, 6), float("-inf"))
+    rows = torch.tensor([0, 2, 5])
+    for part in (torch.zeros(3, 1, 8), torch.zeros(3, 4, 1)):
+        with pytest.raises(ValueError, match="must describe the same n rows of acc_out"):
+            merge_into(acc_out, acc_lse, rows, part, torch.zeros(4, 3))
 
 
 def test_kernels_accept_zero_length_segments() -> None:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
+import numbers
 import re
 
 import torch
@@ -127,12 +129,20 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
         raise ValueError(f"q, k, v, cu_seqlens_q, cu_seqlens_k must be on one device, got {sorted(map(str, devices))}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k/v must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
+    if q.shape[2] == 0:
+        raise ValueError(f"head_dim must be positive, got shape {tuple(q.shape)}")
     heads_q, heads_kv = q.shape[1], k.shape[1]
-    if heads_kv == 0 or heads_q % heads_kv != 0:
+    if heads_q == 0 or heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"query heads ({heads_q}) must be a positive multiple of key/value heads ({heads_kv})")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got shape {tuple(cu.shape)} dtype {cu.dtype}")
+        if cu.numel() == 0:
+            raise ValueError(f"{name} must hold at least one entry (0), got an empty tensor")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an integer on the host (the flash kernels size their grids with it), "
+                            f"got {type(value).__name__}")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of segments, "
@@ -144,6 +154,16 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
             longest = check_cu_seqlens(cu, tokens, name)
             if max_seqlen < longest:  # the flash kernels would silently skip the rest
                 raise ValueError(f"max_seqlen for {name} is {max_seqlen}, below its longest segment ({longest})")
+
+
+def _softmax_scale(q: Tensor, causal: bool, softmax_scale: float | None) -> float:
+    """The call's scale (default head_dim ** -0.5), checked finite; `causal` checked a bool."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    return scale
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -180,7 +200,8 @@ def varlen_forward(
     would cost a host sync, so the flash backends trust them.
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = _softmax_scale(q, causal, softmax_scale)
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     name = resolve_backend(backend, q.device, q.dtype, q.shape[2])
     if q.shape[0] == 0 or k.shape[0] == 0:
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_lse_dtype(q.dtype), device=q.device)
@@ -220,9 +241,12 @@ def varlen_backward(
         )
     if lse.shape != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse must be [Hq, Tq] = {(q.shape[1], q.shape[0])}, got {tuple(lse.shape)}")
+    if lse.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"lse must be float32 or float64 (as the forward returns it), got {lse.dtype}")
     if not (dout.device == out.device == lse.device == q.device):
         raise ValueError(f"dout, out, lse must be on q's device {q.device}, got {dout.device}, {out.device}, {lse.device}")
-    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = _softmax_scale(q, causal, softmax_scale)
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     name = resolve_backend(backend, q.device, q.dtype, q.shape[2])
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

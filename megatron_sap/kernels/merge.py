@@ -61,10 +61,12 @@ def merge_into(acc_out: Tensor, acc_lse: Tensor, rows: Tensor | None, out_part: 
     in float32 avoids rounding partial sums to bf16.
     """
     n = acc_out.shape[0] if rows is None else rows.numel()
-    if (rows is not None and rows.dim() != 1) or out_part.shape[0] != n or lse_part.shape != (acc_lse.shape[0], n):
+    if ((rows is not None and rows.dim() != 1) or out_part.shape != (n, *acc_out.shape[1:])
+            or lse_part.shape != (acc_lse.shape[0], n)):
         raise ValueError(
             f"merge_into: rows {None if rows is None else tuple(rows.shape)}, out_part {tuple(out_part.shape)} and "
-            f"lse_part {tuple(lse_part.shape)} must describe the same n rows of acc_lse {tuple(acc_lse.shape)}"
+            f"lse_part {tuple(lse_part.shape)} must describe the same n rows of acc_out {tuple(acc_out.shape)} "
+            f"and acc_lse {tuple(acc_lse.shape)}"
         )
     if rows is None:
         _merge_in_place(acc_out, acc_lse, out_part, lse_part)

@@ -37,6 +37,8 @@ a bad v[:, d]; in the backward, likewise through dS and P (_backward_poison).
 That is where flash gives NaN or Inf, except that a row whose score with an
 Inf key is -inf, which flash treats as a hidden key, is marked NaN too. Finite
 inputs never take that path and give the same results, bitwise, as without it.
+Finite inputs so large that a score overflows to +-Inf keep it inside their
+document too: a hidden score is -inf whatever the product was.
 
 On a GPU that check is a host sync, like the plan lookup (which reads
 cu_seqlens on the host): this backend is a fallback there, the flash backends
@@ -262,9 +264,10 @@ def _masked_scores(plan: _TilePlan, start: int, end: int, q_c: Tensor, k_c: Tens
     key = (k_idx[:, :, None] * plan.block_k + torch.arange(plan.block_k, device=k_idx.device)).view(n, 1, -1)
     lo, hi = plan.row_lo[start:end, :, None], plan.row_hi[start:end, :, None]  # [n, block_q, 1]
     bias = torch.where((key < lo) | (key >= hi), float("-inf"), 0.0).to(scores.dtype)
-    # Adding a 0/-inf bias is several times faster than masked_fill_ on the CPU.
+    # Adding a 0/-inf bias is several times faster than masked_fill_ on the CPU. A score that
+    # overflowed to +inf (finite but huge q and k) gives NaN where hidden: hidden it stays.
     scores.view(n, heads_kv, rows // plan.block_q, plan.block_q, -1).add_(bias[:, None, None])
-    return scores
+    return scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
