@@ -20,8 +20,11 @@ USAGE = "usage: python -m megatron_sap.launch <megatron-lm>/pretrain_gpt.py [meg
 
 def main(argv: list[str]) -> None:
     """Install the hooks and run `argv[0]` with `argv[1:]` as its arguments."""
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
         raise SystemExit(USAGE)
+    if argv[0] in ("-h", "--help"):
+        print(USAGE)
+        raise SystemExit(0)
     script = Path(argv[0]).resolve()
     if not script.is_file():
         raise SystemExit(f"training script {argv[0]!r} not found\n{USAGE}")
@@ -29,12 +32,20 @@ def main(argv: list[str]) -> None:
     if os.environ.get("MEGATRON_LM_PATH"):
         roots.insert(0, str(Path(os.environ["MEGATRON_LM_PATH"]).resolve()))
     for root in reversed(roots):
-        if root not in sys.path:
-            sys.path.insert(0, root)
+        if root in sys.path:  # first, even if PYTHONPATH has it further back
+            sys.path.remove(root)
+        sys.path.insert(0, root)
 
     from megatron_sap.megatron.hooks import install_training_hooks
 
-    install_training_hooks()
+    try:
+        install_training_hooks()
+    except ImportError as err:
+        raise SystemExit(
+            f"cannot install the SAP hooks: {err}. The launcher patches Megatron-LM's `megatron.training`, which "
+            f"comes with a Megatron-LM checkout (not with the megatron-core package): run a script inside the "
+            f"checkout, or set MEGATRON_LM_PATH to it"
+        ) from err
     sys.argv = [str(script), *argv[1:]]
     runpy.run_path(str(script), run_name="__main__")
 

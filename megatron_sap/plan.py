@@ -30,6 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .comm.ulysses import check_heads
 from .planning import PRESETS, CostModel, Plan, plan_sequences
 
 MAX_PIECES_SHOWN = 8
@@ -122,8 +123,6 @@ def inner_sizes(cp_size: int, rank_model: CostModel) -> list[int]:
     """Inner sizes U a CP group of `cp_size` ranks can use, for the cost model of one TP
     rank's CP group (`per_tp_rank`): U divides P, U of its ranks fit in a node, and its
     heads split over U (`check_heads`)."""
-    from .comm.ulysses import check_heads
-
     sizes = []
     for U in range(1, cp_size + 1):
         if cp_size % U or U > rank_model.gpus_per_node:
@@ -142,12 +141,17 @@ def per_tp_rank(model: CostModel, tensor_parallel_size: int) -> CostModel:
     tp = tensor_parallel_size
     if tp < 1 or model.num_heads % tp:
         raise ValueError(f"the {model.num_heads} query heads do not split over tensor-parallel size {tp}")
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:  # as Megatron's TransformerConfig asks
+        raise ValueError(f"the {model.num_kv_heads} key/value heads must be a multiple or a divisor of "
+                         f"tensor-parallel size {tp}")
     shaped = model.with_shape(model.num_heads // tp, max(1, model.num_kv_heads // tp), model.head_dim)
     return dataclasses.replace(shaped, gpus_per_node=max(model.gpus_per_node // tp, 1))
 
 
 def compare_layouts(batches: list[list[int]], cp_size: int, model: CostModel, tensor_parallel_size: int = 1) -> list[LayoutResult]:
     """Every usable layout U x R = `cp_size` (`inner_sizes`), modelled on `batches`."""
+    if cp_size < 1:
+        raise ValueError(f"--cp-size must be >= 1, got {cp_size}")
     shaped = per_tp_rank(model, tensor_parallel_size)
     sizes = inner_sizes(cp_size, shaped)
     if not sizes:
@@ -167,7 +171,7 @@ def compare_layouts(batches: list[list[int]], cp_size: int, model: CostModel, te
     return results
 
 
-def layouts_table(results: list[LayoutResult], cp_size: int) -> str:
+def layouts_table(results: list[LayoutResult], cp_size: int, tokens: int) -> str:
     """The compared layouts, fastest marked, and the Megatron flags to run it."""
     best = min(results, key=lambda r: r.modelled_s)
     lines = [f"{'U x R':>8} {'modelled ms':>12} {'vs ideal':>9} {'MiB sent/rank':>14}  candidate (most rows)"]
@@ -183,6 +187,9 @@ def layouts_table(results: list[LayoutResult], cp_size: int) -> str:
     elif best.outer_size == 1:
         flags += f" --sap-inner-size {best.inner_size}"
     lines += ["", f"fastest: {best.inner_size} x {best.outer_size}:  {flags}"]
+    if tokens % (2 * cp_size):
+        lines.append(f"note: Megatron-LM's argument check wants the sequence length ({tokens}) divisible by "
+                     f"2 x CP = {2 * cp_size}; SAP itself needs only CP")
     return "\n".join(lines)
 
 
@@ -268,7 +275,7 @@ def draw(plan: Plan, path: Path) -> None:
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # PNG whatever the name ends in
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -276,8 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         model = CostModel.preset(args.preset)
-        model = model.with_shape(args.num_heads or model.num_heads, args.num_kv_heads or model.num_kv_heads,
-                                 args.head_dim or model.head_dim)
+        model = model.with_shape(*(model_value if given is None else given for given, model_value in (
+            (args.num_heads, model.num_heads), (args.num_kv_heads, model.num_kv_heads), (args.head_dim, model.head_dim))))
         try:
             batches = batches_from_args(args)
         except RuntimeError as err:  # a corpus that cannot be read here
@@ -285,20 +292,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cp_size is not None:
             results = compare_layouts(batches, args.cp_size, model, args.tensor_parallel_size)
         else:
+            rank_model = per_tp_rank(model, args.tensor_parallel_size)
+            if args.inner_size >= 1:  # else plan_sequences names the bad size
+                check_heads(rank_model.num_heads, rank_model.num_kv_heads, args.inner_size)
             plan = plan_sequences(batches[0], outer_size=args.outer_size, inner_size=args.inner_size,
-                                  cost_model=per_tp_rank(model, args.tensor_parallel_size), cache=None)
+                                  cost_model=rank_model, cache=None)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.cp_size is None and args.inner_size > rank_model.gpus_per_node:
+        print(f"warning: an inner group of {args.inner_size} CP ranks (x TP {args.tensor_parallel_size}) spans nodes "
+              f"of {model.gpus_per_node} GPUs: its all-to-alls would cross nodes", file=sys.stderr)
     if args.cp_size is not None:
         print(f"layouts of CP size {args.cp_size}, T = {batches[0][-1]}, mean over {len(batches)} row(s), "
               f"{args.preset} preset, Hq={model.num_heads} Hkv={model.num_kv_heads} D={model.head_dim}, "
               f"TP={args.tensor_parallel_size}, {model.gpus_per_node} GPUs per node:")
-        print(layouts_table(results, args.cp_size))
+        print(layouts_table(results, args.cp_size, batches[0][-1]))
         return 0
     print(describe(plan))
     if args.png is not None:
-        draw(plan, args.png)
+        try:
+            draw(plan, args.png)
+        except (OSError, ValueError) as err:
+            print(f"error: cannot write the picture to {args.png}: {err}", file=sys.stderr)
+            return 2
         print(f"\nwrote {args.png}")
     return 0
 

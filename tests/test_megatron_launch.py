@@ -277,6 +277,23 @@ def test_launcher_rejects_a_missing_script() -> None:
     assert result.returncode != 0 and "not found" in result.stderr
 
 
+def test_launcher_help_and_a_missing_megatron_lm(tmp_path) -> None:
+    run = lambda *argv, **env: subprocess.run([sys.executable, "-m", "megatron_sap.launch", *argv], capture_output=True,  # noqa: E731
+                                              text=True, timeout=120, env={**os.environ, **env})
+    shown = run("--help")
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: python -m megatron_sap.launch")
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("print('ran')\n")
+    try:
+        import megatron.training  # noqa: F401
+    except ImportError:
+        result = run(str(script), MEGATRON_LM_PATH="")
+        assert result.returncode != 0 and "ran" not in result.stdout
+        assert "cannot install the SAP hooks" in result.stderr and "MEGATRON_LM_PATH" in result.stderr
+    else:
+        assert run(str(script)).stdout.strip().endswith("ran")
+
+
 @needs_megatron_lm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on GPU machines the smoke training run covers the launcher")
 def test_launcher_runs_pretrain_gpt_through_the_hooks() -> None:

@@ -830,6 +830,22 @@ def test_cli_prints_layout_and_writes_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_writes_the_png_it_names_or_says_why_not(tmp_path, capsys):
+    no_suffix = tmp_path / "layout"
+    assert plan_cli([*"--cu-seqlens 0,3000,8192 --outer-size 2 --png".split(), str(no_suffix)]) == 0
+    assert no_suffix.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {no_suffix}" in capsys.readouterr().out
+    missing = tmp_path / "no" / "such" / "dir.png"
+    assert plan_cli([*"--cu-seqlens 0,3000,8192 --outer-size 2 --png".split(), str(missing)]) == 2
+    assert f"error: cannot write the picture to {missing}" in capsys.readouterr().err
+
+
+def test_cli_warns_of_an_inner_group_across_nodes_and_of_megatrons_2cp_rule(capsys):
+    assert plan_cli(["--cu-seqlens", "0,8192", "--outer-size", "1", "--inner-size", "8", "--tensor-parallel-size", "2"]) == 0
+    assert "spans nodes of 8 GPUs" in capsys.readouterr().err
+    assert plan_cli(["--cu-seqlens", "0,100,8196", "--cp-size", "4"]) == 0
+    assert "divisible by 2 x CP = 8" in capsys.readouterr().out
+
+
 def test_cli_packs_real_lengths(capsys):
     assert plan_cli(["--lengths-from", "stdlib", "--tokens", "16384", "--seed", "1", "--outer-size", "8", "--preset", "h200"]) == 0
     out = capsys.readouterr().out
@@ -842,6 +858,13 @@ def test_cli_packs_real_lengths(capsys):
         (["--cu-seqlens", "0,5,9", "--outer-size", "2"], "must be divisible"),
         (["--cu-seqlens", "0,x", "--outer-size", "2"], "comma-separated integers"),
         (["--cu-seqlens", "4,8", "--outer-size", "2"], "start at 0"),
+        (["--cu-seqlens", "0,4096,8192", "--outer-size", "2", "--inner-size", "4", "--num-heads", "6",
+          "--num-kv-heads", "6"], "query heads (6) must be divisible by the inner (Ulysses) size (4)"),
+        (["--cu-seqlens", "0,8192", "--cp-size", "8", "--num-heads", "0"], "num_heads must be a positive integer, got 0"),
+        (["--cu-seqlens", "0,8192", "--cp-size", "8", "--head-dim", "0"], "head_dim must be a positive integer, got 0"),
+        (["--cu-seqlens", "0,8192", "--cp-size", "0"], "--cp-size must be >= 1, got 0"),
+        (["--cu-seqlens", "0,8192", "--cp-size", "8", "--num-heads", "48", "--num-kv-heads", "12",
+          "--tensor-parallel-size", "8"], "12 key/value heads must be a multiple or a divisor of tensor-parallel size 8"),
     ],
 )
 def test_cli_reports_bad_input(argv, message, capsys):

@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, default=3, help="packed batches averaged per point")
     parser.add_argument("--img-dir", default="docs/img")
     args = parser.parse_args(argv)
+    if args.batches < 1:
+        parser.error(f"--batches must be >= 1, got {args.batches}")
     start = time.perf_counter()
     if args.quick:
         points = project(corpora=("sharegpt",), presets=("h100",), Ps=(8, 64, 512), Ts=(128 * 1024, 1 << 20),
