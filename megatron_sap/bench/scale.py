@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one corpus, one preset, fewer points")
     parser.add_argument("--batches", type=int, default=3, help="packed batches averaged per point")
-    parser.add_argument("--img-dir", default="docs/img")
+    parser.add_argument("--img-dir", help="where the plots go (default: docs/img; with --quick, none unless given, "
+                                          "so that a quick run leaves the published plots alone)")
     args = parser.parse_args(argv)
     if args.batches < 1:
         parser.error(f"--batches must be >= 1, got {args.batches}")
@@ -388,8 +389,10 @@ def main(argv: list[str] | None = None) -> None:
     print(scale_table(rows))
     print()
     print(targets_table(scale_targets(rows)))
-    for path in plots.scale_plots(points, Path(args.img_dir)):
-        print("wrote", path)
+    img_dir = args.img_dir or (None if args.quick else "docs/img")
+    if img_dir is not None:
+        for path in plots.scale_plots(points, Path(img_dir)):
+            print("wrote", path)
     print(f"scale model: {len(points)} method points in {time.perf_counter() - start:.1f} s")
 
 
