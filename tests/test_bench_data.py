@@ -236,6 +236,18 @@ def test_modelled_targets_judge_sap_at_its_fastest_layout():
     assert not slower["moves"].met and "40.0%" in slower["moves"].detail
 
 
+def test_the_mixed_baseline_is_weighed_at_every_inner_size_on_one_node_too():
+    from megatron_sap.bench.scale import baseline_layouts
+    from megatron_sap.planning.cost_model import CostModel
+
+    h100 = CostModel.preset("h100")
+    assert baseline_layouts("a2a+p2p", 8, h100) == [2, 4, 8]
+    assert baseline_layouts("a2a+p2p", 4, h100) == [2, 4]
+    assert baseline_layouts("a2a+p2p", 32, h100) == [2, 4, 8]
+    assert baseline_layouts("a2a+p2p", 32, h100.with_shape(32, 2, 128)) == [2]  # capped by the KV heads
+    assert baseline_layouts("p2p", 8, h100) == [1] and baseline_layouts("a2a", 8, h100) == [8]
+
+
 def test_gpu_section_renders_the_gpu_check_report(tmp_path):
     from megatron_sap.bench.gpu_report import gpu_section
     from megatron_sap.bench.planning_time import as_records

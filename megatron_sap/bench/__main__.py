@@ -62,7 +62,8 @@ def modelled_points(num_batches: int, preset: str = "h100") -> list[MethodPoint]
         for T in BENCH_T:
             batches = pack(lengths, T, num_batches, seed=1)
             for P in BENCH_P:
-                runs = [(SAP, U) for U in sap_inners(P)] + [(m, scale.baseline_inner(m, P, model)) for m in BASELINES]
+                runs = [(SAP, U) for U in sap_inners(P)] + [(m, U) for m in BASELINES
+                                                               for U in scale.baseline_layouts(m, P, model)]
                 for method, inner in runs:
                     point = scale.evaluate_method(method, batches, P, inner, model, corpus, preset)
                     if point is not None:

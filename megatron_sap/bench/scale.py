@@ -182,11 +182,14 @@ def sap_layouts(P: int, model: CostModel) -> list[int]:
 
 
 def baseline_layouts(method: str, P: int, model: CostModel) -> list[int]:
-    """Inner sizes U a baseline is evaluated with in the projection: for ``a2a+p2p`` every
-    `node_inner_sizes` degree (its default `baseline_inner` where there is none), else its
-    default."""
+    """Inner sizes U a baseline is evaluated with: for ``a2a+p2p`` every power of two from 2
+    up to one node's worth (capped by the KV heads) that divides P, on one node too (a
+    mixed layout can beat both pure ones there), its default `baseline_inner` where there
+    is none; else its default."""
     if method == "a2a+p2p":
-        return node_inner_sizes(P, model) or [baseline_inner(method, P, model)]
+        node = min(model.gpus_per_node, model.num_kv_heads)
+        sizes = [1 << i for i in range(1, node.bit_length()) if P % (1 << i) == 0]
+        return sizes or [baseline_inner(method, P, model)]
     return [baseline_inner(method, P, model)]
 
 
