@@ -14,6 +14,7 @@ more forward-sized exchange).
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 
@@ -319,43 +320,57 @@ def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             )
 
 
-def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool) -> None:
-    """`verify_plan_agreement` once per (plan, group, recompute_kv): on plan-cache misses."""
-    if (id(groups.cp_group), bool(recompute_kv)) not in plan.__dict__.get("_agreed_groups", ()):
-        verify_plan_agreement(plan, groups, recompute_kv)
+def attention_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
+    """(query heads, key/value heads, head dim, bytes per element) of one rank's attention:
+    what the ranks' exchanges must agree on besides the plan."""
+    return q.shape[1], k.shape[1], q.shape[2], q.element_size()
 
 
-def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = False) -> None:
+def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: tuple[int, int, int, int]) -> None:
+    """`verify_plan_agreement` once per (plan, group, recompute_kv, attention shape): on
+    plan-cache misses, unless a batch split already checked this shape."""
+    if (id(groups.cp_group), bool(recompute_kv), shape) not in plan.__dict__.get("_agreed_groups", ()):
+        verify_plan_agreement(plan, groups, recompute_kv, shape)
+
+
+def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = False,
+                          shape: tuple[int, int, int, int] | None = None) -> None:
     """Check now that every rank of the CP group planned the same batch and layout, and
     runs it with the same `recompute_kv` (which decides whether the backward exchanges K/V
-    again: ranks that differ would wait for each other).
+    again: ranks that differ would wait for each other) and attention `shape` (heads, head
+    dim and element size, which size the exchanged buffers; None: not checked here).
 
     One all-reduce of a 62-bit hash (and one host sync). Raises on every rank, with both
     hashes, instead of deadlocking in P2P or computing garbage. A batch splitter calls it
-    once per micro-batch, which also catches a rank that reuses a cached plan while
-    another plans a new batch; `sap_attention` calls it on the first use of a plan with a
-    group and a `recompute_kv`. (Ranks may run different schedules: both exchange the
-    same rows in the same order.)
+    once per micro-batch (with the model's shape where it knows it), which also catches a
+    rank that reuses a cached plan while another plans a new batch; `sap_attention` calls
+    it on the first use of a plan with a group, a `recompute_kv` and a shape not checked
+    yet. (Ranks may run different schedules: both exchange the same rows in the same
+    order. Two dtypes of one size, fp16 and bf16, look alike here.)
     """
     recompute_kv = bool(recompute_kv)
-    mine = (int(plan.signature(), 16) * 2 + recompute_kv) & ((1 << 62) - 1)
+    shape = None if shape is None else tuple(int(x) for x in shape)
+    digest = hashlib.sha1(f"{plan.signature()}|{recompute_kv}|{shape}".encode()).hexdigest()
+    mine = int(digest[:16], 16) & ((1 << 62) - 1)
     values = torch.tensor([mine, -mine], dtype=torch.int64, device=collective_device(groups.cp_group))
     try:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=groups.cp_group)
     except Exception as exc:  # a dead or stuck rank: the backend's error type varies (gloo, NCCL)
         raise RuntimeError(
             f"SAP agreement check (all-reduce of plan hashes over CP ranks {list(groups.cp_ranks)}, "
-            f"from cp_rank {groups.cp_rank}) failed: {exc}"
+            f"from cp_rank {groups.cp_rank}) failed: {exc}. A rank died or is stuck, or the ranks built "
+            f"their SAP groups differently (every rank must create them alike, e.g. the same init_sap_groups sizes)"
         ) from exc
     high, low = int(values[0]), -int(values[1])
     if high != low:
         raise RuntimeError(
-            f"CP ranks disagree on the batch or on recompute_kv: this rank (cp_rank {groups.cp_rank}) planned "
-            f"hash {mine:x} ({plan.total_tokens} tokens, {len(plan.cu_seqlens) - 1} documents, layout "
-            f"{plan.inner_size}x{plan.outer_size}, recompute_kv={recompute_kv}), the group has hashes from "
-            f"{low:x} to {high:x}"
+            f"CP ranks disagree on the batch, the layout, the cost model, the attention shape or recompute_kv: "
+            f"this rank (cp_rank {groups.cp_rank}) planned hash {mine:x} ({plan.total_tokens} tokens, "
+            f"{len(plan.cu_seqlens) - 1} documents, layout {plan.inner_size}x{plan.outer_size}, cost model "
+            f"{plan.cost_model.name!r}, attention shape (heads, kv heads, head dim, bytes) {shape}, "
+            f"recompute_kv={recompute_kv}), the group has hashes from {low:x} to {high:x}"
         )
-    plan.__dict__.setdefault("_agreed_groups", set()).add((id(groups.cp_group), recompute_kv))
+    plan.__dict__.setdefault("_agreed_groups", set()).add((id(groups.cp_group), recompute_kv, shape))
     mark_ready(groups.cp_group)  # the outer group too when it is the CP group (U = 1)
 
 
@@ -398,7 +413,7 @@ def sap_attention(
     if check_finite if check_finite is not None else os.environ.get("MEGATRON_SAP_CHECK_FINITE") == "1":
         _check_finite(q, k, v)
     if groups is not None and groups.world_size > 1 and check_agreement:
-        _check_agreement(plan, groups, recompute_kv)
+        _check_agreement(plan, groups, recompute_kv, attention_shape(q, k))
     outer = _Outer(groups)
     if outer.group is not None:
         ready_for_batched_p2p(outer.group, f"outer group (cp_rank {groups.cp_rank})")

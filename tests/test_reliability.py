@@ -41,16 +41,18 @@ def _local_inputs(plan, cp_rank: int, cu: list[int], heads: int, kv_heads: int, 
 
 
 def disagree_job(rank: int, world: int, inner: int, cu: list[int], other_cu: list[int], odd_rank: int,
-                 odd_recompute: bool = False) -> str:
+                 odd_recompute: bool = False, odd_shape: tuple[int, int, str] | None = None) -> str:
     """Every rank attends with a fresh plan; `odd_rank` plans `other_cu` (and, with
-    `odd_recompute`, alone recomputes the K/V). Returns 'ok' or the error."""
+    `odd_recompute`, alone recomputes the K/V; with `odd_shape` (query heads, KV heads,
+    dtype) alone attends in that shape). Returns 'ok' or the error."""
     import megatron_sap as sap
     from megatron_sap.planning import PlanCache
 
     groups = groups_for(inner, world // inner)
     mine = other_cu if rank == odd_rank else cu
     plan = sap.plan_sequences(mine, outer_size=world // inner, inner_size=inner, cache=PlanCache())
-    q, k, v, dout = _local_inputs(plan, groups.cp_rank, mine, 4, 2, seed=0)
+    heads, kv_heads, dtype = odd_shape if odd_shape and rank == odd_rank else (4, 2, "float64")
+    q, k, v, dout = (t.to(getattr(torch, dtype)) for t in _local_inputs(plan, groups.cp_rank, mine, heads, kv_heads, seed=0))
     try:
         sap.sap_attention(q, k, v, plan, groups, recompute_kv=odd_recompute and rank == odd_rank).backward(dout)
     except RuntimeError as exc:
@@ -67,9 +69,9 @@ def test_disagreeing_rank_raises_on_every_rank(request: pytest.FixtureRequest, w
     messages = pool.run(disagree_job, inner, cu, other, odd_rank)
     hashes = []
     for rank, message in enumerate(messages):
-        found = re.search(r"CP ranks disagree on the batch or on recompute_kv: this rank \(cp_rank (\d+)\) planned hash "
-                          r"([0-9a-f]+) \(64 tokens, 4 documents, layout .*\), the group has hashes from ([0-9a-f]+) to "
-                          r"([0-9a-f]+)", message)
+        found = re.search(r"CP ranks disagree on the batch, the layout, the cost model, the attention shape or "
+                          r"recompute_kv: this rank \(cp_rank (\d+)\) planned hash ([0-9a-f]+) \(64 tokens, 4 documents, "
+                          r"layout .*\), the group has hashes from ([0-9a-f]+) to ([0-9a-f]+)", message)
         assert found, (rank, message)
         cp_rank, mine, low, high = found.groups()
         assert int(cp_rank) == rank and low != high and mine in (low, high), message
@@ -85,6 +87,18 @@ def test_rank_recomputing_kv_alone_raises_on_every_rank(pool4: WorkerPool) -> No
     messages = pool4.run(disagree_job, 1, cu, cu, 2, True)
     assert all("recompute_kv=" in m and "disagree" in m for m in messages), messages
     assert "recompute_kv=True" in messages[2] and "recompute_kv=False" in messages[0]
+
+
+@pytest.mark.parametrize("odd_shape", [(8, 2, "float64"), (4, 4, "float64"), (4, 2, "float32")],
+                         ids=["query-heads", "kv-heads", "dtype-size"])
+def test_rank_attending_in_another_shape_raises_on_every_rank(pool4: WorkerPool, odd_shape) -> None:
+    """Heads and element size size the exchanged buffers: a rank that differs would make
+    its peers read garbage or abort inside the backend, so the agreement check counts them."""
+    cu = [0, 10, 24, 40, 64]
+    messages = pool4.run(disagree_job, 2, cu, cu, 1, False, odd_shape)
+    assert all("disagree" in m and "attention shape" in m for m in messages), messages
+    heads, kv_heads, dtype = odd_shape
+    assert f"(heads, kv heads, head dim, bytes) ({heads}, {kv_heads}, " in messages[1]
 
 
 def test_agreeing_ranks_pass(pool4: WorkerPool) -> None:

@@ -187,7 +187,13 @@ def init_sap_groups(
         timeout = _group_timeout(dist.group.WORLD)
 
     def new_group(group_ranks: tuple[int, ...]) -> ProcessGroup:
-        return dist.new_group(list(group_ranks), timeout=timeout, backend=backend)
+        try:
+            return dist.new_group(list(group_ranks), timeout=timeout, backend=backend)
+        except RuntimeError as exc:  # typically a timeout: the ranks asked for different groups
+            raise RuntimeError(
+                f"init_sap_groups: creating the group of ranks {list(group_ranks)} failed on rank {dist.get_rank()}: "
+                f"{exc}. Every rank must call init_sap_groups alike (the same sizes and ranks)"
+            ) from exc
 
     mine = None
     for layout in layouts:  # the same groups in the same order on every rank, as new_group requires

@@ -118,7 +118,8 @@ def sap_split_batch(
     plan = plan_for(cu, groups)
     if groups is not None and get_sap_options().check_agreement:
         # every micro-batch: cheap, and it also catches stale cached plans
-        verify_plan_agreement(plan, groups, get_sap_options().recompute_kv)
+        # with the model's attention shape where the flags gave it: the layers then need no check of their own
+        verify_plan_agreement(plan, groups, get_sap_options().recompute_kv, get_sap_options().model_shape)
     cp_rank = 0 if groups is None else groups.cp_rank
     indices = plan.local_indices(cp_rank).to(device)
     positions = plan.position_ids(cp_rank).to(device)
