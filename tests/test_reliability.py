@@ -149,6 +149,49 @@ def test_agreement_check_runs_once_per_plan_and_can_be_switched_off(pool2: Worke
     assert pool2.run(count_agreement_job, False) == [[1, 0, 0]] * 2
 
 
+def split_agreement_job(rank: int, world: int, model_shape) -> list[int]:
+    """all_reduce calls of a batch split and a layer's forward, two micro-batches, with the
+    model's shape known to the options or not."""
+    pytest.importorskip("megatron.core")
+    import torch.distributed as dist
+
+    import megatron_sap as sap
+    from megatron_sap.megatron import sap_split_batch, set_sap_options
+    from megatron_sap.megatron.options import reset_sap_options
+    from megatron_sap.megatron.plans import plan_for
+
+    groups = groups_for(1, world)
+    set_sap_options(model_shape=model_shape)
+    calls, real = 0, dist.all_reduce
+
+    def counting(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)
+
+    counts = []
+    dist.all_reduce = counting
+    try:
+        for cu in ([0, 3, 20, 32], [0, 7, 30, 32]):
+            before = calls
+            _, params = sap_split_batch({"tokens": torch.arange(32)[None]}, cu, groups)
+            plan = plan_for(params.cu_seqlens_q, groups)  # the split's plan, as the layers get it
+            q, k, v, _ = _local_inputs(plan, groups.cp_rank, cu, 2, 1, seed=1)
+            sap.sap_attention(q, k, v, plan, groups)
+            counts.append(calls - before)
+    finally:
+        dist.all_reduce = real
+        reset_sap_options()
+    return counts
+
+
+def test_a_split_that_knows_the_model_shape_covers_the_layers(pool2: WorkerPool) -> None:
+    """One agreement all-reduce per micro-batch when the options know the layers' shape
+    (as the flags set it), a second one in the first layer when they do not."""
+    assert pool2.run(split_agreement_job, (2, 1, 8, 8)) == [[1, 1]] * 2
+    assert pool2.run(split_agreement_job, None) == [[2, 2]] * 2
+
+
 def unchecked_disagreement_job(rank: int, world: int) -> float:
     """Pure Ulysses (no P2P) with different cu_seqlens on rank 1 and the check off: max error vs the truth."""
     import megatron_sap as sap
