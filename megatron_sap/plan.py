@@ -283,8 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         model = CostModel.preset(args.preset)
-        model = model.with_shape(*(model_value if given is None else given for given, model_value in (
-            (args.num_heads, model.num_heads), (args.num_kv_heads, model.num_kv_heads), (args.head_dim, model.head_dim))))
+        model = model.with_shape(  # a value given (even 0, which the cost model refuses) replaces the preset's
+            model.num_heads if args.num_heads is None else args.num_heads,
+            model.num_kv_heads if args.num_kv_heads is None else args.num_kv_heads,
+            model.head_dim if args.head_dim is None else args.head_dim,
+        )
         try:
             batches = batches_from_args(args)
         except RuntimeError as err:  # a corpus that cannot be read here
