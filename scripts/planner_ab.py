@@ -35,7 +35,10 @@ OLD = "megatron_sap_at_rev"
 
 def import_revision(rev: str, into: Path):
     """The planner module of `megatron_sap` at `rev`, imported under another package name."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "megatron_sap"], check=True, capture_output=True).stdout
+    result = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "megatron_sap"], capture_output=True)
+    if result.returncode:
+        raise SystemExit(f"planner_ab: cannot read megatron_sap at revision {rev!r}: {result.stderr.decode().strip()}")
+    archive = result.stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(into, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))  # Python >= 3.11.4
     (into / "megatron_sap").rename(into / OLD)
