@@ -15,7 +15,6 @@ more forward-sized exchange).
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 
 import torch
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from .comm.groups import SAPGroups
 from .comm.p2p import PendingExchange, collective_device, mark_ready, post_exchange, ready_for_batched_p2p
 from .comm.ulysses import GatherHeads, ScatterHeads, check_heads, replicate_kv_heads
-from .kernels import merge_into, resolve_backend, varlen_backward, varlen_forward
+from .kernels import merge_into, resolve_backend, resolve_softmax_scale, varlen_backward, varlen_forward
 from .planning import Plan, RankProgram
 from .planning.program import check_schedule
 
@@ -404,9 +403,7 @@ def sap_attention(
     check_schedule(schedule, allow_auto=True)
     if not isinstance(recompute_kv, bool):
         raise TypeError(f"recompute_kv must be True or False, got {recompute_kv!r}")
-    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    scale = resolve_softmax_scale(q.shape[2], softmax_scale)
     # The backend and dtype are checked here, before any exchange is posted: an error
     # raised between posting and waiting would leave the peers' transfers pending.
     backend = resolve_backend(backend, q.device, q.dtype, q.shape[2])

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import _accumulation_dtype, _backward_calls, _forward_calls, _local_forward, _write_forward
+from .kernels import resolve_softmax_scale
 from .planning import Plan
 
 
@@ -85,7 +86,7 @@ def simulate_plan(
         if t.dim() != 3 or t.shape[0] != plan.total_tokens:
             raise ValueError(f"{name} must be the whole batch [T={plan.total_tokens}, heads, head_dim], "
                              f"got shape {tuple(t.shape)}")
-    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(q.shape[2], softmax_scale)
     acc_dtype = _accumulation_dtype(q.dtype)
     device = q.device
     R = plan.outer_size

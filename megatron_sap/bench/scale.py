@@ -167,10 +167,15 @@ def evaluate_method(
 
 def node_inner_sizes(P: int, model: CostModel) -> list[int]:
     """Head-parallel degrees U > 1 a two-level layout can use across nodes at P ranks:
-    powers of two up to one node's worth, capped by the KV heads, dividing P."""
+    `head_parallel_sizes`, across nodes only."""
+    return head_parallel_sizes(P, model) if P > model.gpus_per_node else []
+
+
+def head_parallel_sizes(P: int, model: CostModel) -> list[int]:
+    """Head-parallel degrees U > 1 within a node: powers of two up to one node's worth,
+    capped by the KV heads, dividing P."""
     node = min(model.gpus_per_node, model.num_kv_heads)
-    sizes = [1 << i for i in range(1, node.bit_length()) if (1 << i) <= node]
-    return [U for U in sizes if P % U == 0] if P > model.gpus_per_node else []
+    return [1 << i for i in range(1, node.bit_length()) if P % (1 << i) == 0]
 
 
 def sap_layouts(P: int, model: CostModel) -> list[int]:
@@ -182,14 +187,11 @@ def sap_layouts(P: int, model: CostModel) -> list[int]:
 
 
 def baseline_layouts(method: str, P: int, model: CostModel) -> list[int]:
-    """Inner sizes U a baseline is evaluated with: for ``a2a+p2p`` every power of two from 2
-    up to one node's worth (capped by the KV heads) that divides P, on one node too (a
-    mixed layout can beat both pure ones there), its default `baseline_inner` where there
-    is none; else its default."""
+    """Inner sizes U a baseline is evaluated with: for ``a2a+p2p`` every
+    `head_parallel_sizes` degree, on one node too (a mixed layout can beat both pure ones
+    there), its default `baseline_inner` where there is none; else its default."""
     if method == "a2a+p2p":
-        node = min(model.gpus_per_node, model.num_kv_heads)
-        sizes = [1 << i for i in range(1, node.bit_length()) if P % (1 << i) == 0]
-        return sizes or [baseline_inner(method, P, model)]
+        return head_parallel_sizes(P, model) or [baseline_inner(method, P, model)]
     return [baseline_inner(method, P, model)]
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "merge_into",
     "merge_partials",
     "resolve_backend",
+    "resolve_softmax_scale",
     "varlen_backward",
     "varlen_forward",
 ]
@@ -156,14 +157,20 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
                 raise ValueError(f"max_seqlen for {name} is {max_seqlen}, below its longest segment ({longest})")
 
 
-def _softmax_scale(q: Tensor, causal: bool, softmax_scale: float | None) -> float:
-    """The call's scale (default head_dim ** -0.5), checked finite; `causal` checked a bool."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+def resolve_softmax_scale(head_dim: int, softmax_scale: float | None) -> float:
+    """The scale of the scores: `softmax_scale`, default head_dim ** -0.5; checked finite
+    (a NaN or infinite scale would make every output NaN)."""
+    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
     return scale
+
+
+def _call_scale(q: Tensor, causal: bool, softmax_scale: float | None) -> float:
+    """`resolve_softmax_scale` for a kernel call, with `causal` checked a bool."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    return resolve_softmax_scale(q.shape[2], softmax_scale)
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -200,7 +207,7 @@ def varlen_forward(
     would cost a host sync, so the flash backends trust them.
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    scale = _softmax_scale(q, causal, softmax_scale)
+    scale = _call_scale(q, causal, softmax_scale)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     name = resolve_backend(backend, q.device, q.dtype, q.shape[2])
     if q.shape[0] == 0 or k.shape[0] == 0:
@@ -245,7 +252,7 @@ def varlen_backward(
         raise ValueError(f"lse must be float32 or float64 (as the forward returns it), got {lse.dtype}")
     if not (dout.device == out.device == lse.device == q.device):
         raise ValueError(f"dout, out, lse must be on q's device {q.device}, got {dout.device}, {out.device}, {lse.device}")
-    scale = _softmax_scale(q, causal, softmax_scale)
+    scale = _call_scale(q, causal, softmax_scale)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     name = resolve_backend(backend, q.device, q.dtype, q.shape[2])
     if q.shape[0] == 0 or k.shape[0] == 0:
