@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_FLAGS ?= -q
 
-.PHONY: install test demo bench gpu-check clean
+.PHONY: install test test-compat demo bench gpu-check clean
 
 install:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or set PYTHON=...)"; exit 1; }
@@ -17,6 +17,17 @@ install:
 
 test:
 	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_FLAGS) tests
+
+# The Megatron tests on the earlier megatron-core releases SAP supports (`make test` runs the
+# installed 0.16.1): each release goes into .cache/ and shadows the installed one on PYTHONPATH.
+MCORE_COMPAT ?= 0.13.1 0.14.0 0.15.3
+test-compat:
+	@for v in $(MCORE_COMPAT); do \
+		echo "megatron-core $$v"; \
+		test -d .cache/megatron-core-$$v || $(PY) -m pip install -q --no-deps --target .cache/megatron-core-$$v "megatron-core==$$v" || exit 1; \
+		PYTHONWARNINGS=ignore PYTHONPATH=$(CURDIR)/.cache/megatron-core-$$v $(PY) -c "import megatron.core as m; assert m.__version__ == '$$v', m.__version__" || exit 1; \
+		OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR)/.cache/megatron-core-$$v $(PY) -m pytest $(PYTEST_FLAGS) tests/test_megatron_*.py || exit 1; \
+	done
 
 demo:
 	OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore::UserWarning $(PY) -m megatron_sap.demo

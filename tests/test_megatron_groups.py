@@ -17,16 +17,18 @@ def _ranks(group) -> tuple[int, ...]:
 
 
 def layout_rank(rank: int, world_size: int, inner: int, outer: int, tp: int) -> dict:
-    """Groups from initialize_sap_parallel beside Megatron's parallel_state and ProcessGroupCollection."""
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    """Groups from initialize_sap_parallel beside Megatron's parallel_state and process group
+    collection (`ProcessGroupCollection`; `ModelCommProcessGroups` before megatron-core 0.15)."""
+    from megatron.core import parallel_state, process_groups_config
+
+    collection = getattr(process_groups_config, "ProcessGroupCollection", None) or process_groups_config.ModelCommProcessGroups
 
     from megatron_sap.megatron import initialize_sap_parallel, sap_groups_from_pg_collection
 
     try:
         groups = initialize_sap_parallel(inner_size=inner, outer_size=outer, tensor_model_parallel_size=tp)
         hcp = parallel_state.get_hierarchical_context_parallel_groups()
-        from_collection = sap_groups_from_pg_collection(ProcessGroupCollection.use_mpu_process_groups())
+        from_collection = sap_groups_from_pg_collection(collection.use_mpu_process_groups())
         return {
             "sizes": (groups.inner_size, groups.outer_size),
             "cp_ranks": groups.cp_ranks,

@@ -25,8 +25,10 @@ from megatron_sap.megatron.arguments import sap_settings_from_args  # noqa: E402
 from megatron_sap.megatron.hooks import (  # noqa: E402
     pack_unpacked_batch,
     sap_requested,
+    wrap_get_batch_on_this_cp_rank,
     wrap_get_batch_on_this_tp_rank,
     wrap_get_thd_batch_on_this_cp_rank,
+    wrap_gpt_forward,
     wrap_initialize_model_parallel,
     wrap_pretrain,
     wrap_spec_builder,
@@ -36,7 +38,7 @@ from megatron_sap.megatron.rope import uninstall_sap_rope  # noqa: E402
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 needs_megatron_lm = pytest.mark.skipif(
-    not MEGATRON_LM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout to test the real hooks"
+    not MEGATRON_LM, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to v0.16) to test the real hooks"
 )
 
 
@@ -252,12 +254,41 @@ def test_batch_hooks_split_packed_rows_with_sap() -> None:
     assert torch.equal(local["labels"], local["tokens"] + 1)
 
 
+def test_legacy_batch_hooks_split_rows_and_hand_the_model_their_params() -> None:
+    """Megatron-LM before core_v0.16: the CP split becomes SAP's (entries in their order, as
+    `get_batch` returns `batch.values()`), and the model called without packed parameters gets
+    that split's."""
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True)
+    split = wrap_get_batch_on_this_cp_rank(lambda batch: pytest.fail("Megatron's split was called"), get_args=lambda: args)
+    row = _row([0, 1, 2, 0, 1, 0, 1, 2])
+    del row["cu_seqlens"], row["max_seqlen"]
+    local = split(row)
+    assert list(local) == ["tokens", "labels", "loss_mask", "attention_mask", "position_ids"]
+    assert torch.equal(local["labels"], local["tokens"] + 1)
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, packed_seq_params=None):
+        return packed_seq_params
+
+    model_forward = wrap_gpt_forward(forward, get_args=lambda: args)
+    params = model_forward(None, local["tokens"], local["position_ids"], None, labels=local["labels"])
+    assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 3, 5, 8] and params.max_seqlen_q == 3
+    assert model_forward(None, local["tokens"].clone(), None, None) is None  # tokens no split made
+    assert model_forward(None, local["tokens"], None, None, packed_seq_params="given") == "given"
+    whole = wrap_get_batch_on_this_cp_rank(lambda batch: None, get_args=lambda: SimpleNamespace(cp_comm_type="sap"))
+    assert model_forward(None, whole(_row([0, 1, 0, 1]))["tokens"], None, None).cu_seqlens_q.tolist() == [0, 4]
+    with pytest.raises(ValueError, match="got none"):
+        split({"tokens": None, "labels": torch.zeros(1, 4)})
+
+
 def test_batch_hooks_defer_to_megatron_without_sap() -> None:
     args = SimpleNamespace(cp_comm_type=["p2p"], reset_position_ids=True)
     get_batch = wrap_get_batch_on_this_tp_rank(lambda iterator: _row([0, 1, 0, 1]), get_args=lambda: args)
     assert get_batch(None)["cu_seqlens"] is None
     split = wrap_get_thd_batch_on_this_cp_rank(lambda *a, **k: "megatron", get_args=lambda: args)
     assert split({}, None, None, None) == "megatron"
+    assert wrap_get_batch_on_this_cp_rank(lambda batch: "megatron", get_args=lambda: args)({}) == "megatron"
+    forward = wrap_gpt_forward(lambda self, input_ids, packed_seq_params=None: packed_seq_params, get_args=lambda: args)
+    assert forward(None, torch.zeros(1, 4)) is None
 
 
 def test_spec_builder_hook_swaps_only_with_sap() -> None:
@@ -316,11 +347,21 @@ def test_hooks_patch_the_names_pretrain_gpt_imports() -> None:
         "from megatron_sap.megatron.hooks import install_training_hooks\n"
         "install_training_hooks()\n"
         "import pretrain_gpt\n"
+        "import megatron.core.utils as core_utils\n"
         "from megatron.core import parallel_state\n"
-        "import gpt_builders\n"
-        "for f in (pretrain_gpt.pretrain, pretrain_gpt.get_thd_batch_on_this_cp_rank,\n"
-        "          pretrain_gpt.get_batch_on_this_tp_rank, parallel_state.initialize_model_parallel,\n"
-        "          gpt_builders.get_gpt_heterogeneous_layer_spec):\n"
+        "from megatron.core.models.gpt import GPTModel\n"
+        "import megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs as heterogeneous\n"
+        "hooked = [pretrain_gpt.pretrain, parallel_state.initialize_model_parallel,\n"
+        "          heterogeneous.get_gpt_heterogeneous_layer_spec]\n"
+        "if hasattr(core_utils, 'get_thd_batch_on_this_cp_rank'):  # core_v0.16\n"
+        "    import gpt_builders\n"
+        "    hooked += [pretrain_gpt.get_thd_batch_on_this_cp_rank, pretrain_gpt.get_batch_on_this_tp_rank,\n"
+        "               gpt_builders.get_gpt_heterogeneous_layer_spec]\n"
+        "else:\n"
+        "    hooked += [pretrain_gpt.get_batch_on_this_cp_rank, GPTModel.forward]\n"
+        "    builder = getattr(pretrain_gpt, 'get_gpt_heterogeneous_layer_spec', None)\n"
+        "    hooked.append(builder or __import__('gpt_builders').get_gpt_heterogeneous_layer_spec)\n"
+        "for f in hooked:\n"
         "    assert f.__code__.co_filename.endswith('megatron_sap/megatron/hooks.py'), f\n"
         "from megatron.training.arguments import parse_args\n"
         "from megatron_sap.megatron import add_sap_args\n"
@@ -337,11 +378,23 @@ def test_hooks_patch_the_names_pretrain_gpt_imports() -> None:
 PATCH = os.path.join(os.path.dirname(__file__), os.pardir, "patches", "megatron-lm-core_v0.16.1-sap.patch")
 
 
+def _checkout_version() -> tuple[int, int]:
+    """(major, minor) of the Megatron-LM checkout, from its megatron/core/package_info.py."""
+    import re
+
+    with open(os.path.join(MEGATRON_LM, "megatron", "core", "package_info.py")) as info:
+        text = info.read()
+    return tuple(int(re.search(rf"^{name} = (\d+)", text, re.M).group(1)) for name in ("MAJOR", "MINOR"))
+
+
 @needs_megatron_lm
 def test_fork_patch_applies_and_compiles(tmp_path) -> None:
     """The patch applies to the checkout's pretrain_gpt.py and initialize.py, and the results compile."""
     import py_compile
     import shutil
+
+    if _checkout_version() != (0, 16):
+        pytest.skip("the fork patch is for core_v0.16; forks of earlier versions call install_training_hooks()")
 
     files = ["pretrain_gpt.py", os.path.join("megatron", "training", "initialize.py")]
     for name in files:

@@ -37,8 +37,8 @@ class SAPDotProductAttention(MegatronModule):
 
     Builder keywords match Megatron's `DotProductAttention`/`TEDotProductAttention`; extra keywords
     Megatron adds in other versions are accepted and ignored. The CP groups come from
-    `pg_collection` (`cp`, plus `hcp` = [inner, outer] when hierarchical CP is configured) or,
-    without one, from `parallel_state`.
+    `pg_collection` (`model_comm_pgs` in megatron-core 0.13-0.14: `cp`, plus `hcp` = [inner,
+    outer] when hierarchical CP is configured) or, without one, from `parallel_state`.
     """
 
     def __init__(
@@ -51,6 +51,7 @@ class SAPDotProductAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Any = None,
+        model_comm_pgs: Any = None,
         **_unused: Any,
     ) -> None:
         super().__init__(config=config)
@@ -69,7 +70,7 @@ class SAPDotProductAttention(MegatronModule):
             raise ValueError(f"SAP attention is causal self-attention, got attn_mask_type {attn_mask_type}")
         if attention_type != "self":
             raise ValueError(f"SAP attention is causal self-attention, got attention_type {attention_type!r}")
-        self.groups = sap_groups_from_pg_collection(pg_collection)
+        self.groups = sap_groups_from_pg_collection(pg_collection if pg_collection is not None else model_comm_pgs)
         if self.groups is not None and getattr(config, "multi_latent_attention", False) and getattr(config, "apply_rope_fusion", False):
             raise ValueError(
                 "SAP with context parallelism needs apply_rope_fusion=False for MLA: the fused MLA RoPE finds each "

@@ -1,4 +1,4 @@
-"""Hooks that make an unmodified Megatron-LM (core_v0.16.x) train with `--cp-comm-type sap`.
+"""Hooks that make an unmodified Megatron-LM (core_v0.13 to core_v0.16) train with `--cp-comm-type sap`.
 
 `install_training_hooks()` patches, before the training script runs:
 
@@ -8,12 +8,17 @@
   time): with SAP on, CP = U*R is initialized with Megatron's hierarchical CP groups [U, R], the
   SAP options are applied, layer specs are switched to SAP core attention and the SAP RoPE is
   installed (all before `get_model()` builds anything).
-* `megatron.training.utils.get_batch_on_this_tp_rank`: an unpacked micro-batch becomes a packed
-  one (documents from `--reset-position-ids` restarts, else the whole row) so that
-  `pretrain_gpt.get_batch` takes its THD path.
-* `megatron.core.utils.get_thd_batch_on_this_cp_rank`: the THD split becomes `sap_split_batch`.
-* `gpt_builders.get_gpt_heterogeneous_layer_spec` (Megatron-LM's root module): heterogeneous
-  specs name their core attention directly, bypassing the providers, so it is swapped afterwards.
+* core_v0.16, whose `pretrain_gpt.get_batch` has a packed (THD) path:
+  `megatron.training.utils.get_batch_on_this_tp_rank` makes an unpacked micro-batch a packed
+  one (documents from `--reset-position-ids` restarts, else the whole row) so that `get_batch`
+  takes that path, and `megatron.core.utils.get_thd_batch_on_this_cp_rank`, its split, becomes
+  `sap_split_batch`.
+* core_v0.13 to v0.15, whose `get_batch` has none: `megatron.training.utils.get_batch_on_this_cp_rank`
+  becomes `sap_split_batch` over the same documents, and `GPTModel.forward` takes the packed
+  parameters of a batch that split made when the script passes none.
+* `get_gpt_heterogeneous_layer_spec` (in megatron-core, before `pretrain_gpt.py` or Megatron-LM's
+  `gpt_builders` binds it by name): heterogeneous specs name their core attention directly,
+  bypassing the providers, so it is swapped afterwards.
 
 Every hook defers to Megatron's original unless the parsed args ask for SAP (`pretrain` only
 adds the `--sap-*` flags to the parser).
@@ -22,10 +27,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import warnings
 from typing import Any, Callable, Optional
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .arguments import add_sap_args, chain_args_providers, sap_settings_from_args
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_split_batch
@@ -156,17 +163,21 @@ def wrap_initialize_model_parallel(initialize: Callable, get_args: Callable[[], 
     return initialize_for_sap
 
 
-def pack_unpacked_batch(batch: dict[str, Any], reset_position_ids: bool) -> dict[str, Any]:
-    """Give a [1, S] batch without cu_seqlens its documents: position-id restarts, else one document."""
-    if batch.get("cu_seqlens") is not None or batch.get("tokens") is None:
-        return batch
+def row_cu_seqlens(batch: dict[str, Any], reset_position_ids: bool) -> torch.Tensor:
+    """The documents of a [1, S] batch: position-id restarts, else the whole row as one."""
     tokens = batch["tokens"]
     if tokens.dim() != 2 or tokens.size(0) != 1:
         raise ValueError(f"SAP trains packed rows: use --micro-batch-size 1 (got tokens of shape {tuple(tokens.shape)})")
     if reset_position_ids:
-        cu = cu_seqlens_from_position_ids(batch["position_ids"])
-    else:
-        cu = torch.tensor([0, tokens.size(1)], dtype=torch.int32, device=tokens.device)
+        return cu_seqlens_from_position_ids(batch["position_ids"])
+    return torch.tensor([0, tokens.size(1)], dtype=torch.int32, device=tokens.device)
+
+
+def pack_unpacked_batch(batch: dict[str, Any], reset_position_ids: bool) -> dict[str, Any]:
+    """Give a [1, S] batch without cu_seqlens its documents (`row_cu_seqlens`)."""
+    if batch.get("cu_seqlens") is not None or batch.get("tokens") is None:
+        return batch
+    cu = row_cu_seqlens(batch, reset_position_ids)
     batch["cu_seqlens"] = cu.unsqueeze(0)
     batch["max_seqlen"] = (cu[1:] - cu[:-1]).max().reshape(1)
     return batch
@@ -217,6 +228,55 @@ def wrap_get_thd_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], A
     return sap_thd_split
 
 
+_SPLIT_PARAMS = WeakTensorKeyDictionary()  # local tokens of a batch the SAP split made -> its PackedSeqParams
+
+
+def wrap_get_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
+    """Megatron's CP split of a [1, S] batch (core_v0.13 to v0.15) replaced by `sap_split_batch`
+    when SAP is on, at every CP size: the documents are `row_cu_seqlens`, or the batch's own
+    `cu_seqlens` where it has them. The entries come back in their order (`get_batch` returns
+    `batch.values()`); the packed parameters are kept for `GPTModel.forward`, keyed by the
+    local tokens (see `wrap_gpt_forward`)."""
+
+    @functools.wraps(split)
+    def sap_cp_split(batch: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        megatron_args = get_args()
+        if not sap_requested(megatron_args):
+            return split(batch, *args, **kwargs)
+        if batch.get("tokens") is None:
+            raise ValueError(
+                "SAP needs the tokens of every micro-batch on the ranks that run attention; this rank got none "
+                "(a pipeline stage or TP rank the data loader gives no tokens)"
+            )
+        cu = batch.get("cu_seqlens")
+        if cu is None:
+            cu = row_cu_seqlens(batch, bool(getattr(megatron_args, "reset_position_ids", False)))
+        local, params = sap_split_batch(batch, cu.flatten())
+        _SPLIT_PARAMS[local["tokens"]] = params
+        return local
+
+    return sap_cp_split
+
+
+def wrap_gpt_forward(forward: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
+    """`GPTModel.forward` that, called with no `packed_seq_params` on tokens the SAP split made
+    (`wrap_get_batch_on_this_cp_rank`), takes that split's: `pretrain_gpt.py` before core_v0.16
+    calls the model without them."""
+    signature = inspect.signature(forward)
+
+    @functools.wraps(forward)
+    def forward_with_split_params(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        input_ids = bound.arguments.get("input_ids")
+        if bound.arguments.get("packed_seq_params") is None and isinstance(input_ids, torch.Tensor):
+            params = _SPLIT_PARAMS.get(input_ids)
+            if params is not None and sap_requested(get_args()):
+                bound.arguments["packed_seq_params"] = params
+        return forward(*bound.args, **bound.kwargs)
+
+    return forward_with_split_params
+
+
 def wrap_spec_builder(build: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
     """A spec builder whose specs get SAP core attention when SAP is on."""
 
@@ -233,19 +293,23 @@ def install_training_hooks() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
+    import megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs as heterogeneous
     import megatron.core.utils as core_utils
     import megatron.training
     import megatron.training.utils as training_utils
     from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
 
     megatron.training.pretrain = wrap_pretrain(megatron.training.pretrain)
     parallel_state.initialize_model_parallel = wrap_initialize_model_parallel(parallel_state.initialize_model_parallel)
-    training_utils.get_batch_on_this_tp_rank = wrap_get_batch_on_this_tp_rank(training_utils.get_batch_on_this_tp_rank)
-    core_utils.get_thd_batch_on_this_cp_rank = wrap_get_thd_batch_on_this_cp_rank(core_utils.get_thd_batch_on_this_cp_rank)
-    try:
-        import gpt_builders  # Megatron-LM's root directory, on sys.path when a script runs from it
-    except ImportError:
-        pass
-    else:
-        gpt_builders.get_gpt_heterogeneous_layer_spec = wrap_spec_builder(gpt_builders.get_gpt_heterogeneous_layer_spec)
+    if hasattr(core_utils, "get_thd_batch_on_this_cp_rank"):  # core_v0.16: get_batch has a packed path
+        training_utils.get_batch_on_this_tp_rank = wrap_get_batch_on_this_tp_rank(training_utils.get_batch_on_this_tp_rank)
+        core_utils.get_thd_batch_on_this_cp_rank = wrap_get_thd_batch_on_this_cp_rank(core_utils.get_thd_batch_on_this_cp_rank)
+    else:  # core_v0.13 to v0.15
+        training_utils.get_batch_on_this_cp_rank = wrap_get_batch_on_this_cp_rank(training_utils.get_batch_on_this_cp_rank)
+        GPTModel.forward = wrap_gpt_forward(GPTModel.forward)
+    heterogeneous.get_gpt_heterogeneous_layer_spec = wrap_spec_builder(heterogeneous.get_gpt_heterogeneous_layer_spec)
+    builders = sys.modules.get("gpt_builders")  # imported already: it holds the original by name
+    if builders is not None and hasattr(builders, "get_gpt_heterogeneous_layer_spec"):
+        builders.get_gpt_heterogeneous_layer_spec = heterogeneous.get_gpt_heterogeneous_layer_spec
     _INSTALLED = True

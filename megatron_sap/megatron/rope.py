@@ -15,7 +15,6 @@ pipeline micro-batches correct.
 from __future__ import annotations
 
 import importlib
-import types
 from typing import Callable, Optional
 
 import torch
@@ -140,17 +139,32 @@ def uninstall_sap_rope() -> None:
 def make_rotary_cpu_safe(rotary: torch.nn.Module) -> None:
     """Keep a Megatron `RotaryEmbedding` on its own device.
 
-    Its `get_emb` moves `inv_freq` to the current CUDA device on first use, which fails on CPU-only
-    machines (demo, tests). This binds an instance-level `get_emb` that builds the same table
-    (angles duplicated for rotate-half, or pairwise for interleaved) on `inv_freq`'s device.
+    Megatron moves `inv_freq` to the current CUDA device on first use, which fails on CPU-only
+    machines (demo, tests). This builds the same table (angles duplicated for rotate-half, or
+    pairwise for interleaved) on `inv_freq`'s device instead: as an instance-level `get_emb`
+    where the class has one (megatron-core 0.16), else as an instance-level `forward` that also
+    slices a non-packed table for its CP rank as Megatron's does (0.13-0.15).
     """
 
-    def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
-        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
-        if self.rotary_interleaved:
+    def table(max_seq_len: int, offset: int = 0) -> Tensor:
+        freqs = rotary.get_freqs_non_repeated(max_seq_len, offset)
+        if rotary.rotary_interleaved:
             emb = freqs.repeat_interleave(2, dim=-1)
         else:
             emb = torch.cat((freqs, freqs), dim=-1)
         return emb[:, None, None, :]
 
-    rotary.get_emb = types.MethodType(get_emb, rotary)
+    if hasattr(type(rotary), "get_emb"):
+        rotary.get_emb = table
+        return
+
+    def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> Tensor:
+        emb = table(max_seq_len, offset)
+        group = cp_group if cp_group is not None else getattr(rotary, "cp_group", None)
+        if group is not None and group.size() > 1 and not packed_seq:
+            from megatron.core.models.common.embeddings.rotary_pos_embedding import get_pos_emb_on_this_cp_rank
+
+            emb = get_pos_emb_on_this_cp_rank(emb, 0, group)
+        return emb
+
+    rotary.forward = forward
