@@ -18,11 +18,12 @@
 : "${SAP_OUTER:=4}"                # SAP outer level R
 : "${GLOBAL_BATCH:=16}"
 : "${TRAIN_ITERS:=1000}"
-: "${DATA_PATH:?set DATA_PATH to a Megatron .bin/.idx prefix (tools/preprocess_data.py output)}"
+: "${DATA_PATH:?set DATA_PATH to a Megatron .bin/.idx prefix (tools/preprocess_data.py output), or a blend: weight prefix weight prefix ...}"
 : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a Hugging Face tokenizer directory or name}"
 : "${SAP_COST_PRESET:=h100}"
 
 CP=$((SAP_INNER * SAP_OUTER))
+read -r -a DATA_PATHS <<< "$DATA_PATH"  # one prefix, or Megatron's blend "0.7 /data/a 0.3 /data/b" (no spaces in paths)
 
 MODEL_ARGS=(
     --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336
@@ -53,7 +54,7 @@ else
 fi
 
 DATA_ARGS=(
-    --data-path "$DATA_PATH" --split 100,0,0
+    --data-path "${DATA_PATHS[@]}" --split 100,0,0
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
     --reset-position-ids --eod-mask-loss --calculate-per-token-loss --no-create-attention-mask-in-dataloader
     --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH"

@@ -21,6 +21,10 @@ case "$DEVICE" in
         : "${SAP_INNER:=2}"
         : "${SAP_OUTER:=$((NPROC / SAP_INNER))}"
         : "${STEPS:=20}"
+        if (( NPROC < 1 || SAP_INNER < 1 || SAP_OUTER < 1 || NPROC % (SAP_INNER * SAP_OUTER) )); then
+            echo "NPROC=$NPROC must be a positive multiple of SAP_INNER*SAP_OUTER=$SAP_INNER*$SAP_OUTER (the rest is data parallelism)" >&2
+            exit 2
+        fi
         export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
         exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
             -m megatron_sap.megatron.demo_train --inner-size "$SAP_INNER" --outer-size "$SAP_OUTER" --steps "$STEPS"

@@ -36,6 +36,24 @@ def test_flags_file_requires_data_and_tokenizer() -> None:
     assert result.returncode != 0 and "DATA_PATH" in result.stderr
 
 
+def test_data_path_takes_one_prefix_or_a_blend() -> None:
+    flags = _training_flags()
+    assert flags[flags.index("--data-path") + 1:flags.index("--split")] == [FLAG_ENV["DATA_PATH"]]
+    flags = _training_flags(DATA_PATH="0.7 /data/web_text_document  0.3 /data/code_text_document")
+    assert flags[flags.index("--data-path") + 1:flags.index("--split")] == [
+        "0.7", "/data/web_text_document", "0.3", "/data/code_text_document"]
+
+
+@pytest.mark.parametrize("env, match", [({"NPROC": "4", "SAP_INNER": "3"}, "SAP_INNER\\*SAP_OUTER=3\\*1"),
+                                        ({"NPROC": "6", "SAP_INNER": "2", "SAP_OUTER": "2"}, "NPROC=6")])
+def test_local_cpu_run_checks_its_sizes(env: dict, match: str) -> None:
+    import re
+
+    result = subprocess.run(["bash", str(SCRIPTS / "train_sap_local.sh")], capture_output=True, text=True,
+                            env={**os.environ, "DEVICE": "cpu", "PYTHON": "false", **env}, timeout=60)
+    assert result.returncode == 2 and re.search(match, result.stderr), result.stderr
+
+
 def test_flags_take_a_calibration_file_instead_of_the_preset() -> None:
     assert "--sap-cost-preset" in _training_flags() and "--sap-calibration-file" not in _training_flags()
     flags = _training_flags(SAP_CALIBRATION_FILE="/data/calibration.json")
