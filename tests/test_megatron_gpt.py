@@ -120,19 +120,16 @@ def test_gpt_tp2_with_sap_trains_like_cp1(pool4, inner: int, outer: int) -> None
         torch.testing.assert_close(torch.tensor(sap), torch.tensor(reference), rtol=2e-3, atol=1e-6)
 
 
-def run_legacy_rank(rank: int, world_size: int, inner: int, outer: int) -> dict:
-    """pretrain_gpt.py's flow before core_v0.16 through the SAP hooks: the CP split of a
-    [1, S] row with restarting position ids, then the model called without packed parameters;
-    per-token losses and all-reduced gradients of one step, beside CP=1's with the documents
-    given (`sap_split_batch` with the true cu_seqlens, the parameters passed)."""
-    from types import SimpleNamespace
-
+def _one_step(layouts, build_model, run_model) -> dict:
+    """Per (name, inner, outer) layout: one forward and backward of `run_model(model, row, cu)` ->
+    (per-token losses, loss mask) on a fresh `build_model()` (the first layout's weights), with
+    the gradients all-reduced as DDP does. Per layout: this rank's per-token losses, their
+    global positions, the gradients; and the row's length."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_sap.megatron import initialize_sap_parallel, resolve_groups, sap_loss, sap_split_batch
-    from megatron_sap.megatron.demo_train import build_tiny_gpt, packed_batch, stdlib_documents
-    from megatron_sap.megatron.hooks import wrap_get_batch_on_this_cp_rank, wrap_gpt_forward
+    from megatron_sap.megatron import initialize_sap_parallel, resolve_groups, sap_loss
+    from megatron_sap.megatron.demo_train import packed_batch, stdlib_documents
     from megatron_sap.megatron.plans import plan_for
 
     torch.set_num_threads(1)
@@ -141,26 +138,16 @@ def run_legacy_rank(rank: int, world_size: int, inner: int, outer: int) -> dict:
     starts = torch.tensor(cu[:-1]).repeat_interleave(torch.diff(torch.tensor(cu)))
     row = {"tokens": batch["tokens"], "labels": batch["labels"], "loss_mask": batch["loss_mask"],
            "attention_mask": None, "position_ids": (torch.arange(cu[-1]) - starts).unsqueeze(0)}
-    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True)
-    split = wrap_get_batch_on_this_cp_rank(lambda batch: pytest.fail("Megatron's split was called"), get_args=lambda: args)
-    results = {}
+    results: dict = {"total": cu[-1]}
     weights = None
     try:
-        for name, sizes in (("reference", (1, 1)), ("sap", (inner, outer))):
-            groups = initialize_sap_parallel(inner_size=sizes[0], outer_size=sizes[1])
-            model = build_tiny_gpt()
+        for name, inner, outer in layouts:
+            groups = initialize_sap_parallel(inner_size=inner, outer_size=outer)
+            model = build_model()
             if weights is not None:
                 model.load_state_dict(weights)
             weights = model.state_dict()
-            if name == "reference":
-                local, params = sap_split_batch(row, cu)
-                loss_mask = local["loss_mask"]
-                per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
-                                  packed_seq_params=params)
-            else:
-                forward = wrap_gpt_forward(type(model).forward, get_args=lambda: args)
-                local_tokens, labels, loss_mask, attention_mask, position_ids = split(dict(row)).values()
-                per_token = forward(model, local_tokens, position_ids, attention_mask, labels=labels)
+            per_token, loss_mask = run_model(model, row, cu)
             loss, _ = sap_loss(per_token, loss_mask)
             loss.backward()
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -176,14 +163,11 @@ def run_legacy_rank(rank: int, world_size: int, inner: int, outer: int) -> dict:
             parallel_state.destroy_model_parallel()
     finally:
         parallel_state.destroy_model_parallel()
-    results["total"] = cu[-1]
     return results
 
 
-def test_legacy_pretrain_gpt_flow_equals_cp1(pool4) -> None:
-    """Megatron-LM core_v0.13 to v0.15 (no packed path in pretrain_gpt.get_batch): SAP at CP 4
-    (2x2) through the hooks gives CP=1's per-token losses and gradients."""
-    results = pool4.run(run_legacy_rank, 2, 2)
+def _assert_one_step_equal(results: list[dict]) -> None:
+    """SAP's per-token losses (gathered over the CP ranks) and gradients equal the reference's."""
     total = results[0]["total"]
     reference = results[0]["reference"]
     reference_tokens = torch.empty(total)
@@ -195,3 +179,92 @@ def test_legacy_pretrain_gpt_flow_equals_cp1(pool4) -> None:
     for r in results:
         for name, grad in reference["grads"].items():
             torch.testing.assert_close(r["sap"]["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _split_and_run(model, row: dict, cu: list[int]) -> tuple:
+    """The documents given: `sap_split_batch` with the true cu_seqlens, the parameters passed."""
+    from megatron_sap.megatron import sap_split_batch
+
+    local, params = sap_split_batch(row, cu)
+    per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"], packed_seq_params=params)
+    return per_token, local["loss_mask"]
+
+
+def run_legacy_rank(rank: int, world_size: int, inner: int, outer: int) -> dict:
+    """pretrain_gpt.py's flow before core_v0.16 through the SAP hooks: the CP split of a
+    [1, S] row with restarting position ids, then the model called without packed parameters;
+    beside CP=1 with the documents given (`_split_and_run`)."""
+    from types import SimpleNamespace
+
+    from megatron_sap.megatron.demo_train import build_tiny_gpt
+    from megatron_sap.megatron.hooks import wrap_get_batch_on_this_cp_rank, wrap_gpt_forward
+
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True)
+    split = wrap_get_batch_on_this_cp_rank(lambda batch: pytest.fail("Megatron's split was called"), get_args=lambda: args)
+
+    def legacy_flow(model, row: dict, cu: list[int]) -> tuple:
+        forward = wrap_gpt_forward(type(model).forward, get_args=lambda: args)
+        tokens, labels, loss_mask, attention_mask, position_ids = split(dict(row)).values()
+        return forward(model, tokens, position_ids, attention_mask, labels=labels), loss_mask
+
+    return _one_step([("reference", 1, 1), ("sap", inner, outer)], build_tiny_gpt,
+                     lambda model, row, cu: (_split_and_run if model.config.context_parallel_size == 1 else legacy_flow)(model, row, cu))
+
+
+def test_legacy_pretrain_gpt_flow_equals_cp1(pool4) -> None:
+    """Megatron-LM core_v0.13 to v0.15 (no packed path in pretrain_gpt.get_batch): SAP at CP 4
+    (2x2) through the hooks gives CP=1's per-token losses and gradients."""
+    _assert_one_step_equal(pool4.run(run_legacy_rank, 2, 2))
+
+
+def _mla_gpt(rope_type: str):
+    """A 2-layer fp32 GPT with multi-latent attention (its own RoPE, `rope_type` "rope" or "yarn")
+    and SAP core attention."""
+    import dataclasses
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_sap.megatron import get_gpt_layer_sap_spec
+
+    fields = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    yarn = {"rotary_scaling_factor": 4.0,
+            # the pre-scaling context length: renamed in megatron-core 0.14
+            ("original_max_position_embeddings" if "original_max_position_embeddings" in fields
+             else "max_position_embeddings"): 128}
+    config = MLATransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, normalization="RMSNorm",
+        gated_linear_unit=True, add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
+        use_cpu_initialization=True, apply_rope_fusion=False, bias_activation_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False, q_lora_rank=None, kv_lora_rank=32,
+        qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, rope_type=rope_type,
+        context_parallel_size=parallel_state.get_context_parallel_world_size(), cp_comm_type="sap",
+        **(yarn if rope_type == "yarn" else {}),
+    )
+    torch.manual_seed(1234)
+    return GPTModel(config, get_gpt_layer_sap_spec(normalization="RMSNorm", multi_latent_attention=True),
+                    vocab_size=256, max_sequence_length=4096, position_embedding_type="none")
+
+
+def run_mla_rank(rank: int, world_size: int, rope_type: str) -> dict:
+    """For this job only: Megatron puts MLA's rotary tables on torch.cuda.current_device()
+    whatever the config says (the CPU here), and megatron-core 0.16 takes Transformer Engine's
+    CPU placeholders for the real classes when it checks for an fp8 path (there is none here)."""
+    from unittest import mock
+
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), mock.patch.object(mla, "HAVE_TE", False):
+        return _one_step([("reference", 1, 1), ("sap", 2, 2)], lambda: _mla_gpt(rope_type), _split_and_run)
+
+
+def test_gpt_with_mla_at_cp4_equals_cp1(pool4) -> None:
+    """Multi-latent attention (values of their own head dim, RoPE inside the layer) at CP 4 (2x2),
+    a 301-token document over 128-token ranks: CP=1's per-token losses and gradients. (Its YaRN
+    table needs CUDA to build, beyond the device patch here: not run on CPU.)"""
+    from megatron_sap.megatron.compat import mla_keeps_packed_rope_table
+
+    if not mla_keeps_packed_rope_table():
+        pytest.skip("megatron-core 0.13 refuses MLA under CP (test_mla_under_context_parallelism_needs_megatron_core_0_14)")
+    _assert_one_step_equal(pool4.run(run_mla_rank, "rope"))

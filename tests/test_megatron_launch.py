@@ -419,7 +419,8 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
         (dict(context_parallel_size=1, reset_attention_mask=True), "add --reset-position-ids"),
         (dict(micro_batch_size=2), "use --micro-batch-size 1 \\(got 2\\)"),
         (dict(attention_dropout=0.1), "no attention dropout.*--attention-dropout 0"),
-        (dict(sft=True, tensor_model_parallel_size=2), "--sft needs TP 1 \\(got TP=2\\)"),
+        (dict(overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
+        (dict(context_parallel_size=1, overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
     ],
 )
 def test_settings_sap_would_get_wrong_are_refused(settings: dict, match: str) -> None:
@@ -432,11 +433,44 @@ def test_settings_sap_would_get_wrong_are_refused(settings: dict, match: str) ->
         configure_sap(args)
 
 
-def test_two_pipeline_stages_without_tp_are_fine_and_mla_rope_fusion_is_turned_off() -> None:
+@pytest.mark.parametrize(
+    "settings, refused, match",
+    [
+        (dict(context_parallel_size=1, mtp_num_layers=1), "legacy", "before Megatron-LM core_v0.16"),
+        (dict(sft=True, tensor_model_parallel_size=2), "packed", "--sft needs TP 1 \\(got TP=2\\)"),
+        (dict(multi_latent_attention=True), "mla", "megatron-core 0.14 or later for multi-latent attention"),
+    ],
+    ids=["mtp-cp1", "sft-tp2", "mla-cp2"],
+)
+def test_release_specific_settings_are_refused_where_they_would_fail(settings: dict, refused: str, match: str) -> None:
+    """Refused on the releases where they go wrong (see docs/megatron.md), accepted elsewhere:
+    MTP at CP 1 before core_v0.16 (the hooks pack every row; those MTP layers refuse packed
+    rows), SFT at TP > 1 on core_v0.16 (its broadcasts), MLA under CP on megatron-core 0.13 (its
+    rotary table). `make test` runs the 0.16.1 side, `make test-compat` the others."""
+    from megatron_sap.megatron.compat import mla_keeps_packed_rope_table, packed_get_batch
     from megatron_sap.megatron.hooks import configure_sap
 
     args = _parse("--context-parallel-size 2 --cp-comm-type sap")
-    args.pipeline_model_parallel_size, args.multi_latent_attention, args.apply_rope_fusion = 2, True, True
+    for name, value in settings.items():
+        setattr(args, name, value)
+    expected = {"legacy": not packed_get_batch(), "packed": packed_get_batch(), "mla": not mla_keeps_packed_rope_table()}
+    if expected[refused]:
+        with pytest.raises(ValueError, match=match):
+            configure_sap(args)
+    else:
+        configure_sap(args)
+
+
+def test_two_pipeline_stages_without_tp_are_fine_and_mla_rope_fusion_is_turned_off() -> None:
+    from megatron_sap.megatron.compat import mla_keeps_packed_rope_table
+    from megatron_sap.megatron.hooks import configure_sap
+
+    args = _parse("--context-parallel-size 2 --cp-comm-type sap")
+    args.pipeline_model_parallel_size = 2
+    assert configure_sap(args) == [1, 2]
+    if not mla_keeps_packed_rope_table():
+        pytest.skip("megatron-core 0.13 refuses MLA under CP (test_release_specific_settings_are_refused_where_they_would_fail)")
+    args.multi_latent_attention, args.apply_rope_fusion = True, True
     with pytest.warns(UserWarning, match="turns off --apply-rope-fusion for MLA"):
         assert configure_sap(args) == [1, 2]
     assert args.apply_rope_fusion is False

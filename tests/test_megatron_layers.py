@@ -388,6 +388,26 @@ def test_mla_with_fused_rope_is_refused_under_context_parallelism(monkeypatch) -
         _attention(config=config)
 
 
+def test_mla_under_context_parallelism_needs_megatron_core_0_14(monkeypatch) -> None:
+    """megatron-core 0.13's MLA cuts the rotary table to Megatron's own CP layout: refused there
+    under CP, built on later releases (`make test-compat` runs 0.13)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_sap.megatron.compat import mla_keeps_packed_rope_table
+
+    config = MLATransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, attention_dropout=0.0,
+        use_cpu_initialization=True, apply_rope_fusion=False,
+    )
+    _attention(config=config)
+    _two_ranks(monkeypatch)
+    if mla_keeps_packed_rope_table():
+        _attention(config=config)
+    else:
+        with pytest.raises(ValueError, match="megatron-core 0.14 or later for multi-latent attention"):
+            _attention(config=config)
+
+
 @pytest.mark.parametrize("name", ["cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"])
 def test_boundaries_must_be_the_split_tensor_under_context_parallelism(monkeypatch, name) -> None:
     """RoPE finds a token's position through the cu_seqlens tensor the batch split registered;

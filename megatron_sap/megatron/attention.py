@@ -21,6 +21,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from .compat import MLA_ROPE_TABLE_REFUSED, mla_keeps_packed_rope_table
 from .groups import sap_groups_from_pg_collection
 from .options import get_sap_options
 from .plans import plan_for
@@ -76,6 +77,8 @@ class SAPDotProductAttention(MegatronModule):
                 "SAP with context parallelism needs apply_rope_fusion=False for MLA: the fused MLA RoPE finds each "
                 "token's position from Megatron's own CP layout (--no-rope-fusion)"
             )
+        if self.groups is not None and getattr(config, "multi_latent_attention", False) and not mla_keeps_packed_rope_table():
+            raise ValueError(MLA_ROPE_TABLE_REFUSED)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type

@@ -36,6 +36,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from .arguments import add_sap_args, chain_args_providers, sap_settings_from_args
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_split_batch
+from .compat import MLA_ROPE_TABLE_REFUSED, mla_keeps_packed_rope_table, packed_get_batch
 from .rope import install_sap_rope
 from .specs import swap_core_attention, use_sap_core_attention
 
@@ -110,13 +111,27 @@ def _refuse_unsupported(args: Any) -> None:
     if pp > 2 or (pp == 2 and tp > 1):
         raise ValueError(
             f"SAP through pretrain_gpt.py supports pipeline parallelism only as 2 stages without TP (got PP={pp}, "
-            f"TP={tp}): Megatron-LM 0.16.1 gives middle stages, and the last stage's non-source TP ranks, no "
+            f"TP={tp}): Megatron-LM gives middle stages, and the last stage's non-source TP ranks, no "
             "packed-sequence parameters, so their attention could not keep documents apart"
         )
-    if (args.context_parallel_size or 1) > 1 and getattr(args, "mtp_num_layers", None):
+    cp = args.context_parallel_size or 1
+    if getattr(args, "mtp_num_layers", None):
+        if cp > 1:
+            raise ValueError(
+                "SAP does not support multi-token prediction with context parallelism (--mtp-num-layers): Megatron "
+                "rolls the MTP inputs and labels along its own CP layout"
+            )
+        if not packed_get_batch():
+            raise ValueError(
+                "SAP does not support multi-token prediction (--mtp-num-layers) before Megatron-LM core_v0.16: the "
+                "hooks pack every row, at CP 1 too, and these releases' MTP layers refuse packed rows"
+            )
+    if cp > 1 and getattr(args, "multi_latent_attention", False) and not mla_keeps_packed_rope_table():
+        raise ValueError(MLA_ROPE_TABLE_REFUSED)
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
         raise ValueError(
-            "SAP does not support multi-token prediction with context parallelism (--mtp-num-layers): Megatron rolls "
-            "the MTP inputs and labels along its own CP layout"
+            "SAP does not support --overlap-moe-expert-parallel-comm: its schedule builds the model's forward "
+            "without the batch's packed-sequence parameters, so attention would not keep documents apart"
         )
     if getattr(args, "hybrid_context_parallel", False):
         raise ValueError("SAP replaces context parallelism; it cannot run with --hybrid-context-parallel")
@@ -125,7 +140,7 @@ def _refuse_unsupported(args: Any) -> None:
             "SAP does not support a virtual (interleaved) pipeline (--num-layers-per-virtual-pipeline-stage / "
             "--num-virtual-stages-per-pipeline-rank): its middle model chunks get no packed-sequence parameters"
         )
-    if getattr(args, "sft", False) and tp > 1:
+    if getattr(args, "sft", False) and tp > 1 and packed_get_batch():
         raise ValueError(
             f"SAP with --sft needs TP 1 (got TP={tp}): Megatron-LM 0.16.1's get_batch_on_this_tp_rank sends the SFT "
             "batch's cu_seqlens and max_seqlen from the source TP rank in more broadcasts than the other TP ranks "
@@ -302,7 +317,7 @@ def install_training_hooks() -> None:
 
     megatron.training.pretrain = wrap_pretrain(megatron.training.pretrain)
     parallel_state.initialize_model_parallel = wrap_initialize_model_parallel(parallel_state.initialize_model_parallel)
-    if hasattr(core_utils, "get_thd_batch_on_this_cp_rank"):  # core_v0.16: get_batch has a packed path
+    if packed_get_batch():  # core_v0.16
         training_utils.get_batch_on_this_tp_rank = wrap_get_batch_on_this_tp_rank(training_utils.get_batch_on_this_tp_rank)
         core_utils.get_thd_batch_on_this_cp_rank = wrap_get_thd_batch_on_this_cp_rank(core_utils.get_thd_batch_on_this_cp_rank)
     else:  # core_v0.13 to v0.15

@@ -1,0 +1,30 @@
+"""What differs between the megatron-core releases SAP supports (0.13 to 0.16) and SAP must know."""
+from __future__ import annotations
+
+import megatron.core
+import megatron.core.utils as core_utils
+
+
+def megatron_core_version() -> tuple[int, int]:
+    """(major, minor) of the installed megatron-core."""
+    major, minor = megatron.core.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def packed_get_batch() -> bool:
+    """Whether Megatron-LM's `pretrain_gpt.get_batch` has a packed (THD) path (core_v0.16), found
+    by the split it calls there; before, the SAP hooks split every row themselves."""
+    return hasattr(core_utils, "get_thd_batch_on_this_cp_rank")
+
+
+def mla_keeps_packed_rope_table() -> bool:
+    """Whether multi-latent attention keeps the whole rotary table for packed rows under CP
+    (0.14 on). megatron-core 0.13 cuts it to the local token count (and its YaRN table to its own
+    CP layout), which SAP's per-document positions overrun."""
+    return megatron_core_version() >= (0, 14)
+
+
+MLA_ROPE_TABLE_REFUSED = (
+    "SAP with context parallelism needs megatron-core 0.14 or later for multi-latent attention: 0.13 cuts the "
+    "rotary table to Megatron's own CP layout, which SAP's per-document positions overrun"
+)
