@@ -421,6 +421,11 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
         (dict(attention_dropout=0.1), "no attention dropout.*--attention-dropout 0"),
         (dict(overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
         (dict(context_parallel_size=1, overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
+        (dict(enable_cuda_graph=True, cuda_graph_scope="full"), "CUDA graphs that capture attention"),
+        (dict(external_cuda_graph=True, cuda_graph_scope="attn"), "CUDA graphs that capture attention"),
+        (dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=[]), "CUDA graphs that capture attention"),
+        (dict(cuda_graph_impl="local", cuda_graph_scope=[SimpleNamespace(name="mlp"), SimpleNamespace(name="attn")]),
+         "CUDA graphs that capture attention"),
     ],
 )
 def test_settings_sap_would_get_wrong_are_refused(settings: dict, match: str) -> None:
@@ -474,6 +479,16 @@ def test_two_pipeline_stages_without_tp_are_fine_and_mla_rope_fusion_is_turned_o
     with pytest.warns(UserWarning, match="turns off --apply-rope-fusion for MLA"):
         assert configure_sap(args) == [1, 2]
     assert args.apply_rope_fusion is False
+
+
+def test_cuda_graphs_of_other_parts_than_attention_are_fine() -> None:
+    from megatron_sap.megatron.hooks import configure_sap
+
+    args = _parse("--context-parallel-size 2 --cp-comm-type sap")
+    args.cuda_graph_impl, args.cuda_graph_scope = "local", [SimpleNamespace(name="mlp"), SimpleNamespace(name="moe_router")]
+    assert configure_sap(args) == [1, 2]
+    args.cuda_graph_impl, args.cuda_graph_scope = "none", []
+    assert configure_sap(args) == [1, 2]
 
 
 def test_flags_are_added_once_and_the_dataloader_mask_is_turned_off() -> None:

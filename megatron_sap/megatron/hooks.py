@@ -133,6 +133,13 @@ def _refuse_unsupported(args: Any) -> None:
             "SAP does not support --overlap-moe-expert-parallel-comm: its schedule builds the model's forward "
             "without the batch's packed-sequence parameters, so attention would not keep documents apart"
         )
+    if _cuda_graphs_capture_attention(args):
+        raise ValueError(
+            "SAP does not run inside CUDA graphs that capture attention (--cuda-graph-impl / --enable-cuda-graph / "
+            "--external-cuda-graph with a --cuda-graph-scope that covers attention): it plans every micro-batch "
+            "from its documents, and a captured graph would replay the first batch's transfers and kernel calls; "
+            "capture only other parts (e.g. --cuda-graph-scope mlp) or drop CUDA graphs"
+        )
     if getattr(args, "hybrid_context_parallel", False):
         raise ValueError("SAP replaces context parallelism; it cannot run with --hybrid-context-parallel")
     if pp > 1 and getattr(args, "virtual_pipeline_model_parallel_size", None):
@@ -159,6 +166,19 @@ def _refuse_unsupported(args: Any) -> None:
             "SAP finds the documents of a row from its position ids: add --reset-position-ids to "
             "--reset-attention-mask (without it every row would be one document)"
         )
+
+
+def _cuda_graphs_capture_attention(args: Any) -> bool:
+    """Whether Megatron's CUDA graphs are on with a scope that covers attention: 0.13 to 0.15's
+    `--enable-cuda-graph` / `--external-cuda-graph` (scope "full" or "attn"), 0.16's
+    `--cuda-graph-impl` (scope [] for the whole layer, or a list with "attn" or "full_iteration")."""
+    impl = getattr(args, "cuda_graph_impl", None)
+    enabled = impl not in (None, "none") or getattr(args, "enable_cuda_graph", False) or getattr(args, "external_cuda_graph", False)
+    if not enabled:
+        return False
+    scope = getattr(args, "cuda_graph_scope", "full")
+    names = [getattr(s, "name", s) for s in (scope if isinstance(scope, (list, tuple)) else [scope])]
+    return not names or any(name in ("full", "attn", "full_iteration") for name in names)
 
 
 def wrap_initialize_model_parallel(initialize: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
