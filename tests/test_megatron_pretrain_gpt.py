@@ -1,0 +1,98 @@
+"""Megatron-LM's own `pretrain_gpt.get_batch`, `forward_step` and `loss_func` through the SAP hooks.
+
+Gated on a Megatron-LM checkout ($MEGATRON_LM_PATH, any tag from core_v0.13 to core_v0.16, with its
+megatron-core first on PYTHONPATH; see docs/megatron.md). `initialize_megatron` stops at its CUDA
+check on CPU, so the job sets up what it would (the parsed args, the timers, model parallelism
+through the hooked `initialize_model_parallel`) and calls the script's functions directly, with
+`.cuda()` a no-op and the CPU as the current device. A packed row of three documents (restarting position ids, as GPTDataset
+gives them with --reset-position-ids) must give the summed loss of its documents run one at a
+time, at CP 1 and at CP 2.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from unittest import mock
+
+import pytest
+import torch
+
+from dist_pool import make_pool_fixture
+
+pytest.importorskip("megatron.core")
+MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
+pytestmark = pytest.mark.skipif(not MEGATRON_LM, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to v0.16)")
+
+pool2 = make_pool_fixture(2, timeout=300)
+
+ROW = 64
+DOCUMENTS = (0, 20, 27, ROW)
+
+
+def _flags(cp: int) -> list[str]:
+    return (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+            f"--kv-channels 16 --ffn-hidden-size 128 --swiglu --normalization RMSNorm --disable-bias-linear "
+            f"--seq-length {ROW} --max-position-embeddings 4096 --micro-batch-size 1 --attention-dropout 0 "
+            f"--context-parallel-size {cp} --cp-comm-type sap --reset-position-ids --calculate-per-token-loss "
+            "--no-rope-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-masked-softmax-fusion "
+            "--no-gradient-accumulation-fusion").split()
+
+
+def run_pretrain_gpt_rank(rank: int, world_size: int) -> dict:
+    """(summed loss, loss tokens) of this rank's share of the row at CP 1 (every rank alone) and at
+    CP 2, from the script's `forward_step` and loss function; and the summed loss of the
+    documents run one at a time."""
+    sys.path.insert(0, MEGATRON_LM)
+    from megatron_sap.megatron.hooks import install_training_hooks
+
+    install_training_hooks()
+    import pretrain_gpt
+    from megatron.core import mpu
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args
+
+    from megatron_sap.megatron import add_sap_args
+    from megatron_sap.megatron.demo_train import build_tiny_gpt
+    from megatron_sap.megatron.options import reset_sap_options
+
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (1, ROW + 1), generator=generator)
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(DOCUMENTS, DOCUMENTS[1:])]).unsqueeze(0)
+    sample = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, ROW), "position_ids": positions}
+    losses = {}
+    with mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self), \
+            mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+        for cp in (1, 2):
+            with mock.patch.object(sys, "argv", ["pretrain_gpt.py", *_flags(cp)]):
+                args = parse_args(add_sap_args)
+            args.rank, args.world_size, args.params_dtype = rank, world_size, torch.float32
+            args.create_attention_mask_in_dataloader = True  # Megatron's default; the hooks turn it off
+            global_vars.set_args(args)
+            global_vars._GLOBAL_TIMERS = None
+            global_vars._set_timers(args)
+            try:
+                mpu.initialize_model_parallel(1, 1, context_parallel_size=cp)
+                model = build_tiny_gpt()
+                output, loss_func = pretrain_gpt.forward_step(iter([dict(sample)]), model)
+                loss, count = loss_func(output)[:2]
+                losses[cp] = (float(loss), int(count))
+                if cp == 1:  # the documents one at a time, unpacked: what packing must not change
+                    losses["documents"] = sum(
+                        float(model(sample["tokens"][:, a:b], None, None, labels=sample["labels"][:, a:b]).sum())
+                        for a, b in zip(DOCUMENTS, DOCUMENTS[1:])
+                    )
+            finally:
+                mpu.destroy_model_parallel()
+                reset_sap_options()
+    return losses
+
+
+def test_pretrain_gpt_through_the_hooks_gives_cp1s_loss(pool2) -> None:
+    results = pool2.run(run_pretrain_gpt_rank)
+    assert all(r[1] == results[0][1] for r in results)  # CP 1: each rank alone on the whole row
+    cp1_loss, cp1_tokens = results[0][1]
+    assert cp1_tokens == ROW
+    assert abs(cp1_loss - results[0]["documents"]) <= 1e-5 * abs(cp1_loss)
+    assert sum(r[2][1] for r in results) == ROW  # CP 2: each token's loss on one rank
+    assert abs(sum(r[2][0] for r in results) - cp1_loss) <= 1e-5 * abs(cp1_loss)
