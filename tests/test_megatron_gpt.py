@@ -120,16 +120,15 @@ def test_gpt_tp2_with_sap_trains_like_cp1(pool4, inner: int, outer: int) -> None
         torch.testing.assert_close(torch.tensor(sap), torch.tensor(reference), rtol=2e-3, atol=1e-6)
 
 
-def _one_step(layouts, build_model, run_model) -> dict:
-    """Per (name, inner, outer) layout: one forward and backward of `run_model(model, row, cu)` ->
-    (per-token losses, loss mask) on a fresh `build_model()` (the first layout's weights), with
-    the gradients all-reduced as DDP does. Per layout: this rank's per-token losses, their
-    global positions, the gradients; and the row's length."""
-    import torch.distributed as dist
+def _one_step(layouts, build_model) -> dict:
+    """Per (name, inner, outer, run_model) layout: one forward and backward of
+    `run_model(model, row, cu)` -> (per-token losses, loss mask) on a fresh `build_model()` (the
+    first layout's weights), with the gradients all-reduced as DDP does. Per layout: this rank's
+    per-token losses, their global positions, the gradients; and the row's length."""
     from megatron.core import parallel_state
 
     from megatron_sap.megatron import initialize_sap_parallel, resolve_groups, sap_loss
-    from megatron_sap.megatron.demo_train import packed_batch, stdlib_documents
+    from megatron_sap.megatron.demo_train import packed_batch, reduce_gradients, stdlib_documents
     from megatron_sap.megatron.plans import plan_for
 
     torch.set_num_threads(1)
@@ -141,7 +140,7 @@ def _one_step(layouts, build_model, run_model) -> dict:
     results: dict = {"total": cu[-1]}
     weights = None
     try:
-        for name, inner, outer in layouts:
+        for name, inner, outer, run_model in layouts:
             groups = initialize_sap_parallel(inner_size=inner, outer_size=outer)
             model = build_model()
             if weights is not None:
@@ -150,10 +149,7 @@ def _one_step(layouts, build_model, run_model) -> dict:
             per_token, loss_mask = run_model(model, row, cu)
             loss, _ = sap_loss(per_token, loss_mask)
             loss.backward()
-            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-            for param in model.parameters():
-                dist.all_reduce(param.grad, group=group)
-                param.grad /= parallel_state.get_data_parallel_world_size()
+            reduce_gradients(model)
             cp_rank = 0 if groups is None or groups.world_size == 1 else groups.cp_rank
             results[name] = {
                 "per_token": per_token[0].detach(),
@@ -207,8 +203,7 @@ def run_legacy_rank(rank: int, world_size: int, inner: int, outer: int) -> dict:
         tokens, labels, loss_mask, attention_mask, position_ids = split(dict(row)).values()
         return forward(model, tokens, position_ids, attention_mask, labels=labels), loss_mask
 
-    return _one_step([("reference", 1, 1), ("sap", inner, outer)], build_tiny_gpt,
-                     lambda model, row, cu: (_split_and_run if model.config.context_parallel_size == 1 else legacy_flow)(model, row, cu))
+    return _one_step([("reference", 1, 1, _split_and_run), ("sap", inner, outer, legacy_flow)], build_tiny_gpt)
 
 
 def test_legacy_pretrain_gpt_flow_equals_cp1(pool4) -> None:
@@ -256,7 +251,7 @@ def run_mla_rank(rank: int, world_size: int, rope_type: str) -> dict:
     import megatron.core.transformer.multi_latent_attention as mla
 
     with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), mock.patch.object(mla, "HAVE_TE", False):
-        return _one_step([("reference", 1, 1), ("sap", 2, 2)], lambda: _mla_gpt(rope_type), _split_and_run)
+        return _one_step([("reference", 1, 1, _split_and_run), ("sap", 2, 2, _split_and_run)], lambda: _mla_gpt(rope_type))
 
 
 def test_gpt_with_mla_at_cp4_equals_cp1(pool4) -> None:

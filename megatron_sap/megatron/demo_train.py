@@ -109,16 +109,26 @@ def build_tiny_gpt(seed: int = 1234, num_layers: int = 2) -> torch.nn.Module:
     return model
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Tensor], cu_seqlens: list[int]) -> tuple[Tensor, float]:
-    """One step: SAP split, forward, token-mean loss, backward, gradient all-reduce as DDP does, update.
+def reduce_gradients(model: torch.nn.Module) -> None:
+    """All-reduce the gradients as DDP does: summed over data-parallel-with-CP and divided by the
+    data-parallel size (the sum over CP ranks completes the packed row's gradient, the division
+    averages replicas)."""
+    from megatron.core import parallel_state
 
-    Gradients are summed over data-parallel-with-CP and divided by the data-parallel size: the
-    sum over CP ranks completes the packed row's gradient, the division averages replicas.
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if group.size() > 1:
+        replicas = parallel_state.get_data_parallel_world_size()
+        for param in model.parameters():
+            dist.all_reduce(param.grad, group=group)
+            param.grad /= replicas
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Tensor], cu_seqlens: list[int]) -> tuple[Tensor, float]:
+    """One step: SAP split, forward, token-mean loss, backward, gradient all-reduce as DDP does
+    (`reduce_gradients`), update.
 
     Returns (this rank's per-token losses in local order, the global mean loss).
     """
-    from megatron.core import parallel_state
-
     from megatron_sap.megatron import sap_loss, sap_split_batch
 
     local, params = sap_split_batch(batch, cu_seqlens)
@@ -126,12 +136,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"], packed_seq_params=params)
     loss, mean = sap_loss(per_token, local["loss_mask"])
     loss.backward()
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if group.size() > 1:
-        replicas = parallel_state.get_data_parallel_world_size()
-        for param in model.parameters():
-            dist.all_reduce(param.grad, group=group)
-            param.grad /= replicas
+    reduce_gradients(model)
     optimizer.step()
     return per_token.detach(), float(mean)
 
