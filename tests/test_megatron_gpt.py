@@ -5,7 +5,9 @@ RMSNorm, 2 layers, fp32, CPU) runs a packed row of real documents (byte-tokenise
 stdlib sources, one of them a single token) once with CP=1 and plain varlen attention, and once
 on 4 gloo ranks with SAP (1x4 and 2x2). Per-token losses, the all-reduced gradients of every
 parameter, and the parameters after three Adam steps must agree to float32 tolerance. With
-tensor parallelism 2 beside SAP (CP 2), the loss curve must match CP=1.
+tensor parallelism 2 beside SAP (CP 2), the loss curve must match CP=1. Megatron-LM's pre-0.16
+flow through the hooks, multi-latent attention and mixture-of-experts MLPs give CP=1's per-token
+losses and gradients at CP 4.
 """
 from __future__ import annotations
 
@@ -263,3 +265,49 @@ def test_gpt_with_mla_at_cp4_equals_cp1(pool4) -> None:
     if not mla_keeps_packed_rope_table():
         pytest.skip("megatron-core 0.13 refuses MLA under CP (test_mla_under_context_parallelism_needs_megatron_core_0_14)")
     _assert_one_step_equal(pool4.run(run_mla_rank, "rope"))
+
+
+def _moe_gpt():
+    """The tiny GPT with mixture-of-experts MLPs: 4 experts, top-2 routing, dropless, the
+    all-gather dispatcher, a load-balancing loss (its expert counts all-reduced over TP x CP)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_sap.megatron import get_gpt_layer_sap_spec, make_rotary_cpu_safe
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128, kv_channels=16,
+        normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False, attention_dropout=0.0,
+        hidden_dropout=0.0, use_cpu_initialization=True, apply_rope_fusion=False, bias_activation_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1,
+        context_parallel_size=parallel_state.get_context_parallel_world_size(), cp_comm_type="sap",
+    )
+    torch.manual_seed(1234)
+    model = GPTModel(config, get_gpt_layer_sap_spec(normalization="RMSNorm", num_experts=4, moe_grouped_gemm=False),
+                     vocab_size=256, max_sequence_length=4096, position_embedding_type="rope")
+    make_rotary_cpu_safe(model.rotary_pos_emb)
+    return model
+
+
+def run_moe_rank(rank: int, world_size: int, inner: int, outer: int) -> dict:
+    """For this job only: Megatron's router moves its weight to torch.cuda.current_device() (the
+    CPU here), and without Transformer Engine megatron-core 0.16 reads an unbound `te_general_gemm`
+    in the router's matmul (None is its own fallback)."""
+    from unittest import mock
+
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
+            mock.patch.object(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None), create=True):
+        return _one_step([("reference", 1, 1, _split_and_run), ("sap", inner, outer, _split_and_run)], _moe_gpt)
+
+
+@pytest.mark.parametrize("inner,outer", [(1, 4), (2, 2)], ids=["1x4", "2x2"])
+def test_gpt_with_moe_at_cp4_equals_cp1(pool4, inner: int, outer: int) -> None:
+    """Mixture-of-experts MLPs beside SAP: the experts see each rank's tokens in SAP's order, and
+    the load-balancing loss is summed over the CP ranks. CP 4 gives CP=1's per-token losses and
+    gradients, the router's included."""
+    _assert_one_step_equal(pool4.run(run_moe_rank, inner, outer))
