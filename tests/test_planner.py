@@ -575,14 +575,14 @@ def test_chosen_candidate_is_the_fastest(batch):
 @SETTINGS
 @given(batches(max_world=32))
 def test_floors_rise_to_a_floor(batch):
-    """Built step by step, every candidate's floor never falls and stays at or below its
+    """Built step by step, every candidate's floor (from the one it starts with) never falls and stays at or below its
     modelled time without the all-to-alls; a tally of all its documents holds its tile
     pairs, and per rank the seconds of its bytes over their links plus a latency per
     message."""
     cu, outer, inner = batch
     model = CostModel.preset("h100")
     a2a_s = ulysses_cost(model, cu[-1] // outer, inner)[1]
-    work = [(build, []) for build in candidates(cu[:-1], np.diff(cu).tolist(), outer, cu[-1] // outer, model, DEFAULT_SLACKS, inner)]
+    work = [(build, [build.floor_s]) for build in candidates(cu[:-1], np.diff(cu).tolist(), outer, cu[-1] // outer, model, DEFAULT_SLACKS, inner)]
     finished = {}
     while work:
         build, floors = work.pop()
@@ -604,6 +604,27 @@ def test_floors_rise_to_a_floor(batch):
         latency = (ev.traffic_tokens > 0) * model.message_latency_us * 1e-6
         np.testing.assert_allclose(tally.send_s, (seconds + latency).sum(1), rtol=1e-9, atol=1e-15)
         np.testing.assert_allclose(tally.recv_s, (seconds + latency).sum(0), rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("outer,inner", [(8, 1), (4, 2), (16, 1)])
+def test_a_row_of_short_documents_gives_up_the_zigzag_layout_before_laying_it_out(outer, inner):
+    """Hundreds of documents shorter than 2R tokens: the zigzag layout would put each token
+    on its own rank, a tile of pairs apiece. Its starting floor (`_chunk_floor_s`) says so,
+    and it is pruned without a step; its floor is still under its modelled time."""
+    rng = np.random.default_rng(outer)
+    lengths = rng.integers(1, 2 * outer, size=600).tolist()
+    lengths[-1] += -sum(lengths) % (outer * inner)
+    cu = [0, *np.cumsum(lengths).tolist()]
+    model = CostModel.preset("h100")
+    zigzag = next(b for b in candidates(cu[:-1], lengths, outer, cu[-1] // outer, model, DEFAULT_SLACKS, inner)
+                  if b.names == ("zigzag",))
+    a2a_s = ulysses_cost(model, cu[-1] // outer, inner)[1]
+    plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
+    assert "zigzag" not in plan.considered  # given up, or the search ended before it came up
+    assert plan.pruned.get("zigzag", zigzag.floor_s + a2a_s) == zigzag.floor_s + a2a_s  # at its starting floor
+    assert zigzag.floor_s > 3 * (plan.evaluation.makespan_s - a2a_s)  # every token a tile of pairs
+    placed = next(p for p in candidates_of(cu, outer, inner) if p.strategy == "zigzag")
+    assert zigzag.floor_s + a2a_s <= evaluate(placed, inner, model).makespan_s
 
 
 def pruned_count(seed: int, outer: int, inner: int) -> int:

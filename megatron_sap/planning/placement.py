@@ -804,14 +804,15 @@ class _ZigzagBuild(Build):
     every rank ends with exactly `capacity` tokens; the layout is impossible when the
     others leave a rank over capacity. The first step lays out the slot sizes; each
     step then cuts and tallies one document, the longest first. Its floor before the
-    first step is that of the transfers alone (`_transfer_floor_s`)."""
+    first step is the larger of its transfers' (`_transfer_floor_s`) and its chunks'
+    compute (`_chunk_floor_s`), and stays under the tally's."""
 
     def __init__(self, index: int, doc_starts: list[int], lengths: list[int], capacity: int, tally: Tally):
         self.names, self.indices, self.index = ("zigzag",), (index,), index
         self.starts, self.lengths, self.capacity, self.tally = doc_starts, lengths, capacity, tally
         self.ranks: dict[int, tuple[int, ...]] | None = None  # per document, the rank of each slot
         self.records: dict[int, Record] = {}
-        self.floor_s = self._transfer_floor = _transfer_floor_s(lengths, tally)
+        self.floor_s = self._layout_floor = max(_transfer_floor_s(lengths, tally), _chunk_floor_s(lengths, tally))
 
     def _lay_out(self) -> bool:
         """Each document's ranks, and the rounding the longest one absorbs; False if impossible.
@@ -856,7 +857,7 @@ class _ZigzagBuild(Build):
         cut = Cut(self.absorber_chunks, True, tile) if d == self.absorber else ring_cut(self.lengths[d], R, tile)
         record = self.records[d] = Record(d, self.starts[d], self.ranks[d], cut)
         self.tally.add(record.ranks, record.cut)
-        self.floor_s = max(self._transfer_floor, self.tally.floor_s)
+        self.floor_s = max(self._layout_floor, self.tally.floor_s)
         if not self.pending:
             records = [self.records[d] for d in sorted(self.records) if d != self.absorber] + [self.records[self.absorber]]
             self.placement = _finish(self.capacity, R, records, "zigzag", self.tally)
@@ -884,10 +885,28 @@ def _transfer_floor_s(lengths: list[int], tally: Tally) -> float:
     return 2 * (head_tokens * pair_seconds / R + (R - 1) * tally.latency_s)
 
 
+def _chunk_floor_s(lengths: list[int], tally: Tally) -> float:
+    """A floor on the zigzag layout's compute, before it is laid out.
+
+    Every document but the longest is cut into 2R chunks, min(n, 2R) of them non-empty, and
+    a non-empty chunk costs at least its diagonal tile; cut or not, a document costs at
+    least its whole tile-rounded pairs. The busiest rank computes at least the mean, both
+    passes. (Rows of many short documents: each token its own chunk on its own rank.)"""
+    R, t = len(tally.tiles), tally.model.tile
+    positive = sorted(n for n in lengths if n > 0)
+    if not positive:
+        return 0.0
+    pairs = _tile_pairs(t, 0, positive[-1])  # the longest absorbs the rounding: its whole cost
+    for n in positive[:-1]:
+        pairs += max(min(n, 2 * R) * t * t, _tile_pairs(t, 0, n))
+    return pairs / R * tally.pair_s * (1.0 + tally.backward_factor)
+
+
 class _ContiguousBuild(Build):
     """The contiguous layout (see `contiguous`): its compute floor first, from the chunk
     sizes alone; built whole at its first step, then tallied a document at a time, the
-    widest first."""
+    widest first, and the documents that stay on one rank (no transfers, their compute
+    already in the floor) in one last step."""
 
     def __init__(self, index: int, doc_starts: list[int], lengths: list[int], capacity: int, tally: Tally):
         self.names, self.indices, self.index, self.tally = ("contiguous",), (index,), index, tally
@@ -903,11 +922,17 @@ class _ContiguousBuild(Build):
     def step(self) -> list[Build]:
         if self._built is None:
             self._built = contiguous(self.starts, self.lengths, len(self.tally.tiles), self.capacity, self.tally.model.tile)
-            self._pending = sorted(self._built.records, key=lambda rec: rec.cut.need * len(rec.ranks))
-        record = self._pending.pop()
-        self.tally.add(record.ranks, record.cut)
+            records = self._built.records
+            self._local = [rec for rec in records if len(rec.ranks) == 1]
+            self._pending = sorted((rec for rec in records if len(rec.ranks) > 1), key=lambda rec: rec.cut.need * len(rec.ranks))
+        if self._pending:
+            batch = [self._pending.pop()]
+        else:
+            batch, self._local = self._local, None
+        for record in batch:
+            self.tally.add(record.ranks, record.cut)
         self.floor_s = max(self._compute_s, self.tally.floor_s)
-        if not self._pending:
+        if self._local is None:
             self.placement = replace(self._built, tally=self.tally)
         return [self]
 
