@@ -31,16 +31,19 @@ def cu_seqlens_to_list(cu_seqlens: Sequence[int] | torch.Tensor, name: str = "cu
     else:
         if not isinstance(cu_seqlens, (Sequence, np.ndarray)) or isinstance(cu_seqlens, (str, bytes)):
             raise ValueError(f"{name} must be a 1-D sequence of integers, got {type(cu_seqlens).__name__}")
-        values = [_integer(v, name) for v in cu_seqlens]
+        if isinstance(cu_seqlens, (list, tuple)) and all(type(v) is int for v in cu_seqlens):
+            values = list(cu_seqlens)  # plain ints (the common case): nothing to convert
+        else:
+            values = [_integer(v, name) for v in cu_seqlens]
     if not values:
         raise ValueError(f"{name} is empty; it needs at least [0]")
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
-    for i in range(1, len(values)):
-        if values[i] < values[i - 1]:
-            raise ValueError(
-                f"{name} must be non-decreasing, but {name}[{i}]={values[i]} < {name}[{i - 1}]={values[i - 1]}"
-            )
+    if any(map(operator.lt, values[1:], values)):
+        i = next(i for i in range(1, len(values)) if values[i] < values[i - 1])
+        raise ValueError(
+            f"{name} must be non-decreasing, but {name}[{i}]={values[i]} < {name}[{i - 1}]={values[i - 1]}"
+        )
     if values[-1] > INT32_MAX:
         raise ValueError(f"{name} total {values[-1]} is too large for int32 kernel offsets (max {INT32_MAX})")
     return values

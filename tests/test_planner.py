@@ -28,6 +28,7 @@ from megatron_sap.planning.placement import (
     split_cut,
     split_need,
     whole_packing,
+    whole_pairs,
 )
 from megatron_sap.planning.tally import Tally
 from megatron_sap.planning.plan import DEFAULT_SLACKS, TIME_TOLERANCE
@@ -206,6 +207,14 @@ def test_cut_closed_forms_match_its_sends(paired, chunks):
 
 
 CHUNK_SIZES = st.sampled_from([0, 1, 5, 127, 128, 129, 4096, 10**6])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.one_of(CHUNK_SIZES, st.integers(0, 2**31 - 1)), max_size=40), st.sampled_from([1, 64, 128, 256]))
+def test_whole_pairs_are_each_documents_tile_pairs(lengths, tile):
+    """The array form of a whole document's tile pairs equals the scalar one, exactly, up to
+    a 2**31-token document."""
+    assert whole_pairs(lengths, tile).tolist() == [_tile_pairs(tile, 0, n) for n in lengths]
 
 
 @settings(max_examples=100, deadline=None)

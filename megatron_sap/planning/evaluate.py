@@ -29,7 +29,7 @@ from functools import cached_property
 import numpy as np
 
 from .cost_model import LINK_INTRA, CostModel
-from .placement import Placement, piece_cost
+from .placement import Placement, whole_pairs
 from .tally import Tally
 
 
@@ -88,7 +88,7 @@ def whole_documents_s(lengths: list[int], world_size: int, model: CostModel) -> 
     """Forward + backward of every document computed whole, spread evenly over
     `world_size` ranks, with no communication: no placement is modelled faster
     (splitting a document only adds tile rounding)."""
-    work = sum(piece_cost(model, 0, n) for n in lengths)
+    work = int(whole_pairs(lengths, model.tile).sum())
     return (1.0 + model.backward_factor) * model.compute_seconds(float(work)) / world_size
 
 

@@ -67,6 +67,13 @@ def _tile_pairs(t: int, offset: int, length: int) -> int:
     return t * t * (nq * (nq + 1) // 2 + nq * -(-offset // t))
 
 
+def whole_pairs(lengths: Sequence[int], tile: int) -> np.ndarray:
+    """Each document's tile-rounded pairs computed whole (`piece_cost` at offset 0), int64:
+    one array operation for rows of thousands of documents."""
+    tiles = -(-np.asarray(lengths, dtype=np.int64) // tile)
+    return tile * tile * (tiles * (tiles + 1) // 2)
+
+
 class _memo:
     """A cut's attribute computed on first use and then stored on the instance (as
     functools.cached_property, without the lock it takes on Python < 3.12: a fresh batch
@@ -439,14 +446,18 @@ def _contiguous_chunks(doc_starts: list[int], lengths: list[int], capacity: int)
     """(document, start, first rank, chunks) of each non-empty document when rank r holds
     the packed positions [r*capacity, (r+1)*capacity): chunk i on rank first + i."""
     for d, (s, n) in enumerate(zip(doc_starts, lengths)):
-        if n == 0:
-            continue
-        first, last = s // capacity, (s + n - 1) // capacity
-        if first == last:
-            yield d, s, first, [n]
-            continue
-        bounds = [s, *range((first + 1) * capacity, last * capacity + 1, capacity), s + n]
-        yield d, s, first, [b - a for a, b in zip(bounds, bounds[1:])]
+        if n:
+            yield d, s, *_slice_chunks(s, n, capacity)
+
+
+def _slice_chunks(start: int, length: int, capacity: int) -> tuple[int, list[int]]:
+    """The first rank of a non-empty document under the contiguous layout (see
+    `_contiguous_chunks`), and its chunks."""
+    first, last = start // capacity, (start + length - 1) // capacity
+    if first == last:
+        return first, [length]
+    bounds = [start, *range((first + 1) * capacity, last * capacity + 1, capacity), start + length]
+    return first, [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def contiguous(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: int, tile: int) -> Placement:
@@ -556,7 +567,7 @@ class _Greedy:
                 self.node_index[r] = n
         # With one node, or one rank per node, the node-local choice is the least-loaded ranks.
         self.node_aware = 1 < len(self.node_ranks) < num_ranks
-        self.cost = [_tile_pairs(self.tile, 0, n) for n in lengths]
+        self.cost = whole_pairs(lengths, self.tile).tolist()
         self.total = sum(self.cost)
         self.share = self.total / num_ranks
         # Heaviest first; among equal costs (documents within one tile row of each other
@@ -893,12 +904,14 @@ def _chunk_floor_s(lengths: list[int], tally: Tally) -> float:
     least its whole tile-rounded pairs. The busiest rank computes at least the mean, both
     passes. (Rows of many short documents: each token its own chunk on its own rank.)"""
     R, t = len(tally.tiles), tally.model.tile
-    positive = sorted(n for n in lengths if n > 0)
-    if not positive:
+    positive = np.asarray(lengths, dtype=np.int64)
+    positive = positive[positive > 0]
+    if not len(positive):
         return 0.0
-    pairs = _tile_pairs(t, 0, positive[-1])  # the longest absorbs the rounding: its whole cost
-    for n in positive[:-1]:
-        pairs += max(min(n, 2 * R) * t * t, _tile_pairs(t, 0, n))
+    whole = whole_pairs(positive, t)
+    longest = int(np.argmax(positive))  # it absorbs the rounding: its whole cost
+    chunks = np.maximum(np.minimum(positive, 2 * R) * (t * t), whole)
+    pairs = int(chunks.sum()) - int(chunks[longest]) + int(whole[longest])
     return pairs / R * tally.pair_s * (1.0 + tally.backward_factor)
 
 
@@ -911,11 +924,19 @@ class _ContiguousBuild(Build):
     def __init__(self, index: int, doc_starts: list[int], lengths: list[int], capacity: int, tally: Tally):
         self.names, self.indices, self.index, self.tally = ("contiguous",), (index,), index, tally
         self.starts, self.lengths, self.capacity = doc_starts, lengths, capacity
-        tile, tiles = tally.model.tile, [0] * len(tally.tiles)
-        for _, _, first, chunks in _contiguous_chunks(doc_starts, lengths, capacity):
-            for r, offset, size in zip(range(first, first + len(chunks)), accumulate(chunks, initial=0), chunks):
+        tile, R = tally.model.tile, len(tally.tiles)
+        # Documents inside one rank's slice in one array operation, the few that cross a
+        # slice boundary chunk by chunk.
+        starts, sizes = np.asarray(doc_starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        first, last = starts // capacity, (starts + sizes - 1) // capacity
+        inside = (sizes > 0) & (first == last)
+        tiles = np.zeros(R, dtype=np.int64)
+        np.add.at(tiles, first[inside], whole_pairs(sizes[inside], tile))
+        for d in np.flatnonzero((sizes > 0) & ~inside).tolist():
+            rank, chunks = _slice_chunks(doc_starts[d], lengths[d], capacity)
+            for r, offset, size in zip(range(rank, rank + len(chunks)), accumulate(chunks, initial=0), chunks):
                 tiles[r] += _tile_pairs(tile, offset, size)
-        self._compute_s = max(tiles, default=0) * tally.pair_s * (1.0 + tally.backward_factor)
+        self._compute_s = int(tiles.max(initial=0)) * tally.pair_s * (1.0 + tally.backward_factor)
         self.floor_s = self._compute_s
         self._built: Placement | None = None
 
