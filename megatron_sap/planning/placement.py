@@ -904,13 +904,12 @@ def _chunk_floor_s(lengths: list[int], tally: Tally) -> float:
     least its whole tile-rounded pairs. The busiest rank computes at least the mean, both
     passes. (Rows of many short documents: each token its own chunk on its own rank.)"""
     R, t = len(tally.tiles), tally.model.tile
-    positive = np.asarray(lengths, dtype=np.int64)
-    positive = positive[positive > 0]
-    if not len(positive):
+    sizes = np.asarray(lengths, dtype=np.int64)  # empty documents add nothing
+    if not len(sizes):
         return 0.0
-    whole = whole_pairs(positive, t)
-    longest = int(np.argmax(positive))  # it absorbs the rounding: its whole cost
-    chunks = np.maximum(np.minimum(positive, 2 * R) * (t * t), whole)
+    whole = whole_pairs(sizes, t)
+    chunks = np.maximum(np.minimum(sizes, 2 * R) * (t * t), whole)
+    longest = int(sizes.argmax())  # it absorbs the rounding: its whole cost
     pairs = int(chunks.sum()) - int(chunks[longest]) + int(whole[longest])
     return pairs / R * tally.pair_s * (1.0 + tally.backward_factor)
 
