@@ -624,11 +624,11 @@ class _DocChoices:
     __slots__ = ("greedy", "d", "load", "room", "n", "c", "by_load", "whole_rank", "shared",
                  "_sorted_loads", "_roomy", "_rooms", "_widest", "_splits", "_slots", "_fragments")
 
-    def __init__(self, greedy: _Greedy, d: int, load: list[int], room: list[int], shared: bool):
+    def __init__(self, greedy: _Greedy, d: int, load: list[int], room: list[int], by_load: list[int],
+                 whole_rank: int | None, shared: bool):
         self.greedy, self.d, self.load, self.room, self.shared = greedy, d, load, room, shared
-        self.n, self.c = n, _ = greedy.lengths[d], greedy.cost[d]
-        self.by_load = sorted(range(greedy.R), key=load.__getitem__)
-        self.whole_rank = next((r for r in self.by_load if room[r] >= n), None) if n <= greedy.capacity else None
+        self.n, self.c = greedy.lengths[d], greedy.cost[d]
+        self.by_load, self.whole_rank = by_load, whole_rank  # see `_GreedyBuild.step`
         self._sorted_loads: list[int] | None = None
         self._roomy: list[int] | None = None  # the ranks with room, least loaded first
         self._rooms: list[int] | None = None  # their rooms, ascending
@@ -765,18 +765,21 @@ class _GreedyBuild(Build):
         self.floor_s = self.tally.floor_s
 
     def step(self) -> list[Build]:
-        g = self.greedy
+        g, load, room = self.greedy, self.tally.tiles, self.room
         d = g.order[self.position]
-        doc = _DocChoices(g, d, self.tally.tiles, self.room, shared=len(self.members) > 1)
+        n = g.lengths[d]
+        by_load = sorted(range(g.R), key=load.__getitem__)
+        # The least-loaded rank with room for the whole document.
+        whole = next((r for r in by_load if room[r] >= n), None) if n <= g.capacity else None
+        if whole is not None and load[whole] + g.cost[d] <= (1.0 + self.tightest) * g.share:
+            # Kept whole by the tightest pass, so by all: a larger slack only raises the
+            # limit, and the split and spread modes change only how a document is split.
+            self._place(d, ((whole,), split_cut(n, 1, "contiguous", g.tile)))
+            return [self]
+        doc = _DocChoices(g, d, load, room, by_load, whole, shared=len(self.members) > 1)
         if len(self.members) == 1:
             m = self.members[0]
             self._place(d, g.choose(doc, m.slack, m.split, m.spread))
-            return [self]
-        whole = doc.whole_rank
-        if whole is not None and doc.load[whole] + doc.c <= (1.0 + self.tightest) * g.share:
-            # Kept whole by the tightest pass, so by all: a larger slack only raises the
-            # limit, and the split and spread modes change only how a document is split.
-            self._place(d, ((whole,), split_cut(doc.n, 1, "contiguous", g.tile)))
             return [self]
         groups: dict[tuple, tuple[tuple[tuple[int, ...], Cut], list[_Member]]] = {}
         for m in self.members:
