@@ -356,6 +356,9 @@ def test_whole_packing_fills_every_rank_exactly():
     assert found >= 55  # a bounded search: it may miss a few
     assert whole_packing([5, 3], [1, 1], 2, 4) is None  # a document longer than a rank holds
     assert whole_packing([3, 3, 2], [1, 1, 1], 2, 4) is None  # no exact packing exists
+    # 100 documents over 2 ranks: one pass down them looks at 200 ranks.
+    assert whole_packing([1] * 100, [1] * 100, 2, 50, visits=200) is None
+    assert sorted(whole_packing([1] * 100, [1] * 100, 2, 50, visits=201)) == [0] * 50 + [1] * 50
 
 
 def test_whole_candidate_packs_what_the_greedy_fragments():

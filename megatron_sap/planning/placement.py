@@ -978,6 +978,8 @@ def whole_packing(lengths: Sequence[int], costs: Sequence[int], num_ranks: int, 
     docs = sorted((d for d, n in enumerate(lengths) if n > 0), key=lambda d: (-lengths[d], -costs[d], d))
     if not docs or lengths[docs[0]] > capacity:
         return None
+    if len(docs) > 1 and len(docs) * num_ranks >= visits:
+        return None  # one pass down the documents alone looks at more ranks than that
     shortest = lengths[docs[-1]]
     room, load = [capacity] * num_ranks, [0] * num_ranks
     where = [0] * len(lengths)
