@@ -89,6 +89,29 @@ def test_matches_dense_reference(case, dtype, causal, heads, scale):
         _close(got, want, dtype, name)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_forward_on_inputs_that_require_grad_is_differentiable(causal, dtype):
+    """q, k, v that require grad: out.backward gives the dense reference's gradients (by
+    varlen_backward), lse carries none; under no_grad nothing is recorded."""
+    lengths = LENGTHS["mixed"]
+    cu, total, dim = _cu(lengths), sum(lengths), 16
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (_random(total, h, dim, dtype, gen).requires_grad_() for h in (4, 2, 2))
+    dout = _random(total, 4, dim, dtype, gen)
+    ref_out, _, *ref_grads = _reference(q, k, v, cu, dout, causal=causal, scale=None)
+
+    out, lse = varlen_forward(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+    assert out.requires_grad and not lse.requires_grad
+    out.backward(dout)
+    _close(out.detach(), ref_out, dtype, "out")
+    for name, leaf, want in zip(("dq", "dk", "dv"), (q, k, v), ref_grads):
+        _close(leaf.grad, want, dtype, name)
+    with torch.no_grad():
+        out, lse = varlen_forward(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+    assert not out.requires_grad and out.grad_fn is None
+
+
 def _split_documents(lengths, gen):
     """Cut each document into key parts [0, a), [a, s) and a query tail [s, L) (any part may be empty)."""
     parts = []

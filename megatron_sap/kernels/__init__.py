@@ -204,12 +204,22 @@ def varlen_forward(
     inputs). max_seqlen_* must be at least the longest segment (Python ints: the
     flash kernels size their grids with them). softmax_scale defaults to D ** -0.5.
     cu_seqlens values are validated when they live on the CPU; on a GPU that
-    would cost a host sync, so the flash backends trust them.
+    would cost a host sync, so the flash backends trust them. Where q, k or v
+    require grad (and grad mode is on), out is differentiable: its backward is
+    `varlen_backward` (lse is not differentiable).
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale = _call_scale(q, causal, softmax_scale)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     name = resolve_backend(backend, q.device, q.dtype, q.shape[2])
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, name)
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, name)
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+             max_seqlen_k: int, causal: bool, scale: float, name: str) -> tuple[Tensor, Tensor]:
+    """`varlen_forward` on checked inputs, with the backend resolved."""
     if q.shape[0] == 0 or k.shape[0] == 0:
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_lse_dtype(q.dtype), device=q.device)
         return torch.zeros_like(q), lse
@@ -218,6 +228,26 @@ def varlen_forward(
     return _flash_module(name).forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=scale
     )
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """`varlen_forward` for inputs that require grad: out's gradient by `varlen_backward`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, name):
+        out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, name)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.call = (max_seqlen_q, max_seqlen_k, causal, scale, name)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        max_seqlen_q, max_seqlen_k, causal, scale, name = ctx.call
+        grads = varlen_backward(dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, causal=causal, softmax_scale=scale, backend=name)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def varlen_backward(
