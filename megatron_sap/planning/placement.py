@@ -819,14 +819,16 @@ class _ZigzagBuild(Build):
     others leave a rank over capacity. The first step lays out the slot sizes; each
     step then cuts and tallies one document, the longest first. Its floor before the
     first step is the larger of its transfers' (`_transfer_floor_s`) and its chunks'
-    compute (`_chunk_floor_s`), and stays under the tally's."""
+    compute (`_chunk_floor_s`, from the documents' whole `costs`); then the larger of
+    that and its tally's."""
 
-    def __init__(self, index: int, doc_starts: list[int], lengths: list[int], capacity: int, tally: Tally):
+    def __init__(self, index: int, doc_starts: list[int], lengths: list[int], costs: list[int], capacity: int,
+                 tally: Tally):
         self.names, self.indices, self.index = ("zigzag",), (index,), index
         self.starts, self.lengths, self.capacity, self.tally = doc_starts, lengths, capacity, tally
         self.ranks: dict[int, tuple[int, ...]] | None = None  # per document, the rank of each slot
         self.records: dict[int, Record] = {}
-        self.floor_s = self._layout_floor = max(_transfer_floor_s(lengths, tally), _chunk_floor_s(lengths, tally))
+        self.floor_s = self._layout_floor = max(_transfer_floor_s(lengths, tally), _chunk_floor_s(lengths, costs, tally))
 
     def _lay_out(self) -> bool:
         """Each document's ranks, and the rounding the longest one absorbs; False if impossible.
@@ -899,18 +901,19 @@ def _transfer_floor_s(lengths: list[int], tally: Tally) -> float:
     return 2 * (head_tokens * pair_seconds / R + (R - 1) * tally.latency_s)
 
 
-def _chunk_floor_s(lengths: list[int], tally: Tally) -> float:
+def _chunk_floor_s(lengths: list[int], costs: list[int], tally: Tally) -> float:
     """A floor on the zigzag layout's compute, before it is laid out.
 
     Every document but the longest is cut into 2R chunks, min(n, 2R) of them non-empty, and
     a non-empty chunk costs at least its diagonal tile; cut or not, a document costs at
     least its whole tile-rounded pairs. The busiest rank computes at least the mean, both
-    passes. (Rows of many short documents: each token its own chunk on its own rank.)"""
+    passes. (Rows of many short documents: each token its own chunk on its own rank.)
+    `costs`: each document's whole tile-rounded pairs."""
     R, t = len(tally.tiles), tally.model.tile
     sizes = np.asarray(lengths, dtype=np.int64)  # empty documents add nothing
     if not len(sizes):
         return 0.0
-    whole = whole_pairs(sizes, t)
+    whole = np.asarray(costs, dtype=np.int64)
     chunks = np.maximum(np.minimum(sizes, 2 * R) * (t * t), whole)
     longest = int(sizes.argmax())  # it absorbs the rounding: its whole cost
     pairs = int(chunks.sum()) - int(chunks[longest]) + int(whole[longest])
@@ -1104,7 +1107,8 @@ def candidates(
     if num_ranks > 1:
         spread_slack = min(slacks, default=0.0)
         members.append((greedy_name(spread_slack, "zigzag", spread=True), 2 * len(slacks), spread_slack, "zigzag", True))
-        builds.append(_ZigzagBuild(2 * len(slacks) + 1, doc_starts, lengths, capacity, Tally(num_ranks, inner_size, model)))
+        builds.append(_ZigzagBuild(2 * len(slacks) + 1, doc_starts, lengths, passes.cost, capacity,
+                                   Tally(num_ranks, inner_size, model)))
         builds.append(_ContiguousBuild(2 * len(slacks) + 2, doc_starts, lengths, capacity, Tally(num_ranks, inner_size, model)))
         if max(lengths, default=0) <= capacity:  # else no packing keeps every document whole
             builds.append(_WholeBuild(2 * len(slacks) + 3, doc_starts, lengths, passes.cost, capacity,
