@@ -26,6 +26,7 @@ alike are one build until they part.
 """
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -442,12 +443,17 @@ def _finish(capacity: int, num_ranks: int, records: list[Record], strategy: str,
     return Placement(capacity, num_ranks, tuple(records), strategy, tuple([int(x) for x in pairs]), tally)
 
 
-def _contiguous_chunks(doc_starts: list[int], lengths: list[int], capacity: int) -> Iterator[tuple[int, int, int, list[int]]]:
-    """(document, start, first rank, chunks) of each non-empty document when rank r holds
-    the packed positions [r*capacity, (r+1)*capacity): chunk i on rank first + i."""
-    for d, (s, n) in enumerate(zip(doc_starts, lengths)):
+def _contiguous_chunks(doc_starts: list[int], lengths: list[int], capacity: int,
+                       order: Sequence[int] | None = None) -> Iterator[tuple[int, int, int, list[int]]]:
+    """(document, start, first rank, chunks) of each non-empty document when the documents,
+    in `order` (default: the packed row's), are laid end to end and rank r holds positions
+    [r*capacity, (r+1)*capacity) of that row: chunk i on rank first + i."""
+    position = 0
+    for d in range(len(lengths)) if order is None else order:
+        n = lengths[d]
         if n:
-            yield d, s, *_slice_chunks(s, n, capacity)
+            yield d, doc_starts[d], *_slice_chunks(position, n, capacity)
+            position += n
 
 
 def _slice_chunks(start: int, length: int, capacity: int) -> tuple[int, list[int]]:
@@ -460,14 +466,73 @@ def _slice_chunks(start: int, length: int, capacity: int) -> tuple[int, list[int
     return first, [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def contiguous(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: int, tile: int) -> Placement:
-    """Rank r holds the packed positions [r*capacity, (r+1)*capacity)."""
+def contiguous(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: int, tile: int,
+               order: Sequence[int] | None = None, name: str = "contiguous") -> Placement:
+    """Rank r holds the packed positions [r*capacity, (r+1)*capacity), of the documents laid
+    end to end in `order` (default: as packed; see `balanced_order`)."""
     records = [
         Record(d, s, (first,), split_cut(chunks[0], 1, "contiguous", tile)) if len(chunks) == 1
         else Record(d, s, tuple(range(first, first + len(chunks))), Cut(chunks, False, tile))
-        for d, s, first, chunks in _contiguous_chunks(doc_starts, lengths, capacity)
+        for d, s, first, chunks in _contiguous_chunks(doc_starts, lengths, capacity, order)
     ]
-    return _finish(capacity, num_ranks, records, "contiguous")
+    return _finish(capacity, num_ranks, records, name)
+
+
+def dealt_order(lengths: Sequence[int], costs: Sequence[int], num_ranks: int) -> list[int]:
+    """The non-empty documents in an order whose contiguous layout spreads work and tokens
+    alike: heaviest first (ties: longest first), dealt to `num_ranks` bins back and forth
+    (0 .. R-1, then R-1 .. 0, ...); the bins, in rank order, give the order. Where
+    documents are many and alike (short ones all cost a tile of pairs), every bin gets as
+    many of each size, which `balanced_order`'s room-bound choices do not."""
+    sizes, weights = np.asarray(lengths, dtype=np.int64), np.asarray(costs, dtype=np.int64)
+    docs = np.flatnonzero(sizes > 0)
+    docs = docs[np.lexsort((docs, -sizes[docs], -weights[docs]))]  # heaviest, then longest, then first
+    turn, seat = np.divmod(np.arange(len(docs)), num_ranks)
+    bins = np.where(turn % 2 == 0, seat, num_ranks - 1 - seat)
+    return docs[np.argsort(bins, kind="stable")].tolist()
+
+
+def balanced_order(lengths: Sequence[int], costs: Sequence[int], num_ranks: int, capacity: int) -> list[int]:
+    """The non-empty documents in an order whose contiguous layout balances the work.
+
+    Heaviest first, each document goes to the least-loaded of `num_ranks` bins of
+    `capacity` tokens that has room for it whole, else to the emptiest bin; the bins, in
+    rank order, give the order. Cut into equal slices, that row splits only the documents
+    on a slice boundary, each over consecutive ranks (at most R - 1 of them), and each
+    rank holds about its bin: a row of short documents gets close to an even packing
+    without the greedy's cuts over fragmented room.
+    """
+    docs = sorted((d for d, n in enumerate(lengths) if n > 0), key=lambda d: (-costs[d], -lengths[d], d))
+    tokens, load, bins = [0] * num_ranks, [0] * num_ranks, [[] for _ in range(num_ranks)]
+    smallest = [0] * len(docs)  # the shortest document from each position on
+    shortest = capacity + 1
+    for i in range(len(docs) - 1, -1, -1):
+        shortest = smallest[i] = min(shortest, lengths[docs[i]])
+    # (load, rank) of the bins that may take another document; an entry whose load is no
+    # longer the bin's is stale (a bin's load only grows) and dropped when met.
+    open_bins = [(0, r) for r in range(num_ranks)]
+    for i, d in enumerate(docs):
+        n, passed, chosen = lengths[d], [], None
+        while open_bins:
+            entry = heapq.heappop(open_bins)
+            r = entry[1]
+            if entry[0] != load[r]:
+                continue
+            if tokens[r] + n <= capacity:
+                chosen = r
+                break
+            if capacity - tokens[r] >= smallest[i]:  # a later, shorter document may fit
+                passed.append(entry)
+        for entry in passed:
+            heapq.heappush(open_bins, entry)
+        if chosen is None:
+            chosen = min(range(num_ranks), key=lambda r: (tokens[r], load[r], r))
+        bins[chosen].append(d)
+        tokens[chosen] += n
+        load[chosen] += costs[d]
+        if tokens[chosen] < capacity:
+            heapq.heappush(open_bins, (load[chosen], chosen))
+    return [d for bin_ in bins for d in bin_]
 
 
 def greedy(
@@ -512,6 +577,7 @@ class Build:
     index: int
     floor_s: float = 0.0
     placement: Placement | None = None
+    eager: bool = False  # cheap to finish: finished first where its starting floor is at the bound
 
     def step(self) -> list[Build]:
         raise NotImplementedError
@@ -921,24 +987,32 @@ def _chunk_floor_s(lengths: list[int], costs: list[int], tally: Tally) -> float:
 
 
 class _ContiguousBuild(Build):
-    """The contiguous layout (see `contiguous`): its compute floor first, from the chunk
-    sizes alone; built whole at its first step, then tallied a document at a time, the
-    widest first, and the documents that stay on one rank (no transfers, their compute
-    already in the floor) in one last step."""
+    """The contiguous layout (see `contiguous`) of the documents in `order` (default: as
+    packed): its compute floor first, from the chunk sizes alone; built whole at its
+    first step, then tallied a document at a time, the widest first, and the documents
+    that stay on one rank (no transfers, their compute already in the floor) in one last
+    step."""
 
-    def __init__(self, index: int, doc_starts: list[int], lengths: list[int], capacity: int, tally: Tally):
-        self.names, self.indices, self.index, self.tally = ("contiguous",), (index,), index, tally
-        self.starts, self.lengths, self.capacity = doc_starts, lengths, capacity
+    def __init__(self, index: int, doc_starts: list[int], lengths: list[int], capacity: int, tally: Tally,
+                 order: list[int] | None = None, name: str = "contiguous"):
+        self.names, self.indices, self.index, self.tally = (name,), (index,), index, tally
+        self.eager = order is not None  # the orders that balance the slices (the packed one is weighed in turn)
+        self.starts, self.lengths, self.capacity, self.order = doc_starts, lengths, capacity, order
         tile, R = tally.model.tile, len(tally.tiles)
         # Documents inside one rank's slice in one array operation, the few that cross a
-        # slice boundary chunk by chunk.
-        starts, sizes = np.asarray(doc_starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        # slice boundary chunk by chunk; `starts`: where each lies in the row laid out.
+        sizes = np.asarray(lengths, dtype=np.int64)
+        if order is None:
+            starts = np.asarray(doc_starts, dtype=np.int64)
+        else:
+            starts, laid = np.zeros(len(sizes), dtype=np.int64), np.asarray(order, dtype=np.int64)
+            starts[laid] = np.cumsum(sizes[laid]) - sizes[laid]
         first, last = starts // capacity, (starts + sizes - 1) // capacity
         inside = (sizes > 0) & (first == last)
         tiles = np.zeros(R, dtype=np.int64)
         np.add.at(tiles, first[inside], whole_pairs(sizes[inside], tile))
         for d in np.flatnonzero((sizes > 0) & ~inside).tolist():
-            rank, chunks = _slice_chunks(doc_starts[d], lengths[d], capacity)
+            rank, chunks = _slice_chunks(int(starts[d]), lengths[d], capacity)
             for r, offset, size in zip(range(rank, rank + len(chunks)), accumulate(chunks, initial=0), chunks):
                 tiles[r] += _tile_pairs(tile, offset, size)
         self._compute_s = int(tiles.max(initial=0)) * tally.pair_s * (1.0 + tally.backward_factor)
@@ -947,7 +1021,8 @@ class _ContiguousBuild(Build):
 
     def step(self) -> list[Build]:
         if self._built is None:
-            self._built = contiguous(self.starts, self.lengths, len(self.tally.tiles), self.capacity, self.tally.model.tile)
+            self._built = contiguous(self.starts, self.lengths, len(self.tally.tiles), self.capacity, self.tally.model.tile,
+                                     self.order, self.names[0])
             records = self._built.records
             self._local = [rec for rec in records if len(rec.ranks) == 1]
             self._pending = sorted((rec for rec in records if len(rec.ranks) > 1), key=lambda rec: rec.cut.need * len(rec.ranks))
@@ -963,6 +1038,8 @@ class _ContiguousBuild(Build):
         return [self]
 
 
+BALANCED = "contiguous(balanced)"  # the contiguous layout of the documents in `balanced_order`
+DEALT = "contiguous(dealt)"  # the contiguous layout of the documents in `dealt_order`
 WHOLE_SEARCH_VISITS = 4096  # ranks looked at by the search for a whole-document packing, at most
 
 
@@ -1096,7 +1173,9 @@ def candidates(
     that moves fewer bytes first; then one that spreads each document heavier than a
     rank's share over as many ranks as it can (balance when one document dominates the
     work, worth its traffic where links are fast); then the zigzag, contiguous and
-    whole layouts. The greedy passes start as one build."""
+    whole layouts, and the contiguous layouts of the documents in `balanced_order` and
+    in `dealt_order` (where every document fits on one rank). The greedy passes start as
+    one build."""
     passes = _Greedy(doc_starts, lengths, num_ranks, capacity, model, inner_size)
     members = [
         (greedy_name(s, split), 2 * i + j, s, split, False)
@@ -1113,4 +1192,10 @@ def candidates(
         if max(lengths, default=0) <= capacity:  # else no packing keeps every document whole
             builds.append(_WholeBuild(2 * len(slacks) + 3, doc_starts, lengths, passes.cost, capacity,
                                       Tally(num_ranks, inner_size, model)))
+            builds.append(_ContiguousBuild(2 * len(slacks) + 4, doc_starts, lengths, capacity,
+                                           Tally(num_ranks, inner_size, model),
+                                           balanced_order(lengths, passes.cost, num_ranks, capacity), BALANCED))
+            builds.append(_ContiguousBuild(2 * len(slacks) + 5, doc_starts, lengths, capacity,
+                                           Tally(num_ranks, inner_size, model),
+                                           dealt_order(lengths, passes.cost, num_ranks), DEALT))
     return [passes.build(members)] + builds if members else builds

@@ -412,7 +412,8 @@ def plan_sequences(
 
     Every rank holds exactly T / P tokens. Candidate placements (sequence-aware greedy
     at several load slacks and two split modes, a spread greedy pass, zigzag over all
-    ranks, contiguous, every document whole) are evaluated with the cost model; the one
+    ranks, contiguous, every document whole, and contiguous slices of the documents in
+    two balancing orders) are evaluated with the cost model; the one
     with the lowest modelled forward+backward layer time wins (within 1%, the one that
     moves fewer bytes). The search stops at the first candidate within 1% of the lower
     bound (every document computed whole, spread evenly, no communication but the
@@ -474,7 +475,31 @@ def plan_sequences(
     # all-to-alls) is over TIME_TOLERANCE slower than the fastest built so far can be
     # neither chosen nor near the choice: it is given up there. Once the lowest floor
     # is out of reach, so are all the others.
-    queue = [(b.floor_s, b.index, b) for b in candidates(doc_starts, lengths, outer_size, capacity, model, slacks, inner_size)]
+    def weigh(build: Build) -> bool:
+        """Evaluate a finished candidate; True once one is within TIME_TOLERANCE of the bound."""
+        nonlocal fastest
+        placement = build.placement
+        ev = by_layout.get(placement.records)
+        if ev is None:
+            ev = by_layout[placement.records] = evaluate(placement, inner_size, model)
+            evaluated.append((build.index, placement, ev))
+        considered.update((name, ev.makespan_s) for name in build.names)
+        fastest = min(fastest, ev.makespan_s)
+        return ev.makespan_s <= bound * (1 + TIME_TOLERANCE)
+
+    builds = candidates(doc_starts, lengths, outer_size, capacity, model, slacks, inner_size)
+    # Cheap candidates already within TIME_TOLERANCE of the bound on their starting floor
+    # (`Build.eager`) are finished first, the lowest floor first: one that stays there ends
+    # the search at once.
+    at_bound = False
+    for build in sorted(builds, key=lambda b: (b.floor_s, b.index)):
+        if build.eager and build.floor_s + a2a_s <= bound * (1 + TIME_TOLERANCE):
+            while build.placement is None:
+                (build,) = build.step()
+            at_bound = weigh(build)
+            if at_bound:
+                break
+    queue = [] if at_bound else [(b.floor_s, b.index, b) for b in builds if b.placement is None]
     heapq.heapify(queue)
     while queue:
         floor_s, _, build = queue[0]
@@ -495,14 +520,7 @@ def plan_sequences(
                 heapq.heappush(queue, (b.floor_s, b.index, b))
             continue
         heapq.heappop(queue)
-        placement = build.placement
-        ev = by_layout.get(placement.records)
-        if ev is None:
-            ev = by_layout[placement.records] = evaluate(placement, inner_size, model)
-            evaluated.append((build.index, placement, ev))
-        considered.update((name, ev.makespan_s) for name in build.names)
-        fastest = min(fastest, ev.makespan_s)
-        if ev.makespan_s <= bound * (1 + TIME_TOLERANCE):
+        if weigh(build):
             break
     # The fastest candidate; among those within TIME_TOLERANCE of it, the one that moves
     # the fewest bytes (less contention with other traffic for the same modelled time),
