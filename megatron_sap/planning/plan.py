@@ -470,11 +470,6 @@ def plan_sequences(
     pruned: dict[str, float] = {}
     fastest = float("inf")
 
-    # Candidates are built a document at a time, the one with the lowest floor next
-    # (ties: the earlier candidate). A candidate whose floor (its tally's, plus the
-    # all-to-alls) is over TIME_TOLERANCE slower than the fastest built so far can be
-    # neither chosen nor near the choice: it is given up there. Once the lowest floor
-    # is out of reach, so are all the others.
     def weigh(build: Build) -> bool:
         """Evaluate a finished candidate; True once one is within TIME_TOLERANCE of the bound."""
         nonlocal fastest
@@ -499,6 +494,11 @@ def plan_sequences(
             at_bound = weigh(build)
             if at_bound:
                 break
+    # Candidates are built a document at a time, the one with the lowest floor next
+    # (ties: the earlier candidate). A candidate whose floor (its tally's, plus the
+    # all-to-alls) is over TIME_TOLERANCE slower than the fastest built so far can be
+    # neither chosen nor near the choice: it is given up there. Once the lowest floor
+    # is out of reach, so are all the others.
     queue = [] if at_bound else [(b.floor_s, b.index, b) for b in builds if b.placement is None]
     heapq.heapify(queue)
     while queue:
