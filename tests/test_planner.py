@@ -29,6 +29,7 @@ from megatron_sap.planning.placement import (
     candidates,
     contiguous,
     dealt_order,
+    heaviest_first,
     greedy,
     split_cut,
     split_need,
@@ -655,16 +656,18 @@ def uniform_row(low: int, high: int, total: int, seed: int = 1) -> list[int]:
 @given(st.lists(st.integers(0, 3000), min_size=1, max_size=80), st.integers(1, 12))
 def test_balanced_and_dealt_orders_list_every_document_once(lengths, ranks):
     costs = [_tile_pairs(128, 0, n) for n in lengths]
-    non_empty = sorted(d for d, n in enumerate(lengths) if n)
+    docs = heaviest_first(lengths, costs)
+    assert sorted(docs) == [d for d, n in enumerate(lengths) if n]
     capacity = max(1, -(-sum(lengths) // ranks))
-    assert sorted(balanced_order(lengths, costs, ranks, capacity)) == non_empty
-    assert sorted(dealt_order(lengths, costs, ranks)) == non_empty
+    assert sorted(balanced_order(docs, lengths, costs, ranks, capacity)) == sorted(docs)
+    assert sorted(dealt_order(docs, ranks)) == sorted(docs)
 
 
 def test_dealt_order_deals_the_heaviest_back_and_forth():
     lengths = [100, 900, 500, 700, 300, 800]  # by cost: 1 (900), 5, 3, 2, 4, 0
     costs = [_tile_pairs(128, 0, n) for n in lengths]
-    assert dealt_order(lengths, costs, 2) == [1, 2, 4, 5, 3, 0]  # bins 0: 1, 2, 4 and 1: 5, 3, 0
+    assert heaviest_first(lengths, costs) == [1, 5, 3, 2, 4, 0]
+    assert dealt_order([1, 5, 3, 2, 4, 0], 2) == [1, 2, 4, 5, 3, 0]  # bins 0: 1, 2, 4 and 1: 5, 3, 0
 
 
 def test_short_documents_over_many_ranks_take_a_balanced_contiguous_layout():

@@ -478,31 +478,35 @@ def contiguous(doc_starts: list[int], lengths: list[int], num_ranks: int, capaci
     return _finish(capacity, num_ranks, records, name)
 
 
-def dealt_order(lengths: Sequence[int], costs: Sequence[int], num_ranks: int) -> list[int]:
-    """The non-empty documents in an order whose contiguous layout spreads work and tokens
-    alike: heaviest first (ties: longest first), dealt to `num_ranks` bins back and forth
-    (0 .. R-1, then R-1 .. 0, ...); the bins, in rank order, give the order. Where
-    documents are many and alike (short ones all cost a tile of pairs), every bin gets as
-    many of each size, which `balanced_order`'s room-bound choices do not."""
-    sizes, weights = np.asarray(lengths, dtype=np.int64), np.asarray(costs, dtype=np.int64)
-    docs = np.flatnonzero(sizes > 0)
-    docs = docs[np.lexsort((docs, -sizes[docs], -weights[docs]))]  # heaviest, then longest, then first
+def heaviest_first(lengths: Sequence[int], costs: Sequence[int]) -> list[int]:
+    """The non-empty documents by decreasing cost; among equal costs (documents within one
+    tile row of each other cost the same) the longest first, so that the short ones fill
+    the room left; then in packed order."""
+    return sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-costs[d], -lengths[d], d))
+
+
+def dealt_order(docs: Sequence[int], num_ranks: int) -> list[int]:
+    """`docs` (`heaviest_first`) in an order whose contiguous layout spreads work and tokens
+    alike: dealt to `num_ranks` bins back and forth (0 .. R-1, then R-1 .. 0, ...); the
+    bins, in rank order, give the order. Where documents are many and alike (short ones
+    all cost a tile of pairs), every bin gets as many of each size, which
+    `balanced_order`'s room-bound choices do not."""
     turn, seat = np.divmod(np.arange(len(docs)), num_ranks)
     bins = np.where(turn % 2 == 0, seat, num_ranks - 1 - seat)
-    return docs[np.argsort(bins, kind="stable")].tolist()
+    return np.asarray(docs, dtype=np.int64)[np.argsort(bins, kind="stable")].tolist()
 
 
-def balanced_order(lengths: Sequence[int], costs: Sequence[int], num_ranks: int, capacity: int) -> list[int]:
-    """The non-empty documents in an order whose contiguous layout balances the work.
+def balanced_order(docs: Sequence[int], lengths: Sequence[int], costs: Sequence[int], num_ranks: int,
+                   capacity: int) -> list[int]:
+    """`docs` (`heaviest_first`) in an order whose contiguous layout balances the work.
 
-    Heaviest first, each document goes to the least-loaded of `num_ranks` bins of
-    `capacity` tokens that has room for it whole, else to the emptiest bin; the bins, in
-    rank order, give the order. Cut into equal slices, that row splits only the documents
-    on a slice boundary, each over consecutive ranks (at most R - 1 of them), and each
-    rank holds about its bin: a row of short documents gets close to an even packing
-    without the greedy's cuts over fragmented room.
+    In turn, each document goes to the least-loaded of `num_ranks` bins of `capacity`
+    tokens that has room for it whole, else to the emptiest bin; the bins, in rank order,
+    give the order. Cut into equal slices, that row splits only the documents on a slice
+    boundary, each over consecutive ranks (at most R - 1 of them), and each rank holds
+    about its bin: a row of short documents gets close to an even packing without the
+    greedy's cuts over fragmented room.
     """
-    docs = sorted((d for d, n in enumerate(lengths) if n > 0), key=lambda d: (-costs[d], -lengths[d], d))
     tokens, load, bins = [0] * num_ranks, [0] * num_ranks, [[] for _ in range(num_ranks)]
     smallest = [0] * len(docs)  # the shortest document from each position on
     shortest = capacity + 1
@@ -636,9 +640,7 @@ class _Greedy:
         self.cost = whole_pairs(lengths, self.tile).tolist()
         self.total = sum(self.cost)
         self.share = self.total / num_ranks
-        # Heaviest first; among equal costs (documents within one tile row of each other
-        # cost the same) the longest first, so that the short ones fill the room left.
-        self.order = sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-self.cost[d], -lengths[d], d))
+        self.order = heaviest_first(lengths, self.cost)
 
     def build(self, members: Sequence[tuple[str, int, float, str, bool]]) -> Build:
         """The passes (name, index, slack, split, spread), built together while they
@@ -993,8 +995,8 @@ class _ContiguousBuild(Build):
     that stay on one rank (no transfers, their compute already in the floor) in one last
     step."""
 
-    def __init__(self, index: int, doc_starts: list[int], lengths: list[int], capacity: int, tally: Tally,
-                 order: list[int] | None = None, name: str = "contiguous"):
+    def __init__(self, index: int, doc_starts: list[int], lengths: list[int], costs: list[int], capacity: int,
+                 tally: Tally, order: list[int] | None = None, name: str = "contiguous"):
         self.names, self.indices, self.index, self.tally = (name,), (index,), index, tally
         self.eager = order is not None  # the orders that balance the slices (the packed one is weighed in turn)
         self.starts, self.lengths, self.capacity, self.order = doc_starts, lengths, capacity, order
@@ -1010,7 +1012,7 @@ class _ContiguousBuild(Build):
         first, last = starts // capacity, (starts + sizes - 1) // capacity
         inside = (sizes > 0) & (first == last)
         tiles = np.zeros(R, dtype=np.int64)
-        np.add.at(tiles, first[inside], whole_pairs(sizes[inside], tile))
+        np.add.at(tiles, first[inside], np.asarray(costs, dtype=np.int64)[inside])  # whole documents
         for d in np.flatnonzero((sizes > 0) & ~inside).tolist():
             rank, chunks = _slice_chunks(int(starts[d]), lengths[d], capacity)
             for r, offset, size in zip(range(rank, rank + len(chunks)), accumulate(chunks, initial=0), chunks):
@@ -1188,14 +1190,16 @@ def candidates(
         members.append((greedy_name(spread_slack, "zigzag", spread=True), 2 * len(slacks), spread_slack, "zigzag", True))
         builds.append(_ZigzagBuild(2 * len(slacks) + 1, doc_starts, lengths, passes.cost, capacity,
                                    Tally(num_ranks, inner_size, model)))
-        builds.append(_ContiguousBuild(2 * len(slacks) + 2, doc_starts, lengths, capacity, Tally(num_ranks, inner_size, model)))
+        builds.append(_ContiguousBuild(2 * len(slacks) + 2, doc_starts, lengths, passes.cost, capacity,
+                                       Tally(num_ranks, inner_size, model)))
         if max(lengths, default=0) <= capacity:  # else no packing keeps every document whole
             builds.append(_WholeBuild(2 * len(slacks) + 3, doc_starts, lengths, passes.cost, capacity,
                                       Tally(num_ranks, inner_size, model)))
-            builds.append(_ContiguousBuild(2 * len(slacks) + 4, doc_starts, lengths, capacity,
+            builds.append(_ContiguousBuild(2 * len(slacks) + 4, doc_starts, lengths, passes.cost, capacity,
                                            Tally(num_ranks, inner_size, model),
-                                           balanced_order(lengths, passes.cost, num_ranks, capacity), BALANCED))
-            builds.append(_ContiguousBuild(2 * len(slacks) + 5, doc_starts, lengths, capacity,
-                                           Tally(num_ranks, inner_size, model),
-                                           dealt_order(lengths, passes.cost, num_ranks), DEALT))
+                                           balanced_order(passes.order, lengths, passes.cost, num_ranks, capacity),
+                                           BALANCED))
+            builds.append(_ContiguousBuild(2 * len(slacks) + 5, doc_starts, lengths, passes.cost, capacity,
+                                           Tally(num_ranks, inner_size, model), dealt_order(passes.order, num_ranks),
+                                           DEALT))
     return [passes.build(members)] + builds if members else builds
