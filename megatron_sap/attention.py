@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -319,13 +320,26 @@ def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             )
 
 
-def attention_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
-    """(query heads, key/value heads, head dim, bytes per element) of one rank's attention:
-    what the ranks' exchanges must agree on besides the plan."""
-    return q.shape[1], k.shape[1], q.shape[2], q.element_size()
+def attention_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, str]:
+    """(query heads, key/value heads, head dim, dtype name) of one rank's attention: what
+    the ranks' exchanges must agree on besides the plan. The dtype, not only its size:
+    fp16 and bf16 buffers are the same size, and one read as the other is garbage."""
+    return q.shape[1], k.shape[1], q.shape[2], dtype_name(q.dtype)
 
 
-def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: tuple[int, int, int, int]) -> None:
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """'bfloat16' for torch.bfloat16 (a name stays as it is)."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+def _shape_key(shape: Sequence) -> tuple:
+    """An attention shape as the agreement check hashes it: sizes as ints, a dtype (or an
+    element size, as earlier callers gave it) as its name or int."""
+    *sizes, kind = shape
+    return (*(int(x) for x in sizes), dtype_name(kind) if isinstance(kind, (str, torch.dtype)) else int(kind))
+
+
+def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: tuple[int, int, int, str]) -> None:
     """`verify_plan_agreement` once per (plan, group, recompute_kv, attention shape): on
     plan-cache misses, unless a batch split already checked this shape."""
     if (id(groups.cp_group), bool(recompute_kv), shape) not in plan.__dict__.get("_agreed_groups", ()):
@@ -333,11 +347,12 @@ def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: t
 
 
 def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = False,
-                          shape: tuple[int, int, int, int] | None = None) -> None:
+                          shape: Sequence | None = None) -> None:
     """Check now that every rank of the CP group planned the same batch and layout, and
     runs it with the same `recompute_kv` (which decides whether the backward exchanges K/V
-    again: ranks that differ would wait for each other) and attention `shape` (heads, head
-    dim and element size, which size the exchanged buffers; None: not checked here).
+    again: ranks that differ would wait for each other) and attention `shape` ((query heads,
+    KV heads, head dim, dtype) as `attention_shape` gives it, which size and type the
+    exchanged buffers; None: not checked here).
 
     One all-reduce of a 62-bit hash (and one host sync). Raises on every rank, with both
     hashes, instead of deadlocking in P2P or computing garbage. A batch splitter calls it
@@ -345,10 +360,10 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
     rank that reuses a cached plan while another plans a new batch; `sap_attention` calls
     it on the first use of a plan with a group, a `recompute_kv` and a shape not checked
     yet. (Ranks may run different schedules: both exchange the same rows in the same
-    order. Two dtypes of one size, fp16 and bf16, look alike here.)
+    order.)
     """
     recompute_kv = bool(recompute_kv)
-    shape = None if shape is None else tuple(int(x) for x in shape)
+    shape = None if shape is None else _shape_key(shape)
     digest = hashlib.sha1(f"{plan.signature()}|{recompute_kv}|{shape}".encode()).hexdigest()
     mine = int(digest[:16], 16) & ((1 << 62) - 1)
     values = torch.tensor([mine, -mine], dtype=torch.int64, device=collective_device(groups.cp_group))
@@ -366,7 +381,7 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
             f"CP ranks disagree on the batch, the layout, the cost model, the attention shape or recompute_kv: "
             f"this rank (cp_rank {groups.cp_rank}) planned hash {mine:x} ({plan.total_tokens} tokens, "
             f"{len(plan.cu_seqlens) - 1} documents, layout {plan.inner_size}x{plan.outer_size}, cost model "
-            f"{plan.cost_model.name!r}, attention shape (heads, kv heads, head dim, bytes) {shape}, "
+            f"{plan.cost_model.name!r}, attention shape (heads, kv heads, head dim, dtype) {shape}, "
             f"recompute_kv={recompute_kv}), the group has hashes from {low:x} to {high:x}"
         )
     plan.__dict__.setdefault("_agreed_groups", set()).add((id(groups.cp_group), recompute_kv, shape))

@@ -157,6 +157,7 @@ def test_cost_model_takes_the_model_shape_and_tp_from_the_flags(monkeypatch, mod
         setattr(args, name, value)
     options = sap_settings_from_args(args).options
     assert options.model_shape == shape
+    assert options.attention_dtype == ("bfloat16" if model.get("bf16") else "float16" if model.get("fp16") else "float32")
     tp = model.get("tensor_model_parallel_size", 1)
     assert (options.gpus_per_node, options.tensor_parallel_size) == (8, tp)
     cost_model = plan_for([0, 100, 400], None).cost_model
@@ -510,3 +511,18 @@ def test_a_model_shape_given_as_a_list_is_kept_as_a_tuple() -> None:
 
     assert set_sap_options(model_shape=[16, 4, 64, 2]).model_shape == (16, 4, 64, 2)
     assert plan_for([0, 100, 400], None).cost_model.num_heads == 16  # hashable: the cost model is cached
+
+
+@pytest.mark.parametrize(("given", "kept"), [("bfloat16", "bfloat16"), (torch.float16, "float16"), ("half", "float16"), ("float32", "float32")])
+def test_the_attention_dtype_is_kept_by_name(given, kept) -> None:
+    from megatron_sap.megatron import set_sap_options
+
+    assert set_sap_options(attention_dtype=given).attention_dtype == kept
+
+
+@pytest.mark.parametrize("bad", ["bf16", "int8", "cuda"])
+def test_an_attention_dtype_that_is_no_float_dtype_raises(bad) -> None:
+    from megatron_sap.megatron import set_sap_options
+
+    with pytest.raises(ValueError, match="attention_dtype must name a floating-point torch dtype"):
+        set_sap_options(attention_dtype=bad)

@@ -41,17 +41,18 @@ def _local_inputs(plan, cp_rank: int, cu: list[int], heads: int, kv_heads: int, 
 
 
 def disagree_job(rank: int, world: int, inner: int, cu: list[int], other_cu: list[int], odd_rank: int,
-                 odd_recompute: bool = False, odd_shape: tuple[int, int, str] | None = None) -> str:
-    """Every rank attends with a fresh plan; `odd_rank` plans `other_cu` (and, with
-    `odd_recompute`, alone recomputes the K/V; with `odd_shape` (query heads, KV heads,
-    dtype) alone attends in that shape). Returns 'ok' or the error."""
+                 odd_recompute: bool = False, odd_shape: tuple[int, int, str] | None = None,
+                 shape: tuple[int, int, str] = (4, 2, "float64")) -> str:
+    """Every rank attends with a fresh plan in `shape` (query heads, KV heads, dtype);
+    `odd_rank` plans `other_cu` (and, with `odd_recompute`, alone recomputes the K/V; with
+    `odd_shape` alone attends in that shape). Returns 'ok' or the error."""
     import megatron_sap as sap
     from megatron_sap.planning import PlanCache
 
     groups = groups_for(inner, world // inner)
     mine = other_cu if rank == odd_rank else cu
     plan = sap.plan_sequences(mine, outer_size=world // inner, inner_size=inner, cache=PlanCache())
-    heads, kv_heads, dtype = odd_shape if odd_shape and rank == odd_rank else (4, 2, "float64")
+    heads, kv_heads, dtype = odd_shape if odd_shape and rank == odd_rank else shape
     q, k, v, dout = (t.to(getattr(torch, dtype)) for t in _local_inputs(plan, groups.cp_rank, mine, heads, kv_heads, seed=0))
     try:
         sap.sap_attention(q, k, v, plan, groups, recompute_kv=odd_recompute and rank == odd_rank).backward(dout)
@@ -89,16 +90,28 @@ def test_rank_recomputing_kv_alone_raises_on_every_rank(pool4: WorkerPool) -> No
     assert "recompute_kv=True" in messages[2] and "recompute_kv=False" in messages[0]
 
 
-@pytest.mark.parametrize("odd_shape", [(8, 2, "float64"), (4, 4, "float64"), (4, 2, "float32")],
-                         ids=["query-heads", "kv-heads", "dtype-size"])
-def test_rank_attending_in_another_shape_raises_on_every_rank(pool4: WorkerPool, odd_shape) -> None:
-    """Heads and element size size the exchanged buffers: a rank that differs would make
-    its peers read garbage or abort inside the backend, so the agreement check counts them."""
+@pytest.mark.parametrize(("shape", "odd_shape"), [
+    ((4, 2, "float64"), (8, 2, "float64")),
+    ((4, 2, "float64"), (4, 4, "float64")),
+    ((4, 2, "float64"), (4, 2, "float32")),
+    ((4, 2, "bfloat16"), (4, 2, "float16")),
+], ids=["query-heads", "kv-heads", "dtype-size", "dtype-same-size"])
+def test_rank_attending_in_another_shape_raises_on_every_rank(pool4: WorkerPool, shape, odd_shape) -> None:
+    """Heads and dtype size and type the exchanged buffers: a rank that differs would make
+    its peers read garbage (fp16 read as bf16: same bytes, other numbers) or abort inside
+    the backend, so the agreement check counts them."""
     cu = [0, 10, 24, 40, 64]
-    messages = pool4.run(disagree_job, 2, cu, cu, 1, False, odd_shape)
+    messages = pool4.run(disagree_job, 2, cu, cu, 1, False, odd_shape, shape)
     assert all("disagree" in m and "attention shape" in m for m in messages), messages
     heads, kv_heads, dtype = odd_shape
-    assert f"(heads, kv heads, head dim, bytes) ({heads}, {kv_heads}, " in messages[1]
+    assert f"(heads, kv heads, head dim, dtype) ({heads}, {kv_heads}, 8, '{dtype}')" in messages[1]
+    assert f"'{shape[2]}')" in messages[0]
+
+
+def test_agreeing_ranks_in_half_precision_pass(pool4: WorkerPool) -> None:
+    """bf16 on every rank: the dtype in the check does not fire where all agree."""
+    cu = [0, 10, 24, 40, 64]
+    assert pool4.run(disagree_job, 2, cu, cu, 0, False, None, (4, 2, "bfloat16")) == ["ok"] * 4
 
 
 def test_agreeing_ranks_pass(pool4: WorkerPool) -> None:
@@ -149,9 +162,9 @@ def test_agreement_check_runs_once_per_plan_and_can_be_switched_off(pool2: Worke
     assert pool2.run(count_agreement_job, False) == [[1, 0, 0]] * 2
 
 
-def split_agreement_job(rank: int, world: int, model_shape) -> list[int]:
+def split_agreement_job(rank: int, world: int, model_shape, attention_dtype=None) -> list[int]:
     """all_reduce calls of a batch split and a layer's forward, two micro-batches, with the
-    model's shape known to the options or not."""
+    model's shape and attention dtype known to the options or not."""
     pytest.importorskip("megatron.core")
     import torch.distributed as dist
 
@@ -160,8 +173,11 @@ def split_agreement_job(rank: int, world: int, model_shape) -> list[int]:
     from megatron_sap.megatron.options import reset_sap_options
     from megatron_sap.megatron.plans import plan_for
 
+    from megatron_sap.planning.plan import DEFAULT_CACHE
+
     groups = groups_for(1, world)
-    set_sap_options(model_shape=model_shape)
+    DEFAULT_CACHE.clear()  # plans remember the shapes already checked with a group: plan afresh
+    set_sap_options(model_shape=model_shape, attention_dtype=attention_dtype)
     calls, real = 0, dist.all_reduce
 
     def counting(*args, **kwargs):
@@ -187,9 +203,13 @@ def split_agreement_job(rank: int, world: int, model_shape) -> list[int]:
 
 def test_a_split_that_knows_the_model_shape_covers_the_layers(pool2: WorkerPool) -> None:
     """One agreement all-reduce per micro-batch when the options know the layers' shape
-    (as the flags set it), a second one in the first layer when they do not."""
-    assert pool2.run(split_agreement_job, (2, 1, 8, 8)) == [[1, 1]] * 2
+    and dtype (as the flags set them), a second one in the first layer when they do not,
+    or name another dtype than the layers attend in."""
+    assert pool2.run(split_agreement_job, (2, 1, 8, 8), "float64") == [[1, 1]] * 2
+    assert pool2.run(split_agreement_job, (2, 1, 8, 8), torch.float64) == [[1, 1]] * 2
     assert pool2.run(split_agreement_job, None) == [[2, 2]] * 2
+    assert pool2.run(split_agreement_job, (2, 1, 8, 8)) == [[2, 2]] * 2
+    assert pool2.run(split_agreement_job, (2, 1, 8, 8), "float32") == [[2, 2]] * 2
 
 
 def unchecked_disagreement_job(rank: int, world: int) -> float:

@@ -121,10 +121,16 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
         recompute_kv=args.sap_recompute_kv,
         schedule=args.sap_schedule,
         model_shape=model_shape_from_args(args),
+        attention_dtype=attention_dtype_from_args(args),
         gpus_per_node=int(local_gpus) if local_gpus.isdigit() else None,
         tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
     )
     return SAPSettings(inner_size=inner, outer_size=outer, options=options)
+
+
+def attention_dtype_from_args(args: argparse.Namespace) -> str:
+    """The dtype Megatron-LM's layers attend in: their parameters' (--bf16, --fp16, else float32)."""
+    return "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else "float32"
 
 
 def model_shape_from_args(args: argparse.Namespace) -> Optional[tuple[int, int, int, int]]:

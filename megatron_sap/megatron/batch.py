@@ -116,10 +116,13 @@ def sap_split_batch(
         raise ValueError(f"packed length {total_tokens} is not divisible by the CP size {world}; pad the batch")
 
     plan = plan_for(cu, groups)
-    if groups is not None and get_sap_options().check_agreement:
-        # every micro-batch: cheap, and it also catches stale cached plans
-        # with the model's attention shape where the flags gave it: the layers then need no check of their own
-        verify_plan_agreement(plan, groups, get_sap_options().recompute_kv, get_sap_options().model_shape)
+    options = get_sap_options()
+    if groups is not None and options.check_agreement:
+        # every micro-batch: cheap, and it also catches stale cached plans; with the model's
+        # attention shape and dtype where the flags gave them, the layers need no check of their own
+        shape = options.model_shape
+        shape = None if shape is None or options.attention_dtype is None else (*shape[:3], options.attention_dtype)
+        verify_plan_agreement(plan, groups, options.recompute_kv, shape)
     cp_rank = 0 if groups is None else groups.cp_rank
     indices = plan.local_indices(cp_rank).to(device)
     positions = plan.position_ids(cp_rank).to(device)

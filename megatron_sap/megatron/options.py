@@ -10,6 +10,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
+from megatron_sap.attention import dtype_name
 from megatron_sap.planning.cost_model import CostModel
 from megatron_sap.planning.program import SCHEDULES as PROGRAM_SCHEDULES
 from megatron_sap.planning.program import check_schedule
@@ -35,6 +38,10 @@ class SAPOptions:
     model_shape: (query heads, key/value heads, head dim, bytes per element) that one CP rank's
         attention computes (the model's heads over TP), which the cost model weighs; None: the
         preset's shape.
+    attention_dtype: the dtype of the layers' attention inputs ("bfloat16", "float16", ...;
+        a torch.dtype is taken by name). With `model_shape`, the batch split's agreement check
+        covers the layers' own (shape and dtype), which then add none; None: the first layer
+        checks them itself.
     gpus_per_node / tensor_parallel_size: the cost model takes gpus_per_node (None: the preset's)
         over the TP size as the CP ranks sharing a node (Megatron orders TP fastest), which
         decides the link class of each transfer.
@@ -48,6 +55,7 @@ class SAPOptions:
     recompute_kv: bool = False
     schedule: str = "auto"
     model_shape: Optional[tuple[int, int, int, int]] = None
+    attention_dtype: Optional[str] = None
     gpus_per_node: Optional[int] = None
     tensor_parallel_size: int = 1
 
@@ -66,6 +74,12 @@ class SAPOptions:
             if len(self.model_shape) != 4 or min(self.model_shape) < 1:
                 raise ValueError(f"model_shape must be four positive integers (heads, kv heads, head dim, bytes), "
                                  f"got {self.model_shape}")
+        if self.attention_dtype is not None:
+            name = dtype_name(self.attention_dtype)
+            if not isinstance(getattr(torch, name, None), torch.dtype) or not getattr(torch, name).is_floating_point:
+                raise ValueError(f"attention_dtype must name a floating-point torch dtype (e.g. 'bfloat16'), "
+                                 f"got {self.attention_dtype!r}")
+            object.__setattr__(self, "attention_dtype", dtype_name(getattr(torch, name)))  # "half" -> "float16"
         if (self.gpus_per_node is not None and self.gpus_per_node < 1) or self.tensor_parallel_size < 1:
             raise ValueError(f"gpus_per_node and tensor_parallel_size must be >= 1, got {self.gpus_per_node}, "
                              f"{self.tensor_parallel_size}")
