@@ -40,7 +40,8 @@ Built-in checks, in the order they run:
   * torch_backend_accuracy: the torch backend's accuracy on the GPU in float32;
   * host_planning_time: planning on this machine's CPU, as `make bench` measures it
     (a fresh plan of packed 128K-token rows at P = 8 and 64, a cache hit, rank 0's
-    program): the planner runs on the training host's CPU, once per micro-batch.
+    program with its index tensors on the GPU): the planner runs on the training host's
+    CPU, once per micro-batch.
 """
 from __future__ import annotations
 
@@ -514,8 +515,9 @@ def host_planning_time() -> dict:
     """Planning time on this machine's CPU, one thread (`megatron_sap.bench.planning_time`)."""
     from megatron_sap.bench import planning_time
 
-    rows = planning_time.measure()
-    return {"ok": True, "cpu": planning_time.cpu_name(), "rows": planning_time.as_records(rows)}
+    rows = planning_time.measure(device=str(DEVICE))
+    return {"ok": True, "cpu": planning_time.cpu_name(), "program_device": str(DEVICE),
+            "rows": planning_time.as_records(rows)}
 
 
 CALIBRATION_OUT = Path("docs/calibration.json")

@@ -281,7 +281,7 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
                 "pipelined_kernel_factor": 1.364,
             },
             "host_planning_time": {
-                "ok": True, "cpu": "Some CPU",
+                "ok": True, "cpu": "Some CPU", "program_device": "cuda",
                 "rows": as_records([("stdlib", 8, 8, 0.00412, 0.003, 1.25e-5, 0.0021)]),
             },
             "method_kernel_times": {
@@ -308,6 +308,7 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
     assert "both rows: 1.36 (the cost model's `pipelined_kernel_factor`)" in body
     assert "9.0 ms of device time; the ops with the most: `flash_fwd` 4.0 ms (3 calls); `index_select` 2.0 ms" in body
     assert "| stdlib/T=32768 | sap | 5.00 | 4.00 | 1.250 | 1.00x |" in body
+    assert "outer rank 0's program, its index tensors on cuda):" in body
     assert "| stdlib/T=32768 | p2p | 10.00 | 9.00 | 1.111 | 2.00x |" in body
     assert "Peak memory" not in body  # the failed check has no table
     assert "CPU (Some CPU, one thread)" in body and "| stdlib | 8x8 | 4.1 | 3.0 | 12 | 2.1 |" in body

@@ -189,6 +189,53 @@ def test_program_is_cached_and_moves_to_device():
     assert moved.sent_tokens == program.sent_tokens and moved.recv_tokens == program.recv_tokens
 
 
+def _index_tensors(program: RankProgram) -> list:
+    """Every index tensor of a program, in order (None where a call takes all rows)."""
+    out = []
+    for call in (*program.local_calls, *(c for step in program.transfers for c in step.calls)):
+        out += [call.q_rows, call.k_rows, call.cu_seqlens_q, call.cu_seqlens_k]
+    return out + [step.send_rows for step in program.transfers]
+
+
+def _expected_tensors(program: RankProgram) -> list:
+    """`_index_tensors` spelled out from the ranges and segment lengths, one row at a time."""
+    def rows(ranges):
+        return None if ranges is None else torch.tensor([i for rg in ranges for i in rg], dtype=torch.int64)
+
+    def offsets(lengths):
+        return torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32)
+
+    out = []
+    for call in (*program.local_calls, *(c for step in program.transfers for c in step.calls)):
+        out += [rows(call.q_ranges), rows(call.k_ranges), offsets([q for q, _ in call.seqlens]),
+                offsets([k for _, k in call.seqlens])]
+    return out + [rows(step.send_ranges) for step in program.transfers]
+
+
+@SETTINGS
+@given(outer_batches(), st.sampled_from(["pipelined", "gathered"]))
+def test_a_moved_program_holds_the_tensors_its_calls_would_make(batch, schedule):
+    """`RankProgram.to` makes every index tensor at once, as views of two buffers: each
+    equals, in dtype and values, what the call or step makes from its ranges when first
+    used; the cu_seqlens start 16-byte aligned and every tensor is contiguous."""
+    cu, outer = batch
+    plan = sap.plan_sequences(cu, outer_size=outer, cache=None)
+    for r in range(outer):
+        compiled = plan.program(r, schedule=schedule)
+        moved = compiled.to("cpu")
+        made, lazy = _index_tensors(moved), _index_tensors(compiled)  # the compiled calls make theirs here
+        expected = _expected_tensors(compiled)
+        assert len(made) == len(lazy) == len(expected)
+        for want, got_lazy, got in zip(expected, lazy, made):
+            assert (want is None) == (got is None) == (got_lazy is None)
+            if got is not None:
+                for tensor in (got, got_lazy):
+                    assert tensor.dtype == want.dtype and tensor.is_contiguous() and torch.equal(tensor, want)
+        for call in (*moved.local_calls, *(c for step in moved.transfers for c in step.calls)):
+            for offsets in (call.cu_seqlens_q, call.cu_seqlens_k):
+                assert offsets.dtype == torch.int32 and offsets.data_ptr() % 16 == 0
+
+
 def test_q_moving_bound_counts_the_programs_transfers():
     """scripts/q_moving_bound.py weighs one K/V message per (source, destination) pair of the plan."""
     import importlib.util

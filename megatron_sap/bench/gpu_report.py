@@ -187,7 +187,8 @@ def _memory_table(result: dict) -> str:
 def _planning_table(result: dict) -> str:
     lines = [
         f"Planning on the GPU machine's CPU ({result['cpu']}, one thread), as `make bench` measures it on its own "
-        "machine (a fresh plan of packed 128K-token rows, a cache hit, outer rank 0's program):",
+        "machine (a fresh plan of packed 128K-token rows, a cache hit, outer rank 0's program"
+        + (f", its index tensors on {result['program_device']}" if result.get("program_device") else "") + "):",
         "",
         "| corpus | U x R | fresh plan ms (median) | fresh plan ms (min) | cache hit us (median) | "
         "rank 0's program ms (median) |",

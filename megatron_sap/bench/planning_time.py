@@ -14,6 +14,8 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
 import megatron_sap as sap
 from megatron_sap.planning import PlanCache
 
@@ -27,10 +29,11 @@ FRESH_TARGET_S = 5e-3
 HIT_TARGET_S = 50e-6
 
 
-def measure(num_batches: int = 16) -> list[tuple[str, int, int, float, float, float, float]]:
+def measure(num_batches: int = 16, device: str = "cpu") -> list[tuple[str, int, int, float, float, float, float]]:
     """(corpus, U, R, fresh median s, fresh min s, hit median s, program median s) per corpus
     and layout; the program is outer rank 0's, compiled in the schedule it runs by default
-    (which compiles and times both), with its index tensors."""
+    (which compiles and times both), with its index tensors on `device` (a GPU where the
+    training runs: the copies there are part of the host's work)."""
     rows = []
     for corpus in CORPORA:
         for layout, (inner, outer) in enumerate(LAYOUTS):
@@ -41,7 +44,9 @@ def measure(num_batches: int = 16) -> list[tuple[str, int, int, float, float, fl
                 plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
                 fresh.append(time.perf_counter() - start)
                 start = time.perf_counter()
-                plan.program(0).to("cpu")  # with its index tensors, as the executor gets it
+                plan.program(0).to(device)  # with its index tensors, as the executor gets it
+                if torch.device(device).type == "cuda":
+                    torch.cuda.synchronize()
                 programs.append(time.perf_counter() - start)
             cache = PlanCache()
             sap.plan_sequences(batches[0], outer_size=outer, inner_size=inner, cache=cache)

@@ -21,7 +21,7 @@ import heapq
 
 import numpy as np
 
-from .cost_model import CostModel
+from .cost_model import LINK_INTER, LINK_INTRA, CostModel
 from .program import exchange_round
 
 MAX_ORDERED_PAIRS = 4096  # beyond, round order: the simulation's cost grows with pairs x peers
@@ -33,41 +33,49 @@ def exchange_order(traffic_tokens: np.ndarray, model: CostModel, inner_size: int
     MAX_ORDERED_PAIRS pairs); `traffic_tokens[s, d]` is the forward K/V tokens outer rank
     s sends d."""
     R = len(traffic_tokens)
-    pairs = [(int(a), int(b)) for a, b in zip(*np.nonzero(np.triu(traffic_tokens + traffic_tokens.T, 1)))]
+    first, second = np.nonzero(np.triu(traffic_tokens + traffic_tokens.T, 1))
+    pairs = list(zip(first.tolist(), second.tolist()))
     if len(pairs) > MAX_ORDERED_PAIRS:
         # Rounds, each a matching of the ranks (a document spread over every rank, the
         # usual way to get this many pairs, exchanges equal amounts in every round).
         pairs.sort(key=lambda pair: (exchange_round(*pair, R), pair))
         return {pair: i for i, pair in enumerate(pairs)}
-    kv_bytes = model.inner_kv_bytes_per_token(inner_size)
-    tokens = traffic_tokens.tolist()
-    exchange_s: dict[tuple[int, int], float] = {}
+    # Each pair's exchange: its larger direction over its link, one message's latency.
+    larger = np.maximum(traffic_tokens[first, second], traffic_tokens[second, first])
+    larger = larger * model.inner_kv_bytes_per_token(inner_size)
+    node = np.arange(R) * inner_size // model.gpus_per_node  # `CostModel.link_between`
+    rate = np.where(node[first] == node[second], model.bandwidth(LINK_INTRA), model.bandwidth(LINK_INTER))
+    seconds = (model.message_latency_us * 1e-6 + larger / rate).tolist()  # `CostModel.transfer_seconds`
+    exchange_s = dict(zip(pairs, seconds))
+    # Each rank's peers, the longest exchange first, then the lower rank.
+    ends = [(r, -s, q) for (x, y), s in zip(pairs, seconds) for r, q in ((x, y), (y, x))]
+    ends.sort()
     peers: list[list[int]] = [[] for _ in range(R)]
-    for a, b in pairs:
-        link = model.link_between(a * inner_size, b * inner_size)
-        exchange_s[a, b] = model.transfer_seconds(max(tokens[a][b], tokens[b][a]) * kv_bytes, link)
-        peers[a].append(b)
-        peers[b].append(a)
-    for r, ps in enumerate(peers):  # longest exchange first, then the lower rank
-        ps.sort(key=lambda q, r=r: (-exchange_s[min(r, q), max(r, q)], q))
+    for r, _, q in ends:
+        peers[r].append(q)
     free = [0.0] * R  # when each rank's link is done with its exchanges so far
     heap = [(0.0, r) for r in range(R) if peers[r]]
     order: dict[tuple[int, int], int] = {}
+    pop, push = heapq.heappop, heapq.heappush
     while heap:
-        at, r = heapq.heappop(heap)
-        if at != free[r] or not peers[r]:
+        at, r = pop(heap)
+        mine = peers[r]
+        if at != free[r] or not mine:
             continue  # a stale entry
         p, soonest = -1, float("inf")
-        for q in peers[r]:  # the first peer already free starts now; else the one free soonest
+        for q in mine:  # the first peer already free starts now; else the one free soonest
             if free[q] < soonest:
                 p, soonest = q, free[q]
                 if soonest <= at:
                     break
-        pair = (min(r, p), max(r, p))
+        pair = (r, p) if r < p else (p, r)
         order[pair] = len(order)
-        free[r] = free[p] = max(at, soonest) + exchange_s[pair]
-        for a, b in ((r, p), (p, r)):
-            peers[a].remove(b)
-            if peers[a]:
-                heapq.heappush(heap, (free[a], a))
+        free[r] = free[p] = done = max(at, soonest) + exchange_s[pair]
+        theirs = peers[p]
+        mine.remove(p)
+        theirs.remove(r)
+        if mine:
+            push(heap, (done, r))
+        if theirs:
+            push(heap, (done, p))
     return order

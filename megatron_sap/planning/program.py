@@ -61,8 +61,9 @@ class KernelCall:
     """One varlen kernel call: segment i pairs query rows i with key rows i.
 
     The rows are kept as ranges; their index tensors and `cu_seqlens` are made on
-    `device` when first used (`to` makes them at once): the cost model times a program
-    from `seqlens` alone, and a rank compiles both schedules to time them but runs one.
+    `device` when first used (`RankProgram.to` makes them all at once): the cost model
+    times a program from `seqlens` alone, and a rank compiles both schedules to time
+    them but runs one.
     """
 
     q_ranges: tuple[range, ...] | None  # local rows used as queries, in segment order (None: all, in order)
@@ -95,17 +96,13 @@ class KernelCall:
     def max_seqlen_k(self) -> int:
         return max(k for _, k in self.seqlens)
 
-    def to(self, device: torch.device | str) -> "KernelCall":
-        call = replace(self, device=torch.device(device))
-        call.q_rows, call.k_rows, call.cu_seqlens_q, call.cu_seqlens_k  # made now, not in the hot loop
-        return call
-
 
 @dataclass(frozen=True, eq=False)
 class Transfer:
     """One batched P2P step: send the rows `send_ranges` (`send_rows` as a tensor on
-    `device`, made when first used) to `send_peer`, receive `recv_tokens` rows from
-    `recv_peer` (outer ranks; None when that side is empty), then run `calls`."""
+    `device`, made when first used or by `RankProgram.to`) to `send_peer`, receive
+    `recv_tokens` rows from `recv_peer` (outer ranks; None when that side is empty), then
+    run `calls`."""
 
     round: int  # exchange round s: the peer is (s - rank) mod R on both sides (the messages' tag)
     send_peer: int | None
@@ -122,11 +119,6 @@ class Transfer:
     @cached_property
     def send_rows(self) -> torch.Tensor | None:
         return None if self.send_ranges is None else _rows(self.send_ranges, self.device)
-
-    def to(self, device: torch.device | str) -> "Transfer":
-        step = replace(self, calls=tuple(c.to(device) for c in self.calls), device=torch.device(device))
-        step.send_rows  # made now, not in the hot loop
-        return step
 
 
 SCHEDULES = ("pipelined", "gathered")
@@ -145,12 +137,38 @@ class RankProgram:
     transfers: tuple[Transfer, ...]
     schedule: str = "pipelined"
 
-    def to(self, device: torch.device) -> "RankProgram":
-        return replace(
-            self,
-            local_calls=tuple(c.to(device) for c in self.local_calls),
-            transfers=tuple(t.to(device) for t in self.transfers),
-        )
+    def to(self, device: torch.device | str) -> "RankProgram":
+        """This program on `device`, its index tensors made now, not in the hot loop: all
+        rows in one int64 buffer and all `cu_seqlens` in one int32 buffer, each copied to
+        the device at once (two copies, not one per tensor), every tensor a view of them."""
+        device = torch.device(device)
+        rows, offsets = _Staged(np.int64), _Staged(np.int32, align=4)  # cu_seqlens views start 16-byte aligned
+        views: list[tuple[dict, str, _Staged, int]] = []  # (attributes of a call or step, name, buffer, array)
+
+        def staged(item, **tensors: tuple[_Staged, int]):
+            moved = replace(item, device=device)
+            for name, (buffer, array) in tensors.items():
+                views.append((moved.__dict__, name, buffer, array))
+            return moved
+
+        def call_on(call: KernelCall) -> KernelCall:
+            tensors = {"cu_seqlens_q": (offsets, offsets.add_offsets([q for q, _ in call.seqlens])),
+                       "cu_seqlens_k": (offsets, offsets.add_offsets([k for _, k in call.seqlens]))}
+            for name, ranges in (("q_rows", call.q_ranges), ("k_rows", call.k_ranges)):
+                if ranges is not None:
+                    tensors[name] = (rows, rows.add_ranges(ranges))
+            return staged(call, **tensors)
+
+        local_calls = tuple(map(call_on, self.local_calls))
+        transfers = []
+        for step in self.transfers:
+            moved = replace(step, calls=tuple(map(call_on, step.calls)))
+            sends = {} if step.send_ranges is None else {"send_rows": (rows, rows.add_ranges(step.send_ranges))}
+            transfers.append(staged(moved, **sends))
+        made = {buffer: buffer.to(device) for buffer in (rows, offsets)}
+        for attributes, name, buffer, array in views:
+            attributes[name] = made[buffer][array]  # where the cached property keeps what it makes
+        return replace(self, local_calls=local_calls, transfers=tuple(transfers))
 
     @property
     def sent_tokens(self) -> int:
@@ -221,6 +239,42 @@ def _rows(ranges: tuple[range, ...], device: torch.device) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.long, device=device)
     rows = torch.from_numpy(np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in ranges]))
     return rows.to(device, non_blocking=True)
+
+
+class _Staged:
+    """Host arrays gathered into one buffer of `dtype` and copied to a device at once; each
+    `add_*` returns the number of its array, which starts at a multiple of `align` elements."""
+
+    def __init__(self, dtype: type, align: int = 1) -> None:
+        self.dtype, self.align = dtype, align
+        self.parts: list[np.ndarray] = []  # concatenated into the buffer
+        self.sizes: list[int] = []  # the buffer's pieces: padding, or one array added
+        self.arrays: list[int] = []  # which piece each array added is
+        self.size = 0
+
+    def _add(self, parts: list[np.ndarray]) -> int:
+        pad = -self.size % self.align
+        if pad:
+            self.parts.append(np.zeros(pad, dtype=self.dtype))
+            self.sizes.append(pad)
+        size = sum(map(len, parts))
+        self.parts += parts
+        self.arrays.append(len(self.sizes))
+        self.sizes.append(size)
+        self.size += pad + size
+        return len(self.arrays) - 1
+
+    def add_ranges(self, ranges: tuple[range, ...]) -> int:
+        return self._add([np.arange(r.start, r.stop, dtype=self.dtype) for r in ranges])
+
+    def add_offsets(self, lengths: list[int]) -> int:
+        return self._add([np.fromiter(accumulate(lengths, initial=0), dtype=self.dtype, count=len(lengths) + 1)])
+
+    def to(self, device: torch.device) -> list[torch.Tensor]:
+        """Every array added, in order, as views of one tensor on `device` (one copy)."""
+        host = np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=self.dtype)
+        pieces = torch.from_numpy(host).to(device, non_blocking=True).split(self.sizes)
+        return [pieces[i] for i in self.arrays]
 
 
 def _all_rows(ranges: list[range], count: int) -> bool:
