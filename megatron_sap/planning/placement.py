@@ -1029,11 +1029,11 @@ class _ContiguousBuild(Build):
             self._local = [rec for rec in records if len(rec.ranks) == 1]
             self._pending = sorted((rec for rec in records if len(rec.ranks) > 1), key=lambda rec: rec.cut.need * len(rec.ranks))
         if self._pending:
-            batch = [self._pending.pop()]
-        else:
-            batch, self._local = self._local, None
-        for record in batch:
+            record = self._pending.pop()
             self.tally.add(record.ranks, record.cut)
+        else:
+            self.tally.add_whole([rec.ranks[0] for rec in self._local], [rec.cut.costs[0] for rec in self._local])
+            self._local = None
         self.floor_s = max(self._compute_s, self.tally.floor_s)
         if self._local is None:
             self.placement = replace(self._built, tally=self.tally)
@@ -1120,11 +1120,9 @@ class _WholeBuild(Build):
         where = whole_packing(self.lengths, self.costs, R, self.capacity)
         if where is None:
             return []
-        records = []
-        for d, n in enumerate(self.lengths):
-            if n > 0:
-                records.append(Record(d, self.starts[d], (where[d],), split_cut(n, 1, "contiguous", tile)))
-                self.tally.add(records[-1].ranks, records[-1].cut)
+        records = [Record(d, self.starts[d], (where[d],), split_cut(n, 1, "contiguous", tile))
+                   for d, n in enumerate(self.lengths) if n > 0]
+        self.tally.add_whole([rec.ranks[0] for rec in records], [rec.cut.costs[0] for rec in records])
         self.floor_s = self.tally.floor_s
         self.placement = _finish(self.capacity, R, records, "whole", self.tally)
         return [self]

@@ -25,6 +25,16 @@ from .timeline import RankSchedule, plan_schedule, rank_schedule
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
 DEFAULT_COST_MODEL = CostModel.preset("h100")
 TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on bytes moved
+TIME_RESOLUTION_S = 10e-6  # a candidate this close to the lower bound ends the search (see `at_bound`)
+
+
+def at_bound(time_s: float, bound_s: float) -> bool:
+    """Whether a modelled layer time is within TIME_TOLERANCE (relative) or
+    TIME_RESOLUTION_S (absolute, whichever is larger) of the lower bound: no other
+    candidate can be faster by more than that. The absolute part is about the launch
+    cost of one kernel, which the model leaves out: rows of many short documents, whose
+    whole layer takes tens of microseconds, need not be searched to a fraction of one."""
+    return time_s <= bound_s + max(bound_s * TIME_TOLERANCE, TIME_RESOLUTION_S)
 
 
 @dataclass
@@ -415,9 +425,9 @@ def plan_sequences(
     ranks, contiguous, every document whole, and contiguous slices of the documents in
     two balancing orders) are evaluated with the cost model; the one
     with the lowest modelled forward+backward layer time wins (within 1%, the one that
-    moves fewer bytes). The search stops at the first candidate within 1% of the lower
-    bound (every document computed whole, spread evenly, no communication but the
-    Ulysses all-to-alls), which no other candidate could beat by more than that; a
+    moves fewer bytes). The search stops at the first candidate within 1% or 10 us of
+    the lower bound (every document computed whole, spread evenly, no communication but
+    the Ulysses all-to-alls), which no other candidate could beat by more than that; a
     candidate is given up as soon as the floor of its ranks' pipelines makes it over 1%
     slower than the fastest so far, or when it already moves more KV tokens than a
     finished candidate no slower than its floor (`Plan.pruned`).
@@ -461,8 +471,8 @@ def plan_sequences(
     a2a_s = ulysses_cost(model, capacity, inner_size)[1]
     # No placement beats every document computed whole, spread evenly, with no
     # communication but the all-to-alls every candidate pays (splitting only adds tile
-    # rounding): once a candidate is within TIME_TOLERANCE of that bound, the rest
-    # cannot be meaningfully faster.
+    # rounding): once a candidate is at that bound (`at_bound`), the rest cannot be
+    # meaningfully faster.
     bound = whole_documents_s(lengths, world, model) + a2a_s
     # Greedy passes at nearby slacks often agree: equal records (memoised cuts on the
     # same ranks) are one layout, evaluated once.
@@ -471,7 +481,7 @@ def plan_sequences(
     fastest = float("inf")
 
     def weigh(build: Build) -> bool:
-        """Evaluate a finished candidate; True once one is within TIME_TOLERANCE of the bound."""
+        """Evaluate a finished candidate; True once one is at the bound (`at_bound`)."""
         nonlocal fastest
         placement = build.placement
         ev = by_layout.get(placement.records)
@@ -480,26 +490,25 @@ def plan_sequences(
             evaluated.append((build.index, placement, ev))
         considered.update((name, ev.makespan_s) for name in build.names)
         fastest = min(fastest, ev.makespan_s)
-        return ev.makespan_s <= bound * (1 + TIME_TOLERANCE)
+        return at_bound(ev.makespan_s, bound)
 
     builds = candidates(doc_starts, lengths, outer_size, capacity, model, slacks, inner_size)
-    # Cheap candidates already within TIME_TOLERANCE of the bound on their starting floor
-    # (`Build.eager`) are finished first, the lowest floor first: one that stays there ends
-    # the search at once.
-    at_bound = False
+    # Cheap candidates already at the bound on their starting floor (`Build.eager`) are
+    # finished first, the lowest floor first: one that stays there ends the search at once.
+    done = False
     for build in sorted(builds, key=lambda b: (b.floor_s, b.index)):
-        if build.eager and build.floor_s + a2a_s <= bound * (1 + TIME_TOLERANCE):
+        if build.eager and at_bound(build.floor_s + a2a_s, bound):
             while build.placement is None:
                 (build,) = build.step()
-            at_bound = weigh(build)
-            if at_bound:
+            done = weigh(build)
+            if done:
                 break
     # Candidates are built a document at a time, the one with the lowest floor next
     # (ties: the earlier candidate). A candidate whose floor (its tally's, plus the
     # all-to-alls) is over TIME_TOLERANCE slower than the fastest built so far can be
     # neither chosen nor near the choice: it is given up there. Once the lowest floor
     # is out of reach, so are all the others.
-    queue = [] if at_bound else [(b.floor_s, b.index, b) for b in builds if b.placement is None]
+    queue = [] if done else [(b.floor_s, b.index, b) for b in builds if b.placement is None]
     heapq.heapify(queue)
     while queue:
         floor_s, _, build = queue[0]

@@ -20,7 +20,7 @@ all that `evaluate` needs.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
@@ -81,8 +81,22 @@ class Tally:
             local[r] += lc
         if len(ranks) > 1:
             self._add_transfers(ranks, cut)
+        self._raise_floor(ranks)
+
+    def add_whole(self, ranks: Sequence[int], costs: Sequence[int]) -> None:
+        """Documents kept whole, document i on rank `ranks[i]` with its whole tile pairs
+        `costs[i]` (all its keys local, nothing moved): many `add`s of one-slot cuts in one."""
+        tiles, local = self.tiles, self.local
+        for r, c in zip(ranks, costs):
+            tiles[r] += c
+            local[r] += c
+        self._raise_floor(set(ranks))
+
+    def _raise_floor(self, ranks: Iterable[int]) -> None:
+        """`floor_s` with these ranks' floors as they are now (a rank's floor only grows)."""
         # Each pass of a rank that receives: its pipeline (see the module docstring) with
         # the most messages it could get; of one that receives nothing, its kernels.
+        tiles, local = self.tiles, self.local
         pair_s, backward, send_s, recv_s, messages = self.pair_s, self.backward_factor, self.send_s, self.recv_s, self.messages
         most = self.most_messages
         floor = self.floor_s
