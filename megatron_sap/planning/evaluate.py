@@ -71,6 +71,10 @@ def rank_work(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
     index, tokens = [], []
     for record in placement.records:
         cut = record.cut
+        if len(record.ranks) == 1 and not cut.tails[0]:  # a document kept whole, in one piece (most are)
+            n = cut.heads[0]
+            exact[record.ranks[0]] += n * (n + 1) // 2
+            continue
         for r, h, ho, tl, to in zip(record.ranks, cut.heads, cut.head_at, cut.tails, cut.tail_at):
             exact[r] += h * (h + 1) // 2 + h * ho + tl * (tl + 1) // 2 + tl * to
         if cut.sends is not None:

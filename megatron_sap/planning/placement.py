@@ -415,6 +415,9 @@ class Placement:
         """The pieces each rank holds, sorted by position."""
         held: list[list[tuple[int, tuple[Piece, ...]]]] = [[] for _ in range(self.num_ranks)]
         for doc, start, ranks, cut in self.records:
+            if len(ranks) == 1 and not cut.tails[0]:  # a document kept whole, in one piece (most are)
+                held[ranks[0]].append((start, (Piece(doc, start, start + cut.sizes[0]),)))
+                continue
             for r, slot in zip(ranks, cut.slots()):
                 if slot:
                     held[r].append((start + slot[0][0], tuple([Piece(doc, start + o, start + o + n) for o, n in slot])))

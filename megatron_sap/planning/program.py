@@ -188,22 +188,26 @@ class _Layout:
         self.owner: dict[Piece, int] = {}
         self.doc_pieces: dict[int, list[Piece]] = defaultdict(list)
         self.held: dict[tuple[int, int], list[Piece]] = defaultdict(list)  # (rank, document): its pieces, in order
+        local_start, owner, doc_pieces, held = self.local_start, self.owner, self.doc_pieces, self.held
         for r, pieces in enumerate(placement.ranks):
             pos = 0
             for p in pieces:
-                self.local_start[p] = pos
-                self.owner[p] = r
-                self.doc_pieces[p.doc].append(p)
-                self.held[r, p.doc].append(p)
-                pos += p.length
+                local_start[p] = pos
+                owner[p] = r
+                doc_pieces[p.doc].append(p)
+                held[r, p.doc].append(p)
+                pos += p.end - p.start
         # Latest start of each rank's pieces per document: a rank needs every earlier
         # piece of the document that ends at or before it.
         self.last_start: dict[int, dict[int, int]] = {}
-        for d, pieces in self.doc_pieces.items():
+        for d, pieces in doc_pieces.items():
+            if len(pieces) == 1:  # a document kept whole
+                self.last_start[d] = {owner[pieces[0]]: pieces[0].start}
+                continue
             pieces.sort(key=lambda p: p.start)
             last: dict[int, int] = {}
             for p in pieces:
-                last[self.owner[p]] = p.start
+                last[owner[p]] = p.start
             self.last_start[d] = last
 
     def rows(self, p: Piece) -> range:
