@@ -19,7 +19,7 @@ from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, ulysses_cost, whole_documents_s
 from .order import exchange_order
 from .placement import Build, Placement, candidates
-from .program import SCHEDULES, RankProgram, _Layout, check_schedule, compile_program
+from .program import CPU, SCHEDULES, RankProgram, _Layout, _rows, check_schedule, compile_program
 from .timeline import RankSchedule, plan_schedule, rank_schedule
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -127,8 +127,7 @@ class Plan:
         """`group_indices`, the plan's own (cached) tensor."""
         if outer_rank not in self._indices:
             pieces = self.placement.ranks[outer_rank]
-            idx = [torch.arange(p.start, p.end) for p in pieces]
-            self._indices[outer_rank] = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
+            self._indices[outer_rank] = _rows(tuple(range(p.start, p.end) for p in pieces), CPU)
         return self._indices[outer_rank]
 
     def group_indices(self, outer_rank: int) -> torch.Tensor:
