@@ -43,7 +43,7 @@ def exchange_order(traffic_tokens: np.ndarray, model: CostModel, inner_size: int
     # Each pair's exchange: its larger direction over its link, one message's latency.
     larger = np.maximum(traffic_tokens[first, second], traffic_tokens[second, first])
     larger = larger * model.inner_kv_bytes_per_token(inner_size)
-    node = np.arange(R) * inner_size // model.gpus_per_node  # `CostModel.link_between`
+    node = model.node_of(np.arange(R) * inner_size)  # as `CostModel.link_between` compares them
     rate = np.where(node[first] == node[second], model.bandwidth(LINK_INTRA), model.bandwidth(LINK_INTER))
     seconds = (model.message_latency_us * 1e-6 + larger / rate).tolist()  # `CostModel.transfer_seconds`
     exchange_s = dict(zip(pairs, seconds))
