@@ -25,7 +25,7 @@ from .cost_model import LINK_INTER, LINK_INTRA, CostModel
 from .program import exchange_round
 
 # Every pair of up to 128 outer ranks (P = 1,024 at 8 inner ranks); beyond, round order:
-# the simulation's cost grows with pairs x peers (15-70 ms at 5,000-8,128 pairs, docs/planner.md).
+# the simulation's cost grows with pairs x peers (10-70 ms at 2,400-8,128 pairs, docs/planner.md).
 MAX_ORDERED_PAIRS = 8192
 
 
