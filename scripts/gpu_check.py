@@ -28,6 +28,8 @@ Built-in checks, in the order they run:
   * sap_no_host_syncs: the sap_attention autograd op forward and backward under
     set_sync_debug_mode("error"): one rank, and one rank of a 4-rank plan (exchanges
     local) in both schedules;
+  * batch_split_no_host_syncs: the Megatron batch split through the hooks, on a rank
+    that reads the data, under set_sync_debug_mode("error");
   * sap_executor_vs_kernels: each SAP rank's compute as the executor runs it, in the
     pipelined and the gathered schedule, against the same work in one call per pass,
     and the device time by op of one run of every rank's program (torch.profiler);
@@ -511,6 +513,56 @@ def rank_memory() -> dict:
     return {"ok": True, **results}
 
 
+def batch_split_no_host_syncs() -> dict:
+    """The Megatron batch split through the hooks, as on a rank that reads the data: the
+    loader's CPU row moved to the GPU, its documents read from the CPU copy, then split
+    (`sap_split_batch`: plan, index copies, slicing), with host syncs turned into errors; one
+    CP rank, so no agreement check (its all-reduce is the one sync the split makes, see
+    docs/megatron.md). Needs megatron-core: the machine's own, else the newest one
+    `make test-compat` cached in .cache/."""
+    from types import SimpleNamespace
+
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:  # no `megatron` package at all
+        found = False
+    if not found:
+        cached = sorted(Path(__file__).resolve().parents[1].glob(".cache/megatron-core-*"))
+        if not cached:
+            return {"ok": True, "skipped": "megatron-core is not importable on this machine"}
+        sys.path.insert(0, str(cached[-1]))
+    from megatron_sap.megatron.hooks import wrap_get_batch_on_this_tp_rank, wrap_get_thd_batch_on_this_cp_rank
+
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True)
+    get_batch = wrap_get_batch_on_this_tp_rank(
+        lambda data_iterator: {k: v.cuda(non_blocking=True) for k, v in next(data_iterator).items()}, get_args=lambda: args)
+    split = wrap_get_thd_batch_on_this_cp_rank(lambda *a, **k: None, get_args=lambda: args)
+    lengths = _packed_batch(32768, 11, 4096)
+    documents = [b - a for a, b in zip(lengths, lengths[1:])]
+    positions = torch.cat([torch.arange(n) for n in documents]).unsqueeze(0)
+    tokens = torch.randint(0, 32000, (1, lengths[-1] + 1))
+    row = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, lengths[-1]),
+           "position_ids": positions}
+
+    def step():
+        batch = get_batch(iter([{k: v.pin_memory() for k, v in row.items()}]))
+        cu, max_seqlen = batch.pop("cu_seqlens"), batch.pop("max_seqlen")
+        return split(batch, cu, None, max_seqlen)
+
+    step()  # plans the row (cached) and installs the RoPE hook
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        local, params = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    ok = params.cu_seqlens_q.tolist() == lengths and torch.equal(local["tokens"].cpu(), row["tokens"])
+    return {"ok": ok, "documents": len(documents), "tokens": lengths[-1]}
+
+
 def host_planning_time() -> dict:
     """Planning time on this machine's CPU, one thread (`megatron_sap.bench.planning_time`)."""
     from megatron_sap.bench import planning_time
@@ -528,6 +580,7 @@ CHECKS: list[Callable[[], dict]] = [
     method_kernel_times,
     sap_simulated,
     sap_no_host_syncs,
+    batch_split_no_host_syncs,
     sap_executor_vs_kernels,
     method_executor_times,
     rank_memory,

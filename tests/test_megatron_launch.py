@@ -23,6 +23,7 @@ from megatron.core.models.backends import LocalSpecProvider  # noqa: E402
 from megatron_sap.megatron import SAPDotProductAttention, add_sap_args, chain_args_providers, get_sap_options  # noqa: E402
 from megatron_sap.megatron.arguments import sap_settings_from_args  # noqa: E402
 from megatron_sap.megatron.hooks import (  # noqa: E402
+    host_boundaries,
     pack_unpacked_batch,
     sap_requested,
     wrap_get_batch_on_this_cp_rank,
@@ -281,6 +282,75 @@ def test_legacy_batch_hooks_split_rows_and_hand_the_model_their_params() -> None
         split({"tokens": None, "labels": torch.zeros(1, 4)})
 
 
+def _on_device(batch: dict) -> dict:
+    """A batch as `get_batch_on_this_tp_rank` moves it to the GPU, with the entries the host
+    would have to read back from there (position ids, cu_seqlens) on the meta device, which
+    has no values: reading them fails."""
+    return {key: value.to("meta") if key in ("position_ids", "cu_seqlens") and value is not None else value
+            for key, value in batch.items()}
+
+
+def _tp_source(data_iterator) -> dict:
+    """`get_batch_on_this_tp_rank` on the rank that reads the data."""
+    return _on_device(next(data_iterator))
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_batch_hooks_plan_from_the_loaders_host_copy(reset: bool) -> None:
+    """On the rank that reads the data, the split plans from the loader's CPU tensors: the
+    batch's device copies are never read (core_v0.16 flow)."""
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=reset)
+    get_batch = wrap_get_batch_on_this_tp_rank(_tp_source, get_args=lambda: args)
+    split = wrap_get_thd_batch_on_this_cp_rank(lambda *a, **k: pytest.fail("Megatron's split was called"),
+                                               get_args=lambda: args)
+    sample = _row([0, 1, 2, 0, 1, 0, 1, 2])
+    with pytest.raises((NotImplementedError, RuntimeError, ValueError)):  # the premise: a device read fails here
+        pack_unpacked_batch(_on_device(sample), reset_position_ids=True)
+    batch = get_batch(iter([sample]))
+    cu, max_seqlen = batch.pop("cu_seqlens"), batch.pop("max_seqlen")
+    documents = [0, 3, 5, 8] if reset else [0, 8]
+    assert cu.tolist() == [documents] and max_seqlen.tolist() == [max(b - a for a, b in zip(documents, documents[1:]))]
+    local, params = split(batch, cu, None, max_seqlen)
+    assert params.cu_seqlens_q.tolist() == documents
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(documents, documents[1:])])
+    assert torch.equal(local["position_ids"][0], positions[local["tokens"][0]])
+
+    # The loader's own cu_seqlens (SFT data), and boundaries other than the batch's (read as given).
+    given = {**_row(list(range(8))), "cu_seqlens": torch.tensor([[0, 4, 8]], dtype=torch.int32)}
+    batch = get_batch(iter([given]))
+    cu, max_seqlen = batch.pop("cu_seqlens"), batch.pop("max_seqlen")
+    assert split(dict(batch), cu, None, max_seqlen)[1].cu_seqlens_q.tolist() == [0, 4, 8]
+    padded = torch.tensor([[0, 2, 8]], dtype=torch.int32)
+    assert split(batch, cu, padded, max_seqlen)[1].cu_seqlens_q.tolist() == [0, 2, 8]
+
+
+def test_legacy_batch_hooks_plan_from_the_loaders_host_copy() -> None:
+    """Before core_v0.16 the batch keeps its entries (`get_batch` returns `batch.values()`) and
+    the CP split plans from the loader's CPU tensors too."""
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True)
+    get_batch = wrap_get_batch_on_this_tp_rank(_tp_source, get_args=lambda: args, pack=False)
+    split = wrap_get_batch_on_this_cp_rank(lambda batch: pytest.fail("Megatron's split was called"), get_args=lambda: args)
+    sample = _row([0, 1, 2, 0, 1, 0, 1, 2])
+    del sample["cu_seqlens"], sample["max_seqlen"]
+    batch = get_batch(data_iterator=iter([sample]))
+    assert list(batch) == list(sample)
+    local = split(batch)
+    assert list(local) == list(sample)
+    assert torch.equal(local["position_ids"][0], torch.tensor([0, 1, 2, 0, 1, 0, 1, 2])[local["tokens"][0]])
+
+
+def test_host_boundaries_of_loader_samples() -> None:
+    row = _row([0, 1, 0, 1, 2, 0])
+    assert host_boundaries(row, reset_position_ids=True) == [0, 2, 5, 6]
+    assert host_boundaries(row, reset_position_ids=False) == [0, 6]
+    assert host_boundaries({**row, "cu_seqlens": torch.tensor([[0, 3, 6]])}, reset_position_ids=True) == [0, 3, 6]
+    assert host_boundaries(_on_device(row), reset_position_ids=True) is None  # not on the host: read on the device
+    assert host_boundaries({**row, "tokens": torch.zeros(2, 3)}, reset_position_ids=False) is None  # not one row
+    assert host_boundaries(None, reset_position_ids=False) is None
+    with pytest.raises(ValueError, match="must start a document"):
+        host_boundaries(_row([1, 2, 0]), reset_position_ids=True)
+
+
 def test_batch_hooks_defer_to_megatron_without_sap() -> None:
     args = SimpleNamespace(cp_comm_type=["p2p"], reset_position_ids=True)
     get_batch = wrap_get_batch_on_this_tp_rank(lambda iterator: _row([0, 1, 0, 1]), get_args=lambda: args)
@@ -405,7 +475,7 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
     assert result.returncode == 0, result.stderr
     for name in files:
         py_compile.compile(str(tmp_path / name), doraise=True)
-    assert "sap_split_batch" in (tmp_path / "pretrain_gpt.py").read_text()
+    assert "wrap_get_thd_batch_on_this_cp_rank(get_thd_batch_on_this_cp_rank)" in (tmp_path / "pretrain_gpt.py").read_text()
 
 
 @pytest.mark.parametrize(

@@ -38,15 +38,23 @@ def _flags(cp: int) -> list[str]:
             "--no-gradient-accumulation-fusion").split()
 
 
-def run_pretrain_gpt_rank(rank: int, world_size: int) -> dict:
+def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None = None) -> dict:
     """(summed loss, loss tokens) of this rank's share of the row at CP 1 (every rank alone) and at
     CP 2, from the script's `forward_step` and loss function; and the summed loss of the
-    documents run one at a time."""
-    sys.path.insert(0, MEGATRON_LM)
-    from megatron_sap.megatron.hooks import install_training_hooks
+    documents run one at a time. The checkout's script through the hooks, or `patched_script`
+    (the fork patch applied) without them, SAP configured as its patched initialize.py does."""
+    import importlib.util
 
-    install_training_hooks()
-    import pretrain_gpt
+    sys.path.insert(0, MEGATRON_LM)
+    from megatron_sap.megatron.hooks import configure_sap, install_training_hooks
+
+    if patched_script is None:
+        install_training_hooks()
+        import pretrain_gpt
+    else:
+        spec = importlib.util.spec_from_file_location("pretrain_gpt", patched_script)
+        pretrain_gpt = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(pretrain_gpt)
     from megatron.core import mpu
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
@@ -72,7 +80,8 @@ def run_pretrain_gpt_rank(rank: int, world_size: int) -> dict:
             global_vars._GLOBAL_TIMERS = None
             global_vars._set_timers(args)
             try:
-                mpu.initialize_model_parallel(1, 1, context_parallel_size=cp)
+                sizes = None if patched_script is None else configure_sap(args)
+                mpu.initialize_model_parallel(1, 1, context_parallel_size=cp, hierarchical_context_parallel_sizes=sizes)
                 model = build_tiny_gpt()
                 output, loss_func = pretrain_gpt.forward_step(iter([dict(sample)]), model)
                 loss, count = loss_func(output)[:2]
@@ -88,11 +97,34 @@ def run_pretrain_gpt_rank(rank: int, world_size: int) -> dict:
     return losses
 
 
-def test_pretrain_gpt_through_the_hooks_gives_cp1s_loss(pool2) -> None:
-    results = pool2.run(run_pretrain_gpt_rank)
+def _assert_cp1s_loss(results: list[dict]) -> None:
     assert all(r[1] == results[0][1] for r in results)  # CP 1: each rank alone on the whole row
     cp1_loss, cp1_tokens = results[0][1]
     assert cp1_tokens == ROW
     assert abs(cp1_loss - results[0]["documents"]) <= 1e-5 * abs(cp1_loss)
     assert sum(r[2][1] for r in results) == ROW  # CP 2: each token's loss on one rank
     assert abs(sum(r[2][0] for r in results) - cp1_loss) <= 1e-5 * abs(cp1_loss)
+
+
+def test_pretrain_gpt_through_the_hooks_gives_cp1s_loss(pool2) -> None:
+    _assert_cp1s_loss(pool2.run(run_pretrain_gpt_rank))
+
+
+patched_pool2 = make_pool_fixture(2, timeout=300)  # fresh workers: no hooks installed there
+
+
+def test_patched_pretrain_gpt_gives_cp1s_loss(patched_pool2, tmp_path) -> None:
+    """The fork patch (core_v0.16) alone: the patched script's own get_batch trains packed rows."""
+    import re
+    import shutil
+    import subprocess
+
+    with open(os.path.join(MEGATRON_LM, "megatron", "core", "package_info.py")) as info:
+        if re.search(r"^MINOR = (\d+)", info.read(), re.M).group(1) != "16":
+            pytest.skip("the fork patch is for core_v0.16")
+    shutil.copy(os.path.join(MEGATRON_LM, "pretrain_gpt.py"), tmp_path / "pretrain_gpt.py")
+    patch = os.path.join(os.path.dirname(__file__), os.pardir, "patches", "megatron-lm-core_v0.16.1-sap.patch")
+    applied = subprocess.run(["git", "apply", "--include=pretrain_gpt.py", os.path.abspath(patch)], cwd=tmp_path,
+                             capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stderr
+    _assert_cp1s_loss(patched_pool2.run(run_pretrain_gpt_rank, str(tmp_path / "pretrain_gpt.py")))

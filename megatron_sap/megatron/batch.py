@@ -7,6 +7,7 @@ looks up, so the batch split and the layers always agree.
 """
 from __future__ import annotations
 
+import operator
 from typing import Mapping, Optional, Union
 
 import torch
@@ -63,14 +64,15 @@ def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
     return torch.cat([starts, total]).to(torch.int32)
 
 
-def _as_cu_seqlens(cu_seqlens: Union[Tensor, list[int]], total_tokens: int, device: torch.device) -> Tensor:
-    """A validated 1-D int32 tensor on `device`; a [1, n] row (Megatron's data loaders) is accepted."""
+def _as_cu_seqlens(cu_seqlens: Union[Tensor, list[int]], total_tokens: int, device: torch.device) -> tuple[Tensor, list[int]]:
+    """A validated 1-D int32 tensor on `device` and its values; a [1, n] row (Megatron's data
+    loaders) is accepted. Values given on the host go to the device without waiting for it."""
     if isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 2 and cu_seqlens.size(0) == 1:
         cu_seqlens = cu_seqlens[0]
     values = cu_seqlens_to_list(cu_seqlens)
     if values[-1] != total_tokens:
         raise ValueError(f"cu_seqlens must end at the batch length {total_tokens}, got {values[-1]}")
-    return torch.tensor(values, dtype=torch.int32, device=device)
+    return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True), values
 
 
 PACKING_KEYS = frozenset({"cu_seqlens", "cu_seqlens_padded", "max_seqlen"})  # batch entries that describe the packing
@@ -110,12 +112,12 @@ def sap_split_batch(
     device = next(value.device for key, value in batch.items() if key in lengths)
 
     groups = resolve_groups(cp_group)
-    cu = _as_cu_seqlens(cu_seqlens, total_tokens, device)
+    cu, values = _as_cu_seqlens(cu_seqlens, total_tokens, device)
     world = 1 if groups is None else groups.world_size
     if total_tokens % world:
         raise ValueError(f"packed length {total_tokens} is not divisible by the CP size {world}; pad the batch")
 
-    plan = plan_for(cu, groups)
+    plan = plan_for(cu, groups, values)
     options = get_sap_options()
     if groups is not None and options.check_agreement:
         # every micro-batch: cheap, and it also catches stale cached plans; with the model's
@@ -124,8 +126,8 @@ def sap_split_batch(
         shape = None if shape is None or options.attention_dtype is None else (*shape[:3], options.attention_dtype)
         verify_plan_agreement(plan, groups, options.recompute_kv, shape)
     cp_rank = 0 if groups is None else groups.cp_rank
-    indices = plan.local_indices(cp_rank).to(device)
-    positions = plan.position_ids(cp_rank).to(device)
+    indices = plan.local_indices(cp_rank).to(device, non_blocking=True)
+    positions = plan.position_ids(cp_rank).to(device, non_blocking=True)
 
     local: dict[str, Optional[Tensor]] = {}
     for key, value in batch.items():
@@ -140,7 +142,7 @@ def sap_split_batch(
 
     install_sap_rope()
     register_token_positions(cu, positions)
-    max_seqlen = int((cu[1:] - cu[:-1]).max())
+    max_seqlen = max(map(operator.sub, values[1:], values))
     params = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,

@@ -8,6 +8,9 @@
   time): with SAP on, CP = U*R is initialized with Megatron's hierarchical CP groups [U, R], the
   SAP options are applied, layer specs are switched to SAP core attention and the SAP RoPE is
   installed (all before `get_model()` builds anything).
+* `megatron.training.utils.get_batch_on_this_tp_rank`: on the ranks that read the data (TP
+  source), each micro-batch's documents are read from the data loader's host copy, so that the
+  split plans without reading boundaries back from the GPU (`host_boundaries`).
 * core_v0.16, whose `pretrain_gpt.get_batch` has a packed (THD) path:
   `megatron.training.utils.get_batch_on_this_tp_rank` makes an unpacked micro-batch a packed
   one (documents from `--reset-position-ids` restarts, else the whole row) so that `get_batch`
@@ -27,9 +30,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import sys
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -208,34 +212,117 @@ def row_cu_seqlens(batch: dict[str, Any], reset_position_ids: bool) -> torch.Ten
     return torch.tensor([0, tokens.size(1)], dtype=torch.int32, device=tokens.device)
 
 
-def pack_unpacked_batch(batch: dict[str, Any], reset_position_ids: bool) -> dict[str, Any]:
-    """Give a [1, S] batch without cu_seqlens its documents (`row_cu_seqlens`)."""
+def host_boundaries(sample: Any, reset_position_ids: bool) -> Optional[list[int]]:
+    """The documents of a micro-batch as the data loader gave it, read from its host (CPU)
+    tensors: its `cu_seqlens`, else the restarts of its position ids, else the whole row (as
+    `row_cu_seqlens` finds them on the device). None where the sample is not a [1, S] row of CPU
+    tensors: then the split reads them from the device."""
+    if not isinstance(sample, Mapping):
+        return None
+    tokens = sample.get("tokens")
+    if not isinstance(tokens, torch.Tensor) or tokens.device.type != "cpu" or tokens.dim() != 2 or tokens.size(0) != 1:
+        return None
+    given = sample.get("cu_seqlens")
+    if given is not None:
+        return given.flatten().tolist() if isinstance(given, torch.Tensor) and given.device.type == "cpu" else None
+    if not reset_position_ids:
+        return [0, tokens.size(1)]
+    positions = sample.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.device.type != "cpu":
+        return None
+    return cu_seqlens_from_position_ids(positions).tolist()
+
+
+class _Recorder:
+    """A data iterator's items handed on, the last one kept: the data loader's host copy of the
+    micro-batch that `get_batch_on_this_tp_rank` moves to the GPU."""
+
+    def __init__(self, source: Iterator) -> None:
+        self.source, self.item = source, None
+
+    def __iter__(self) -> _Recorder:
+        return self
+
+    def __next__(self) -> Any:
+        self.item = next(self.source)
+        return self.item
+
+
+# A batch's global tokens -> (its documents read on the host, the boundary tensor they are the
+# values of, None where the batch has none): what the split plans from without a device read.
+_HOST_BOUNDARIES = WeakTensorKeyDictionary()
+
+
+def _host_documents(batch: dict[str, Any], boundaries: Optional[torch.Tensor]) -> Optional[list[int]]:
+    """The documents `host_boundaries` read for this batch, if `boundaries` is the tensor they
+    were read for (None: the batch had none, and the split derives them)."""
+    tokens = batch.get("tokens")
+    entry = _HOST_BOUNDARIES.get(tokens) if isinstance(tokens, torch.Tensor) else None
+    return entry[0] if entry is not None and entry[1] is boundaries else None
+
+
+def pack_unpacked_batch(batch: dict[str, Any], reset_position_ids: bool,
+                        documents: Optional[list[int]] = None) -> dict[str, Any]:
+    """Give a [1, S] batch without cu_seqlens its documents: `documents` (read on the host),
+    else `row_cu_seqlens` (read on the device)."""
     if batch.get("cu_seqlens") is not None or batch.get("tokens") is None:
         return batch
-    cu = row_cu_seqlens(batch, reset_position_ids)
+    if documents is None:
+        cu = row_cu_seqlens(batch, reset_position_ids)
+        longest = (cu[1:] - cu[:-1]).max().reshape(1)
+    else:
+        device = batch["tokens"].device
+        cu = torch.tensor(documents, dtype=torch.int32).to(device, non_blocking=True)
+        longest = torch.tensor([max(map(operator.sub, documents[1:], documents))], dtype=torch.int32)
+        longest = longest.to(device, non_blocking=True)
     batch["cu_seqlens"] = cu.unsqueeze(0)
-    batch["max_seqlen"] = (cu[1:] - cu[:-1]).max().reshape(1)
+    batch["max_seqlen"] = longest
     return batch
 
 
-def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
-    """`get_batch_on_this_tp_rank` whose batches always carry cu_seqlens when SAP is on."""
+def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], Any] = _megatron_args,
+                                   pack: bool = True) -> Callable:
+    """`get_batch_on_this_tp_rank` for SAP. On a rank that reads the data (TP source), the
+    batch's documents are read from the data loader's host copy (`host_boundaries`) and kept
+    for the split, which then plans without waiting for the device. With `pack` (core_v0.16,
+    whose `get_batch` has a packed path) every batch gets `cu_seqlens` (`pack_unpacked_batch`)
+    so that `get_batch` takes that path. A function wrapped already is returned as it is (a
+    patched `pretrain_gpt.py` run through the launcher)."""
+    if getattr(get_batch, "_sap_hook", False):
+        return get_batch
+    signature = inspect.signature(get_batch)
+    iterator_name = next(iter(signature.parameters))  # `data_iterator`, None on the other TP ranks
 
     @functools.wraps(get_batch)
     def get_packed_batch(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        batch = get_batch(*args, **kwargs)
         megatron_args = get_args()
         if not sap_requested(megatron_args):
-            return batch
-        return pack_unpacked_batch(batch, bool(getattr(megatron_args, "reset_position_ids", False)))
+            return get_batch(*args, **kwargs)
+        reset = bool(getattr(megatron_args, "reset_position_ids", False))
+        bound = signature.bind(*args, **kwargs)
+        recorder = None
+        if bound.arguments.get(iterator_name) is not None:
+            recorder = bound.arguments[iterator_name] = _Recorder(bound.arguments[iterator_name])
+        batch = get_batch(*bound.args, **bound.kwargs)
+        documents = None if recorder is None else host_boundaries(recorder.item, reset)
+        if pack:
+            batch = pack_unpacked_batch(batch, reset, documents)
+        if documents is not None and isinstance(batch.get("tokens"), torch.Tensor):
+            _HOST_BOUNDARIES[batch["tokens"]] = (documents, batch.get("cu_seqlens"))
+        return batch
 
+    get_packed_batch._sap_hook = True
     return get_packed_batch
 
 
 def wrap_get_thd_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
     """Megatron's THD split replaced by `sap_split_batch` when SAP is on (same arguments and
     result). SAP splits over its own CP group and finds the longest document itself: a given
-    `cp_size` or `cp_rank` must be that group's, and `max_seqlen` is not read."""
+    `cp_size` or `cp_rank` must be that group's, and `max_seqlen` is not read. The documents are
+    those the batch's tokens were read with on the host (`host_boundaries`), else the given
+    boundaries, read from the device. A function wrapped already is returned as it is."""
+    if getattr(split, "_sap_hook", False):
+        return split
 
     @functools.wraps(split)
     def sap_thd_split(
@@ -258,8 +345,10 @@ def wrap_get_thd_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], A
                 )
         # Padding tokens belong to the document they follow; SAP needs no per-document padding.
         boundaries = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
-        return sap_split_batch(batch, boundaries.flatten())
+        documents = _host_documents(batch, boundaries)
+        return sap_split_batch(batch, boundaries.flatten() if documents is None else documents)
 
+    sap_thd_split._sap_hook = True
     return sap_thd_split
 
 
@@ -284,9 +373,11 @@ def wrap_get_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], Any] 
                 "(a pipeline stage or TP rank the data loader gives no tokens)"
             )
         cu = batch.get("cu_seqlens")
-        if cu is None:
-            cu = row_cu_seqlens(batch, bool(getattr(megatron_args, "reset_position_ids", False)))
-        local, params = sap_split_batch(batch, cu.flatten())
+        documents = _host_documents(batch, cu)
+        if documents is None:
+            cu = row_cu_seqlens(batch, bool(getattr(megatron_args, "reset_position_ids", False))) if cu is None else cu
+            documents = cu.flatten()
+        local, params = sap_split_batch(batch, documents)
         _SPLIT_PARAMS[local["tokens"]] = params
         return local
 
@@ -337,8 +428,9 @@ def install_training_hooks() -> None:
 
     megatron.training.pretrain = wrap_pretrain(megatron.training.pretrain)
     parallel_state.initialize_model_parallel = wrap_initialize_model_parallel(parallel_state.initialize_model_parallel)
+    training_utils.get_batch_on_this_tp_rank = wrap_get_batch_on_this_tp_rank(training_utils.get_batch_on_this_tp_rank,
+                                                                              pack=packed_get_batch())
     if packed_get_batch():  # core_v0.16
-        training_utils.get_batch_on_this_tp_rank = wrap_get_batch_on_this_tp_rank(training_utils.get_batch_on_this_tp_rank)
         core_utils.get_thd_batch_on_this_cp_rank = wrap_get_thd_batch_on_this_cp_rank(core_utils.get_thd_batch_on_this_cp_rank)
     else:  # core_v0.13 to v0.15
         training_utils.get_batch_on_this_cp_rank = wrap_get_batch_on_this_cp_rank(training_utils.get_batch_on_this_cp_rank)

@@ -58,8 +58,10 @@ def _cost_model(
     return dataclasses.replace(model, gpus_per_node=per_node)
 
 
-def plan_for(cu_seqlens: torch.Tensor | list[int], groups: Optional["sap.SAPGroups"]) -> "sap.Plan":
-    """The plan of this packed row for `groups` (None: one rank)."""
+def plan_for(cu_seqlens: torch.Tensor | list[int], groups: Optional["sap.SAPGroups"],
+             values: Optional[list[int]] = None) -> "sap.Plan":
+    """The plan of this packed row for `groups` (None: one rank). `values`: the tensor's values,
+    where the caller has them on the host (planned from them, the tensor is not read back)."""
     inner, outer = (1, 1) if groups is None else (groups.inner_size, groups.outer_size)
     if isinstance(cu_seqlens, torch.Tensor):
         known = _PLANS_BY_TENSOR.get(cu_seqlens)
@@ -80,7 +82,7 @@ def plan_for(cu_seqlens: torch.Tensor | list[int], groups: Optional["sap.SAPGrou
                         options.tensor_parallel_size)
     if model is not None:
         kwargs["cost_model"] = model
-    plan = sap.plan_sequences(cu_seqlens, outer_size=outer, inner_size=inner, **kwargs)
+    plan = sap.plan_sequences(cu_seqlens if values is None else values, outer_size=outer, inner_size=inner, **kwargs)
     if isinstance(cu_seqlens, torch.Tensor):
         _PLANS_BY_TENSOR[cu_seqlens] = plan
     return plan
