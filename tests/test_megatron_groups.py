@@ -144,3 +144,50 @@ def unpacked_at_cp4_rank(rank: int, world_size: int) -> str:
 
 def test_unpacked_input_with_cp_is_refused(pool4) -> None:
     assert pool4.run(unpacked_at_cp4_rank) == ["ok"] * 4
+
+
+def tp_batch_rank(rank: int, world_size: int) -> dict:
+    """TP 2 x CP 2 through the batch hooks: only TP rank 0 reads the loader's row; every rank's
+    batch has its position ids on the meta device (no values), as if only on the GPU, so the
+    other TP rank can split only with the documents the source sends over the host group."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_sap.megatron.groups import tensor_parallel_host_group
+    from megatron_sap.megatron.hooks import wrap_get_batch_on_this_tp_rank, wrap_get_thd_batch_on_this_cp_rank
+
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True)
+    get_batch = wrap_get_batch_on_this_tp_rank(
+        lambda data_iterator: {**(row if data_iterator is None else next(data_iterator)), "position_ids": meta},
+        get_args=lambda: args)
+    split = wrap_get_thd_batch_on_this_cp_rank(lambda *a, **k: pytest.fail("Megatron's split was called"),
+                                               get_args=lambda: args)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 1, 2]])
+    row = {"tokens": torch.arange(12).unsqueeze(0), "labels": torch.arange(1, 13).unsqueeze(0), "position_ids": positions}
+    meta = positions.to("meta")
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+        source = parallel_state.get_tensor_model_parallel_rank() == 0
+        host = tensor_parallel_host_group()
+        batch = get_batch(iter([dict(row)]) if source else None)
+        cu, max_seqlen = batch.pop("cu_seqlens"), batch.pop("max_seqlen")
+        local, params = split(batch, cu, None, max_seqlen)
+        return {"documents": params.cu_seqlens_q.tolist(), "max_seqlen": int(max_seqlen[0]),
+                "positions": local["position_ids"][0].tolist(), "tokens": local["tokens"][0].tolist(),
+                "host_ranks": _ranks(host[0]), "source": host[1], "same_group": tensor_parallel_host_group()[0] is host[0]}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_tp_ranks_get_the_rows_documents_from_the_source_on_the_host(pool4) -> None:
+    results = pool4.run(tp_batch_rank)
+    positions = [0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 1, 2]
+    for rank, r in enumerate(results):
+        assert r["documents"] == [0, 3, 5, 9, 12] and r["max_seqlen"] == 4
+        assert r["positions"] == [positions[t] for t in r["tokens"]]
+        assert r["host_ranks"] == (rank - rank % 2, rank - rank % 2 + 1) and r["source"] == rank - rank % 2
+        assert r["same_group"]
+    assert results[0]["tokens"] == results[1]["tokens"]  # TP peers hold the same CP share
+    assert sorted(results[0]["tokens"] + results[2]["tokens"]) == list(range(12))

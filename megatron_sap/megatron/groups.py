@@ -111,3 +111,22 @@ def initialize_sap_parallel(
         **kwargs,
     )
     return sap_groups_from_parallel_state()
+
+
+_TP_HOST: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup, int]] = None  # (Megatron's TP group, gloo twin, source)
+
+
+def tensor_parallel_host_group() -> Optional[tuple[dist.ProcessGroup, int]]:
+    """A gloo group of this rank's TP ranks and the global rank of their data source (TP rank 0):
+    what the TP ranks use to share small host objects (a row's documents) without a round trip
+    through the GPU. None at TP 1 or before Megatron's groups exist. Made at first use, by the
+    TP ranks together, and again when Megatron's groups are rebuilt."""
+    global _TP_HOST
+    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    if _TP_HOST is None or _TP_HOST[0] is not tp_group:
+        ranks = dist.get_process_group_ranks(tp_group)
+        host = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        _TP_HOST = (tp_group, host, parallel_state.get_tensor_model_parallel_src_rank())
+    return _TP_HOST[1], _TP_HOST[2]

@@ -36,11 +36,13 @@ import warnings
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .arguments import add_sap_args, chain_args_providers, sap_settings_from_args
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_split_batch
 from .compat import MLA_ROPE_TABLE_REFUSED, mla_keeps_packed_rope_table, packed_get_batch
+from .groups import tensor_parallel_host_group
 from .rope import install_sap_rope
 from .specs import swap_core_attention, use_sap_core_attention
 
@@ -280,11 +282,28 @@ def pack_unpacked_batch(batch: dict[str, Any], reset_position_ids: bool,
     return batch
 
 
+def _share_with_tp_ranks(documents: Optional[list[int]],
+                         host_group: Callable[[], Optional[tuple[Any, int]]]) -> Optional[list[int]]:
+    """The TP source's `documents` on every rank of its TP group (over `host_group()`'s gloo
+    group, host to host; None from a source that has none); `documents` itself at TP 1."""
+    found = host_group()
+    if found is None:
+        return documents
+    group, source = found
+    box = [documents]
+    dist.broadcast_object_list(box, src=source, group=group)
+    return box[0]
+
+
 def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], Any] = _megatron_args,
-                                   pack: bool = True) -> Callable:
+                                   pack: bool = True,
+                                   host_group: Callable[[], Optional[tuple[Any, int]]] = tensor_parallel_host_group
+                                   ) -> Callable:
     """`get_batch_on_this_tp_rank` for SAP. On a rank that reads the data (TP source), the
-    batch's documents are read from the data loader's host copy (`host_boundaries`) and kept
-    for the split, which then plans without waiting for the device. With `pack` (core_v0.16,
+    batch's documents are read from the data loader's host copy (`host_boundaries`); the other
+    TP ranks, which get the batch by broadcast on the GPU, receive them from the source over a
+    host group (`host_group`: a gloo twin of the TP group and the source's rank, None at TP 1).
+    The split then plans without waiting for the device. With `pack` (core_v0.16,
     whose `get_batch` has a packed path) every batch gets `cu_seqlens` (`pack_unpacked_batch`)
     so that `get_batch` takes that path. A function wrapped already is returned as it is (a
     patched `pretrain_gpt.py` run through the launcher)."""
@@ -305,6 +324,7 @@ def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], A
             recorder = bound.arguments[iterator_name] = _Recorder(bound.arguments[iterator_name])
         batch = get_batch(*bound.args, **bound.kwargs)
         documents = None if recorder is None else host_boundaries(recorder.item, reset)
+        documents = _share_with_tp_ranks(documents, host_group)
         if pack:
             batch = pack_unpacked_batch(batch, reset, documents)
         if documents is not None and isinstance(batch.get("tokens"), torch.Tensor):
