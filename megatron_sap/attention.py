@@ -347,14 +347,15 @@ def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: t
 
 
 def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = False,
-                          shape: Sequence | None = None) -> None:
+                          shape: Sequence | None = None, over: dist.ProcessGroup | None = None) -> None:
     """Check now that every rank of the CP group planned the same batch and layout, and
     runs it with the same `recompute_kv` (which decides whether the backward exchanges K/V
     again: ranks that differ would wait for each other) and attention `shape` ((query heads,
     KV heads, head dim, dtype) as `attention_shape` gives it, which size and type the
     exchanged buffers; None: not checked here).
 
-    One all-reduce of a 62-bit hash (and one host sync). Raises on every rank, with both
+    One all-reduce of a 62-bit hash over the CP group (and one host sync), or over `over`, a
+    gloo group of the same ranks (host to host, no wait for the GPU). Raises on every rank, with both
     hashes, instead of deadlocking in P2P or computing garbage. A batch splitter calls it
     once per micro-batch (with the model's shape where it knows it), which also catches a
     rank that reuses a cached plan while another plans a new batch; `sap_attention` calls
@@ -366,9 +367,10 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
     shape = None if shape is None else _shape_key(shape)
     digest = hashlib.sha1(f"{plan.signature()}|{recompute_kv}|{shape}".encode()).hexdigest()
     mine = int(digest[:16], 16) & ((1 << 62) - 1)
-    values = torch.tensor([mine, -mine], dtype=torch.int64, device=collective_device(groups.cp_group))
+    group = groups.cp_group if over is None else over
+    values = torch.tensor([mine, -mine], dtype=torch.int64, device=collective_device(group))
     try:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=groups.cp_group)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     except Exception as exc:  # a dead or stuck rank: the backend's error type varies (gloo, NCCL)
         raise RuntimeError(
             f"SAP agreement check (all-reduce of plan hashes over CP ranks {list(groups.cp_ranks)}, "
@@ -385,7 +387,7 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
             f"recompute_kv={recompute_kv}), the group has hashes from {low:x} to {high:x}"
         )
     plan.__dict__.setdefault("_agreed_groups", set()).add((id(groups.cp_group), recompute_kv, shape))
-    mark_ready(groups.cp_group)  # the outer group too when it is the CP group (U = 1)
+    mark_ready(group)  # the outer group too when it is the CP group (U = 1)
 
 
 def sap_attention(

@@ -517,9 +517,9 @@ def batch_split_no_host_syncs() -> dict:
     """The Megatron batch split through the hooks, as on a rank that reads the data: the
     loader's CPU row moved to the GPU, its documents read from the CPU copy, then split
     (`sap_split_batch`: plan, index copies, slicing), with host syncs turned into errors; one
-    CP rank, so no agreement check (its all-reduce is the one sync the split makes, see
-    docs/megatron.md). Needs megatron-core: the machine's own, else the newest one
-    `make test-compat` cached in .cache/."""
+    CP rank (no agreement check: with more, it all-reduces over a gloo group, on the host).
+    Needs megatron-core: the machine's own, else the newest one `make test-compat` cached in
+    .cache/."""
     from types import SimpleNamespace
 
     import importlib.util

@@ -191,3 +191,38 @@ def test_tp_ranks_get_the_rows_documents_from_the_source_on_the_host(pool4) -> N
         assert r["same_group"]
     assert results[0]["tokens"] == results[1]["tokens"]  # TP peers hold the same CP share
     assert sorted(results[0]["tokens"] + results[2]["tokens"]) == list(range(12))
+
+
+def host_twin_rank(rank: int, world_size: int) -> dict:
+    """The agreement check over a gloo twin of the CP group. Every group here is gloo (CPU), so
+    the CP group is taken for an NCCL one (its collectives on a GPU) to make the twin."""
+    from unittest import mock
+
+    import torch
+    import torch.distributed as dist
+
+    import megatron_sap as sap
+    from megatron_sap.attention import verify_plan_agreement
+    from megatron_sap.megatron import groups as megatron_groups
+
+    groups = sap.init_sap_groups(inner_size=1, outer_size=world_size)
+    assert megatron_groups.host_twin(groups.cp_group) is groups.cp_group  # gloo already: itself
+    with mock.patch.object(megatron_groups, "collective_device", lambda group: torch.device("cuda", 0)):
+        twin = megatron_groups.host_twin(groups.cp_group)
+        again = megatron_groups.host_twin(groups.cp_group)
+    plan = sap.plan_sequences([0, 100, 4096], outer_size=world_size)
+    verify_plan_agreement(plan, groups, over=twin)
+    other = sap.plan_sequences([0, 100 + (rank == 1), 4096], outer_size=world_size)
+    try:
+        verify_plan_agreement(other, groups, over=twin)
+        disagreement = None
+    except RuntimeError as error:
+        disagreement = str(error)
+    return {"twin": twin is not groups.cp_group and again is twin, "ranks": tuple(dist.get_process_group_ranks(twin)),
+            "disagreement": disagreement}
+
+
+def test_the_agreement_check_runs_over_a_gloo_twin_of_the_cp_group(pool4) -> None:
+    for r in pool4.run(host_twin_rank):
+        assert r["twin"] and r["ranks"] == (0, 1, 2, 3)
+        assert "CP ranks disagree on the batch" in r["disagreement"]

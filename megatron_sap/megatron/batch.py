@@ -21,7 +21,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron_sap.attention import verify_plan_agreement
 from megatron_sap.validation import cu_seqlens_to_list
 
-from .groups import _sap_groups, sap_groups_from_parallel_state
+from .groups import _sap_groups, host_twin, sap_groups_from_parallel_state
 from .options import get_sap_options
 from .plans import plan_for
 from .rope import install_sap_rope, register_token_positions
@@ -97,7 +97,9 @@ def sap_split_batch(
     installed and told the per-token positions, keyed by the returned cu_seqlens tensor. The
     packing entries Megatron's THD batches carry (`cu_seqlens`, `cu_seqlens_padded`,
     `max_seqlen`) and entries that are not tensors come back unchanged, as Megatron's own
-    `get_thd_batch_on_this_cp_rank` leaves them.
+    `get_thd_batch_on_this_cp_rank` leaves them. `cu_seqlens` as a list of ints (read on the
+    host, as the hooks read them from the data loader's CPU copy) is planned from without a
+    device read; a device tensor is read back, which waits for the GPU.
     """
     lengths = {key: value.shape for key, value in batch.items() if _is_token_tensor(key, value)}
     if not lengths:
@@ -124,7 +126,7 @@ def sap_split_batch(
         # attention shape and dtype where the flags gave them, the layers need no check of their own
         shape = options.model_shape
         shape = None if shape is None or options.attention_dtype is None else (*shape[:3], options.attention_dtype)
-        verify_plan_agreement(plan, groups, options.recompute_kv, shape)
+        verify_plan_agreement(plan, groups, options.recompute_kv, shape, over=host_twin(groups.cp_group))
     cp_rank = 0 if groups is None else groups.cp_rank
     indices = plan.local_indices(cp_rank).to(device, non_blocking=True)
     positions = plan.position_ids(cp_rank).to(device, non_blocking=True)

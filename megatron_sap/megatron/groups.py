@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import megatron_sap as sap
 from megatron.core import parallel_state
+from megatron_sap.comm.p2p import collective_device
 
 from .options import get_sap_options
 
@@ -113,20 +114,26 @@ def initialize_sap_parallel(
     return sap_groups_from_parallel_state()
 
 
-_TP_HOST: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup, int]] = None  # (Megatron's TP group, gloo twin, source)
+_HOST_TWINS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # id(group) -> (group, its gloo twin)
+
+
+def host_twin(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A gloo group of `group`'s ranks, for small collectives of host values that should not
+    wait for the GPU (`group` itself where its collectives run on the CPU already). Made at
+    first use, by the group's ranks together, and again for a group rebuilt since."""
+    if collective_device(group).type == "cpu":
+        return group
+    entry = _HOST_TWINS.get(id(group))
+    if entry is None or entry[0] is not group:
+        twin = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+        entry = _HOST_TWINS[id(group)] = (group, twin)
+    return entry[1]
 
 
 def tensor_parallel_host_group() -> Optional[tuple[dist.ProcessGroup, int]]:
-    """A gloo group of this rank's TP ranks and the global rank of their data source (TP rank 0):
-    what the TP ranks use to share small host objects (a row's documents) without a round trip
-    through the GPU. None at TP 1 or before Megatron's groups exist. Made at first use, by the
-    TP ranks together, and again when Megatron's groups are rebuilt."""
-    global _TP_HOST
+    """The `host_twin` of this rank's TP group and the global rank of its data source (TP rank
+    0): how the TP ranks share a row's documents without a round trip through the GPU. None at
+    TP 1 or before Megatron's groups exist."""
     if not parallel_state.model_parallel_is_initialized() or parallel_state.get_tensor_model_parallel_world_size() == 1:
         return None
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    if _TP_HOST is None or _TP_HOST[0] is not tp_group:
-        ranks = dist.get_process_group_ranks(tp_group)
-        host = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        _TP_HOST = (tp_group, host, parallel_state.get_tensor_model_parallel_src_rank())
-    return _TP_HOST[1], _TP_HOST[2]
+    return host_twin(parallel_state.get_tensor_model_parallel_group()), parallel_state.get_tensor_model_parallel_src_rank()
