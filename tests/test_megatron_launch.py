@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import torch
 pytest.importorskip("megatron.core")
 
 from megatron.core.models.backends import LocalSpecProvider  # noqa: E402
+
+import megatron_sap as sap  # noqa: E402
 
 from megatron_sap.megatron import SAPDotProductAttention, add_sap_args, chain_args_providers, get_sap_options  # noqa: E402
 from megatron_sap.megatron.arguments import sap_settings_from_args  # noqa: E402
@@ -351,6 +354,79 @@ def test_host_boundaries_of_loader_samples() -> None:
         host_boundaries(_row([1, 2, 0]), reset_position_ids=True)
 
 
+class _Rows(torch.utils.data.Dataset):
+    """Megatron-like samples: one [S] row each, position ids restarting per document."""
+
+    split = "train"  # an attribute of the dataset's own, as Megatron's samplers read
+
+    def __init__(self, documents: list[list[int]]) -> None:
+        self.documents = documents
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def __getitem__(self, index: int) -> dict:
+        positions = torch.cat([torch.arange(n) for n in self.documents[index]])
+        return {"tokens": torch.arange(len(positions)), "labels": torch.arange(1, len(positions) + 1),
+                "loss_mask": torch.ones(len(positions)), "position_ids": positions}
+
+
+def test_loader_workers_plan_every_row() -> None:
+    """Each sample's plan, made in a worker process for a 2 x 4 layout, is the plan the training
+    process would make, with the rank's program compiled; the dataset's attributes stay reachable."""
+    import pickle
+
+    from megatron_sap.megatron.loader import LoaderPlanning, PlannedDataset, loader_plan_bytes
+
+    rows = _Rows([[700, 300, 1048], [2048], [1, 2, 3, 2042]])
+    planning = LoaderPlanning(4, 2, sap.CostModel.preset("h100"), outer_rank=3, schedule="pipelined",
+                              recompute_kv=False, reset_position_ids=True)
+    dataset = PlannedDataset(rows, planning)
+    assert dataset.split == "train" and len(dataset) == 3
+    assert pickle.loads(pickle.dumps(dataset)).split == "train"  # as a spawned worker gets it
+    loader = torch.utils.data.DataLoader(dataset, batch_size=1, num_workers=2)
+    for documents, batch in zip(rows.documents, loader):
+        plan = pickle.loads(loader_plan_bytes(batch))
+        cu = [0, *itertools.accumulate(documents)]
+        expected = sap.plan_sequences(cu, outer_size=4, inner_size=2, cost_model="h100", cache=None)
+        assert list(plan.cu_seqlens) == cu and plan.signature() == expected.signature()
+        assert (3, "cpu", "pipelined") in plan._programs  # compiled in the worker
+        assert torch.equal(plan.local_indices(7), expected.local_indices(7))
+
+
+def test_batch_hooks_take_the_plan_the_loader_made() -> None:
+    """Through the data loader hook and the batch hooks: the split finds the worker's plan in
+    the plan cache (a hit, no miss), and a plan for another row is not taken."""
+    import pickle
+
+    from megatron_sap.megatron.hooks import wrap_build_pretraining_data_loader
+    from megatron_sap.megatron.loader import PLAN_KEY, adopt_loader_plan, loader_plan_bytes
+    from megatron_sap.planning.plan import DEFAULT_CACHE
+
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True, dataloader_type="single")
+    build = wrap_build_pretraining_data_loader(
+        lambda dataset, consumed: torch.utils.data.DataLoader(dataset, batch_size=1, num_workers=1), get_args=lambda: args)
+    get_batch = wrap_get_batch_on_this_tp_rank(_tp_source, get_args=lambda: args)
+    split = wrap_get_thd_batch_on_this_cp_rank(lambda *a, **k: pytest.fail("Megatron's split was called"),
+                                               get_args=lambda: args)
+    loader = iter(build(_Rows([[5, 9, 2], [16]]), 0))
+    DEFAULT_CACHE.clear()
+    batch = get_batch(loader)
+    assert len(DEFAULT_CACHE) == 1 and DEFAULT_CACHE.misses == 0
+    cu, max_seqlen = batch.pop("cu_seqlens"), batch.pop("max_seqlen")
+    local, params = split(batch, cu, None, max_seqlen)
+    assert params.cu_seqlens_q.tolist() == [0, 5, 14, 16]
+    assert (DEFAULT_CACHE.hits, DEFAULT_CACHE.misses) == (1, 0)  # the worker's plan, not planned here
+    assert PLAN_KEY not in local
+
+    other = next(loader)  # the next row's plan does not pass for this row's
+    assert adopt_loader_plan(loader_plan_bytes(other), [0, 5, 14, 16]) is None
+    assert pickle.loads(loader_plan_bytes(other)).cu_seqlens == (0, 16)
+    args.sap_plan_in_data_loader = False
+    assert PLAN_KEY not in next(iter(build(_Rows([[16]]), 0)))
+    DEFAULT_CACHE.clear()
+
+
 def test_batch_hooks_defer_to_megatron_without_sap() -> None:
     args = SimpleNamespace(cp_comm_type=["p2p"], reset_position_ids=True)
     get_batch = wrap_get_batch_on_this_tp_rank(lambda iterator: _row([0, 1, 0, 1]), get_args=lambda: args)
@@ -460,14 +536,15 @@ def _checkout_version() -> tuple[int, int]:
 
 @needs_megatron_lm
 def test_fork_patch_applies_and_compiles(tmp_path) -> None:
-    """The patch applies to the checkout's pretrain_gpt.py and initialize.py, and the results compile."""
+    """The patch applies to the checkout's pretrain_gpt.py, initialize.py and training.py, and the results compile."""
     import py_compile
     import shutil
 
     if _checkout_version() != (0, 16):
         pytest.skip("the fork patch is for core_v0.16; forks of earlier versions call install_training_hooks()")
 
-    files = ["pretrain_gpt.py", os.path.join("megatron", "training", "initialize.py")]
+    files = ["pretrain_gpt.py", os.path.join("megatron", "training", "initialize.py"),
+             os.path.join("megatron", "training", "training.py")]
     for name in files:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(os.path.join(MEGATRON_LM, name), tmp_path / name)

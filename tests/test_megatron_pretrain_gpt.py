@@ -6,7 +6,7 @@ check on CPU, so the job sets up what it would (the parsed args, the timers, mod
 through the hooked `initialize_model_parallel`) and calls the script's functions directly, with
 `.cuda()` a no-op and the CPU as the current device. A packed row of three documents (restarting position ids, as GPTDataset
 gives them with --reset-position-ids) must give the summed loss of its documents run one at a
-time, at CP 1 and at CP 2.
+time, at CP 1 and at CP 2 (there through Megatron's data loader, which plans the row).
 """
 from __future__ import annotations
 
@@ -83,7 +83,18 @@ def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None
                 sizes = None if patched_script is None else configure_sap(args)
                 mpu.initialize_model_parallel(1, 1, context_parallel_size=cp, hierarchical_context_parallel_sizes=sizes)
                 model = build_tiny_gpt()
-                output, loss_func = pretrain_gpt.forward_step(iter([dict(sample)]), model)
+                data = iter([dict(sample)])
+                if cp == 2 and patched_script is None:  # through Megatron's data loader, its rows planned there
+                    import megatron.training.training as training_loop
+
+                    from megatron_sap.planning.plan import DEFAULT_CACHE
+
+                    args.dataloader_type, args.num_workers = "single", 0
+                    data = iter(training_loop.build_pretraining_data_loader([{k: v[0] for k, v in sample.items()}], 0))
+                    DEFAULT_CACHE.clear()
+                output, loss_func = pretrain_gpt.forward_step(data, model)
+                if cp == 2 and patched_script is None:
+                    losses["cache"] = (DEFAULT_CACHE.hits, DEFAULT_CACHE.misses)
                 loss, count = loss_func(output)[:2]
                 losses[cp] = (float(loss), int(count))
                 if cp == 1:  # the documents one at a time, unpacked: what packing must not change
@@ -107,7 +118,9 @@ def _assert_cp1s_loss(results: list[dict]) -> None:
 
 
 def test_pretrain_gpt_through_the_hooks_gives_cp1s_loss(pool2) -> None:
-    _assert_cp1s_loss(pool2.run(run_pretrain_gpt_rank))
+    results = pool2.run(run_pretrain_gpt_rank)
+    _assert_cp1s_loss(results)
+    assert all(r["cache"] == (1, 0) for r in results)  # at CP 2 the split took the plan the loader made
 
 
 patched_pool2 = make_pool_fixture(2, timeout=300)  # fresh workers: no hooks installed there

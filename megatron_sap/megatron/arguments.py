@@ -50,6 +50,10 @@ def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="check once per micro-batch that all CP ranks hold the same cu_seqlens",
     )
     group.add_argument(
+        "--sap-plan-in-data-loader", action=argparse.BooleanOptionalAction, default=True,
+        help="plan every micro-batch in the data loader's worker processes, ahead of the training loop",
+    )
+    group.add_argument(
         "--sap-recompute-kv", action="store_true",
         help="fetch remote K/V again in backward instead of keeping it from forward (less memory, more traffic)",
     )

@@ -8,9 +8,12 @@
   time): with SAP on, CP = U*R is initialized with Megatron's hierarchical CP groups [U, R], the
   SAP options are applied, layer specs are switched to SAP core attention and the SAP RoPE is
   installed (all before `get_model()` builds anything).
+* `megatron.training.training.build_pretraining_data_loader`: the loader's workers plan every
+  sample (`loader.PlannedDataset`), ahead of the training loop.
 * `megatron.training.utils.get_batch_on_this_tp_rank`: on the ranks that read the data (TP
-  source), each micro-batch's documents are read from the data loader's host copy, so that the
-  split plans without reading boundaries back from the GPU (`host_boundaries`).
+  source), each micro-batch's documents (and the plan a loader worker made) are read from the
+  data loader's host copy and sent to the other TP ranks host to host, so that the split plans,
+  or finds the plan, without reading boundaries back from the GPU (`host_boundaries`).
 * core_v0.16, whose `pretrain_gpt.get_batch` has a packed (THD) path:
   `megatron.training.utils.get_batch_on_this_tp_rank` makes an unpacked micro-batch a packed
   one (documents from `--reset-position-ids` restarts, else the whole row) so that `get_batch`
@@ -43,6 +46,7 @@ from .arguments import add_sap_args, chain_args_providers, sap_settings_from_arg
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_split_batch
 from .compat import MLA_ROPE_TABLE_REFUSED, mla_keeps_packed_rope_table, packed_get_batch
 from .groups import tensor_parallel_host_group
+from .loader import PLAN_KEY, PlannedDataset, adopt_loader_plan, loader_plan_bytes, loader_planning
 from .rope import install_sap_rope
 from .specs import swap_core_attention, use_sap_core_attention
 
@@ -217,22 +221,24 @@ def row_cu_seqlens(batch: dict[str, Any], reset_position_ids: bool) -> torch.Ten
 def host_boundaries(sample: Any, reset_position_ids: bool) -> Optional[list[int]]:
     """The documents of a micro-batch as the data loader gave it, read from its host (CPU)
     tensors: its `cu_seqlens`, else the restarts of its position ids, else the whole row (as
-    `row_cu_seqlens` finds them on the device). None where the sample is not a [1, S] row of CPU
-    tensors: then the split reads them from the device."""
+    `row_cu_seqlens` finds them on the device). None where the sample is not one row ([1, S], or
+    [S] before the loader collates it) of CPU tensors: then the split reads them from the device."""
     if not isinstance(sample, Mapping):
         return None
     tokens = sample.get("tokens")
-    if not isinstance(tokens, torch.Tensor) or tokens.device.type != "cpu" or tokens.dim() != 2 or tokens.size(0) != 1:
+    if not isinstance(tokens, torch.Tensor) or tokens.device.type != "cpu" or tokens.dim() not in (1, 2):
+        return None
+    if tokens.dim() == 2 and tokens.size(0) != 1:
         return None
     given = sample.get("cu_seqlens")
     if given is not None:
         return given.flatten().tolist() if isinstance(given, torch.Tensor) and given.device.type == "cpu" else None
     if not reset_position_ids:
-        return [0, tokens.size(1)]
+        return [0, tokens.numel()]
     positions = sample.get("position_ids")
-    if not isinstance(positions, torch.Tensor) or positions.device.type != "cpu":
+    if not isinstance(positions, torch.Tensor) or positions.device.type != "cpu" or positions.numel() != tokens.numel():
         return None
-    return cu_seqlens_from_position_ids(positions).tolist()
+    return cu_seqlens_from_position_ids(positions.reshape(1, -1)).tolist()
 
 
 class _Recorder:
@@ -282,16 +288,14 @@ def pack_unpacked_batch(batch: dict[str, Any], reset_position_ids: bool,
     return batch
 
 
-def _share_with_tp_ranks(documents: Optional[list[int]],
-                         host_group: Callable[[], Optional[tuple[Any, int]]]) -> Optional[list[int]]:
-    """The TP source's `documents` on every rank of its TP group (over `host_group()`'s gloo
-    group, host to host; None from a source that has none); `documents` itself at TP 1."""
-    found = host_group()
-    if found is None:
-        return documents
-    group, source = found
-    box = [documents]
-    dist.broadcast_object_list(box, src=source, group=group)
+def _share_with_tp_ranks(found: Any, host_group: Callable[[], Optional[tuple[Any, int]]]) -> Any:
+    """What the TP source `found` (a row's documents and its plan), on every rank of its TP
+    group (over `host_group()`'s gloo group, host to host); `found` itself at TP 1."""
+    group = host_group()
+    if group is None:
+        return found
+    box = [found]
+    dist.broadcast_object_list(box, src=group[1], group=group[0])
     return box[0]
 
 
@@ -300,10 +304,12 @@ def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], A
                                    host_group: Callable[[], Optional[tuple[Any, int]]] = tensor_parallel_host_group
                                    ) -> Callable:
     """`get_batch_on_this_tp_rank` for SAP. On a rank that reads the data (TP source), the
-    batch's documents are read from the data loader's host copy (`host_boundaries`); the other
-    TP ranks, which get the batch by broadcast on the GPU, receive them from the source over a
-    host group (`host_group`: a gloo twin of the TP group and the source's rank, None at TP 1).
-    The split then plans without waiting for the device. With `pack` (core_v0.16,
+    batch's documents are read from the data loader's host copy (`host_boundaries`), with the
+    plan a loader worker made (`loader.PlannedDataset`) where it has one; the other TP ranks,
+    which get the batch by broadcast on the GPU, receive both from the source over a host group
+    (`host_group`: a gloo twin of the TP group and the source's rank, None at TP 1). The plan
+    goes to the plan cache (`loader.adopt_loader_plan`); the split then plans, or finds the
+    plan, without waiting for the device. With `pack` (core_v0.16,
     whose `get_batch` has a packed path) every batch gets `cu_seqlens` (`pack_unpacked_batch`)
     so that `get_batch` takes that path. A function wrapped already is returned as it is (a
     patched `pretrain_gpt.py` run through the launcher)."""
@@ -323,8 +329,13 @@ def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], A
         if bound.arguments.get(iterator_name) is not None:
             recorder = bound.arguments[iterator_name] = _Recorder(bound.arguments[iterator_name])
         batch = get_batch(*bound.args, **bound.kwargs)
-        documents = None if recorder is None else host_boundaries(recorder.item, reset)
-        documents = _share_with_tp_ranks(documents, host_group)
+        if isinstance(batch, dict):
+            batch.pop(PLAN_KEY, None)  # Megatron's own keeps only the entries it knows
+        found = (None, None)
+        if recorder is not None:
+            found = (host_boundaries(recorder.item, reset), loader_plan_bytes(recorder.item))
+        documents, plan_bytes = _share_with_tp_ranks(found, host_group)
+        adopt_loader_plan(plan_bytes, documents)
         if pack:
             batch = pack_unpacked_batch(batch, reset, documents)
         if documents is not None and isinstance(batch.get("tokens"), torch.Tensor):
@@ -333,6 +344,26 @@ def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], A
 
     get_packed_batch._sap_hook = True
     return get_packed_batch
+
+
+def wrap_build_pretraining_data_loader(build: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
+    """`build_pretraining_data_loader` whose dataset plans every sample in the loader's workers
+    (`loader.PlannedDataset`), with SAP on and `--sap-plan-in-data-loader` (the default), for the
+    loaders Megatron builds itself (`--dataloader-type single` or `cyclic`). A function wrapped
+    already is returned as it is."""
+    if getattr(build, "_sap_hook", False):
+        return build
+
+    @functools.wraps(build)
+    def build_planned(dataset: Any, *args: Any, **kwargs: Any) -> Any:
+        megatron_args = get_args()
+        if (dataset is not None and sap_requested(megatron_args) and getattr(megatron_args, "sap_plan_in_data_loader", True)
+                and getattr(megatron_args, "dataloader_type", "single") in ("single", "cyclic")):
+            dataset = PlannedDataset(dataset, loader_planning(bool(getattr(megatron_args, "reset_position_ids", False))))
+        return build(dataset, *args, **kwargs)
+
+    build_planned._sap_hook = True
+    return build_planned
 
 
 def wrap_get_thd_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
@@ -442,11 +473,13 @@ def install_training_hooks() -> None:
     import megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs as heterogeneous
     import megatron.core.utils as core_utils
     import megatron.training
+    import megatron.training.training as training_loop
     import megatron.training.utils as training_utils
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     megatron.training.pretrain = wrap_pretrain(megatron.training.pretrain)
+    training_loop.build_pretraining_data_loader = wrap_build_pretraining_data_loader(training_loop.build_pretraining_data_loader)
     parallel_state.initialize_model_parallel = wrap_initialize_model_parallel(parallel_state.initialize_model_parallel)
     training_utils.get_batch_on_this_tp_rank = wrap_get_batch_on_this_tp_rank(training_utils.get_batch_on_this_tp_rank,
                                                                               pack=packed_get_batch())

@@ -15,7 +15,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 import megatron_sap as sap
 from megatron_sap.planning import PlanCache
-from megatron_sap.planning.plan import DEFAULT_COST_MODEL
+from megatron_sap.planning.plan import DEFAULT_CACHE, DEFAULT_COST_MODEL, DEFAULT_SLACKS
 
 from .options import get_sap_options
 
@@ -73,16 +73,36 @@ def plan_for(cu_seqlens: torch.Tensor | list[int], groups: Optional["sap.SAPGrou
                     "pg_collection with `hcp` when CP is hierarchical, or none to use parallel_state)"
                 )
             return known
-    options = get_sap_options()
     kwargs: dict[str, Any] = {}
-    cache = _cache(options.plan_cache_size)
+    cache, model = _planning()
     if cache is not None:
         kwargs["cache"] = cache
-    model = _cost_model(options.cost_preset, options.calibration_file, options.model_shape, options.gpus_per_node,
-                        options.tensor_parallel_size)
     if model is not None:
         kwargs["cost_model"] = model
     plan = sap.plan_sequences(cu_seqlens if values is None else values, outer_size=outer, inner_size=inner, **kwargs)
     if isinstance(cu_seqlens, torch.Tensor):
         _PLANS_BY_TENSOR[cu_seqlens] = plan
     return plan
+
+
+def _planning() -> tuple[Optional[PlanCache], Optional["sap.CostModel"]]:
+    """The plan cache and cost model the options name (None: the planner's defaults)."""
+    options = get_sap_options()
+    model = _cost_model(options.cost_preset, options.calibration_file, options.model_shape, options.gpus_per_node,
+                        options.tensor_parallel_size)
+    return _cache(options.plan_cache_size), model
+
+
+def planning_cost_model() -> "sap.CostModel":
+    """The cost model `plan_for` plans with."""
+    return _planning()[1] or DEFAULT_COST_MODEL
+
+
+def adopt_plan(plan: "sap.Plan") -> bool:
+    """Put a plan made elsewhere (a data loader's worker) into the cache `plan_for` reads, if it
+    was made with the cost model and load slacks `plan_for` plans with."""
+    cache, model = _planning()
+    if plan.cost_model != (model or DEFAULT_COST_MODEL) or plan.slacks != DEFAULT_SLACKS:
+        return False
+    (cache or DEFAULT_CACHE).add(plan)
+    return True

@@ -55,6 +55,7 @@ class Plan:
     evaluation: Evaluation
     considered: dict[str, float]  # modelled makespan of every candidate evaluated, by strategy
     pruned: dict[str, float] = field(default_factory=dict)  # floor on the modelled makespan of the others
+    slacks: tuple[float, ...] = DEFAULT_SLACKS  # the greedy passes' load slacks it was planned with
     _layout: _Layout | None = field(default=None, repr=False)
     _order: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
     _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
@@ -199,6 +200,19 @@ class Plan:
         if self._order is None:
             self._order = MappingProxyType(exchange_order(self.evaluation.traffic_tokens, self.cost_model, self.inner_size))
         return self._order
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling keeps (a plan made in a data loader's worker goes to the training
+        process): the exchange order as a plain dict."""
+        state = dict(self.__dict__)
+        if state["_order"] is not None:
+            state["_order"] = dict(state["_order"])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if state["_order"] is not None:
+            state["_order"] = MappingProxyType(state["_order"])
+        self.__dict__.update(state)
 
     def schedule(self, outer_rank: int, recompute_kv: bool = False) -> str:
         """The schedule the cost model times faster for an outer rank's program run alone
@@ -347,6 +361,11 @@ class PlanCache:
             self.hits += 1
             self._plans.move_to_end(key)
             return plan
+
+    def add(self, plan: Plan) -> None:
+        """Keep a plan made elsewhere (another process: a data loader's worker) under the key
+        `plan_sequences` looks it up by."""
+        self.put((plan.cu_seqlens, plan.outer_size, plan.inner_size, plan.cost_model, plan.slacks), plan)
 
     def put(self, key: tuple, plan: Plan) -> None:
         with self._lock:
@@ -535,7 +554,7 @@ def plan_sequences(
     # then the faster, then the earlier candidate.
     near = [(i, p, ev) for i, p, ev in evaluated if ev.makespan_s <= fastest * (1 + TIME_TOLERANCE)]
     _, placement, ev = min(near, key=lambda ipe: (ipe[2].traffic_total, ipe[2].makespan_s, ipe[0]))
-    plan = Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned)
+    plan = Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks)
     if cache is not None:
         if key is None:
             key = (tuple(cu), outer_size, inner_size, model, slacks)

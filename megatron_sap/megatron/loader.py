@@ -1,0 +1,112 @@
+"""Plans made in the data loader's worker processes, ahead of the training loop.
+
+`PlannedDataset` wraps a Megatron dataset: each sample gets its SAP plan, made from the row's
+documents (read from the sample's CPU tensors) for this rank's layout and cost model, with this
+rank's program compiled, and pickled into a uint8 tensor under `PLAN_KEY`. The loader's workers
+make it while the training process runs earlier micro-batches; the batch hook
+(`hooks.wrap_get_batch_on_this_tp_rank`) hands it to the plan cache (`adopt_loader_plan`), where
+the batch split and the layers find it. A plan made for another layout, cost model or row is
+not used: the training process then plans the row itself.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+from torch.utils.data import Dataset
+
+import megatron_sap as sap
+
+PLAN_KEY = "sap_plan"  # the sample entry that carries the pickled plan
+
+
+@dataclass(frozen=True)
+class LoaderPlanning:
+    """What a worker needs to plan a row as this training rank would."""
+
+    outer_size: int
+    inner_size: int
+    cost_model: "sap.CostModel"
+    outer_rank: int
+    schedule: str
+    recompute_kv: bool
+    reset_position_ids: bool
+
+    def plan(self, sample: Mapping[str, Any]) -> Optional["sap.Plan"]:
+        """The sample's plan with this rank's program compiled; None where its documents are
+        not on the host (`hooks.host_boundaries`)."""
+        from .hooks import host_boundaries
+
+        documents = host_boundaries(sample, self.reset_position_ids)
+        if documents is None:
+            return None
+        plan = sap.plan_sequences(documents, outer_size=self.outer_size, inner_size=self.inner_size,
+                                  cost_model=self.cost_model, cache=None)
+        plan.program(self.outer_rank, schedule=self.schedule, recompute_kv=self.recompute_kv)
+        plan.group_indices(self.outer_rank)  # the batch split's indices, made once
+        return plan
+
+
+class PlannedDataset(Dataset):
+    """`dataset` whose samples carry their SAP plan (`PLAN_KEY`), made where the sample is made:
+    in the data loader's worker processes. Other attributes are the dataset's (Megatron's
+    samplers read some)."""
+
+    def __init__(self, dataset: Any, planning: LoaderPlanning) -> None:
+        self.dataset, self.planning = dataset, planning
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        dataset = self.__dict__.get("dataset")  # absent while unpickling (a spawned worker)
+        if dataset is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(dataset, name)
+
+    def __getitem__(self, index: Any) -> Any:
+        sample = self.dataset[index]
+        plan = self.planning.plan(sample) if isinstance(sample, Mapping) else None
+        if plan is None:
+            return sample
+        data = bytearray(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
+        return {**sample, PLAN_KEY: torch.frombuffer(data, dtype=torch.uint8)}
+
+
+def loader_plan_bytes(sample: Any) -> Optional[bytes]:
+    """The pickled plan a loader's sample (or collated micro-batch) carries, if any."""
+    data = sample.get(PLAN_KEY) if isinstance(sample, Mapping) else None
+    if not isinstance(data, torch.Tensor) or data.device.type != "cpu" or data.dtype != torch.uint8:
+        return None
+    if data.dim() == 2 and data.size(0) == 1:  # collated: one row per micro-batch
+        data = data[0]
+    return data.numpy().tobytes() if data.dim() == 1 else None
+
+
+def adopt_loader_plan(data: Optional[bytes], documents: Optional[list[int]]) -> Optional["sap.Plan"]:
+    """The plan a worker made, put where `plans.plan_for` finds it, if it is the plan of this
+    row (`documents`) for this process's layout and cost model; else None (planned here)."""
+    from .plans import adopt_plan
+
+    if data is None or documents is None:
+        return None
+    plan = pickle.loads(data)
+    if not isinstance(plan, sap.Plan) or list(plan.cu_seqlens) != documents:
+        return None
+    return plan if adopt_plan(plan) else None
+
+
+def loader_planning(reset_position_ids: bool) -> LoaderPlanning:
+    """How this training rank plans (its SAP groups, one rank before Megatron's exist; the SAP
+    options), for the loader's workers: called where the data loader is built, after both."""
+    from .batch import resolve_groups
+    from .options import get_sap_options
+    from .plans import planning_cost_model
+
+    groups = resolve_groups(None)
+    options = get_sap_options()
+    inner, outer, rank = (1, 1, 0) if groups is None else (groups.inner_size, groups.outer_size, groups.outer_rank)
+    return LoaderPlanning(outer, inner, planning_cost_model(), rank, options.schedule, options.recompute_kv,
+                          reset_position_ids)
