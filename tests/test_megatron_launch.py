@@ -80,11 +80,12 @@ def test_flags_parse_and_chain_with_an_existing_provider() -> None:
     args = _parse(
         "--context-parallel-size 8 --cp-comm-type sap --export-te-mcore-model --sap-inner-size 4 "
         "--sap-backend torch --sap-cost-preset h200 --sap-plan-cache-size 8 --no-sap-check-agreement "
-        "--sap-recompute-kv --sap-schedule gathered"
+        "--sap-recompute-kv --sap-schedule gathered --no-sap-plan-in-data-loader"
     )
     assert args.export_te_mcore_model and args.sap_inner_size == 4 and args.sap_outer_size is None
     assert (args.sap_backend, args.sap_cost_preset, args.sap_plan_cache_size) == ("torch", "h200", 8)
-    assert args.sap_check_agreement is False and args.sap_recompute_kv is True
+    assert args.sap_check_agreement is False and args.sap_recompute_kv is True and args.sap_plan_in_data_loader is False
+    assert _parse("--context-parallel-size 2").sap_plan_in_data_loader is True
     settings = sap_settings_from_args(args)
     assert (settings.inner_size, settings.outer_size) == (4, 2)
     assert settings.options.recompute_kv and settings.options.schedule == "gathered"
