@@ -387,7 +387,7 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
             f"recompute_kv={recompute_kv}), the group has hashes from {low:x} to {high:x}"
         )
     plan.__dict__.setdefault("_agreed_groups", set()).add((id(groups.cp_group), recompute_kv, shape))
-    mark_ready(group)  # the outer group too when it is the CP group (U = 1)
+    mark_ready(group)  # the CP group (and the outer group when it is the CP group, U = 1), or the host group
 
 
 def sap_attention(

@@ -36,7 +36,7 @@ import inspect
 import operator
 import sys
 import warnings
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,7 @@ from .arguments import add_sap_args, chain_args_providers, sap_settings_from_arg
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_split_batch
 from .compat import MLA_ROPE_TABLE_REFUSED, mla_keeps_packed_rope_table, packed_get_batch
 from .groups import tensor_parallel_host_group
-from .loader import PLAN_KEY, PlannedDataset, adopt_loader_plan, loader_plan_bytes, loader_planning
+from .loader import PLAN_KEY, PlannedDataset, adopt_loader_plan, host_boundaries, loader_plan_bytes, loader_planning
 from .rope import install_sap_rope
 from .specs import swap_core_attention, use_sap_core_attention
 
@@ -216,29 +216,6 @@ def row_cu_seqlens(batch: dict[str, Any], reset_position_ids: bool) -> torch.Ten
     if reset_position_ids:
         return cu_seqlens_from_position_ids(batch["position_ids"])
     return torch.tensor([0, tokens.size(1)], dtype=torch.int32, device=tokens.device)
-
-
-def host_boundaries(sample: Any, reset_position_ids: bool) -> Optional[list[int]]:
-    """The documents of a micro-batch as the data loader gave it, read from its host (CPU)
-    tensors: its `cu_seqlens`, else the restarts of its position ids, else the whole row (as
-    `row_cu_seqlens` finds them on the device). None where the sample is not one row ([1, S], or
-    [S] before the loader collates it) of CPU tensors: then the split reads them from the device."""
-    if not isinstance(sample, Mapping):
-        return None
-    tokens = sample.get("tokens")
-    if not isinstance(tokens, torch.Tensor) or tokens.device.type != "cpu" or tokens.dim() not in (1, 2):
-        return None
-    if tokens.dim() == 2 and tokens.size(0) != 1:
-        return None
-    given = sample.get("cu_seqlens")
-    if given is not None:
-        return given.flatten().tolist() if isinstance(given, torch.Tensor) and given.device.type == "cpu" else None
-    if not reset_position_ids:
-        return [0, tokens.numel()]
-    positions = sample.get("position_ids")
-    if not isinstance(positions, torch.Tensor) or positions.device.type != "cpu" or positions.numel() != tokens.numel():
-        return None
-    return cu_seqlens_from_position_ids(positions.reshape(1, -1)).tolist()
 
 
 class _Recorder:

@@ -19,7 +19,35 @@ from torch.utils.data import Dataset
 
 import megatron_sap as sap
 
+from .batch import cu_seqlens_from_position_ids, resolve_groups
+from .options import get_sap_options
+from .plans import adopt_plan, planning_cost_model
+
 PLAN_KEY = "sap_plan"  # the sample entry that carries the pickled plan
+
+
+def host_boundaries(sample: Any, reset_position_ids: bool) -> Optional[list[int]]:
+    """The documents of a micro-batch as the data loader gave it, read from its host (CPU)
+    tensors: its `cu_seqlens`, else the restarts of its position ids, else the whole row (as
+    `hooks.row_cu_seqlens` finds them on the device). None where the sample is not one row
+    ([1, S], or [S] before the loader collates it) of CPU tensors: then the split reads them
+    from the device."""
+    if not isinstance(sample, Mapping):
+        return None
+    tokens = sample.get("tokens")
+    if not isinstance(tokens, torch.Tensor) or tokens.device.type != "cpu" or tokens.dim() not in (1, 2):
+        return None
+    if tokens.dim() == 2 and tokens.size(0) != 1:
+        return None
+    given = sample.get("cu_seqlens")
+    if given is not None:
+        return given.flatten().tolist() if isinstance(given, torch.Tensor) and given.device.type == "cpu" else None
+    if not reset_position_ids:
+        return [0, tokens.numel()]
+    positions = sample.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.device.type != "cpu" or positions.numel() != tokens.numel():
+        return None
+    return cu_seqlens_from_position_ids(positions.reshape(1, -1)).tolist()
 
 
 @dataclass(frozen=True)
@@ -36,9 +64,7 @@ class LoaderPlanning:
 
     def plan(self, sample: Mapping[str, Any]) -> Optional["sap.Plan"]:
         """The sample's plan with this rank's program compiled; None where its documents are
-        not on the host (`hooks.host_boundaries`)."""
-        from .hooks import host_boundaries
-
+        not on the host (`host_boundaries`)."""
         documents = host_boundaries(sample, self.reset_position_ids)
         if documents is None:
             return None
@@ -88,8 +114,6 @@ def loader_plan_bytes(sample: Any) -> Optional[bytes]:
 def adopt_loader_plan(data: Optional[bytes], documents: Optional[list[int]]) -> Optional["sap.Plan"]:
     """The plan a worker made, put where `plans.plan_for` finds it, if it is the plan of this
     row (`documents`) for this process's layout and cost model; else None (planned here)."""
-    from .plans import adopt_plan
-
     if data is None or documents is None:
         return None
     plan = pickle.loads(data)
@@ -101,10 +125,6 @@ def adopt_loader_plan(data: Optional[bytes], documents: Optional[list[int]]) -> 
 def loader_planning(reset_position_ids: bool) -> LoaderPlanning:
     """How this training rank plans (its SAP groups, one rank before Megatron's exist; the SAP
     options), for the loader's workers: called where the data loader is built, after both."""
-    from .batch import resolve_groups
-    from .options import get_sap_options
-    from .plans import planning_cost_model
-
     groups = resolve_groups(None)
     options = get_sap_options()
     inner, outer, rank = (1, 1, 0) if groups is None else (groups.inner_size, groups.outer_size, groups.outer_rank)
