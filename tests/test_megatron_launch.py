@@ -395,7 +395,7 @@ def test_loader_workers_plan_every_row() -> None:
         assert torch.equal(plan.local_indices(7), expected.local_indices(7))
 
 
-def test_batch_hooks_take_the_plan_the_loader_made() -> None:
+def test_batch_hooks_take_the_plan_the_loader_made(caplog) -> None:
     """Through the data loader hook and the batch hooks: the split finds the worker's plan in
     the plan cache (a hit, no miss), and a plan for another row is not taken."""
     import pickle
@@ -420,8 +420,10 @@ def test_batch_hooks_take_the_plan_the_loader_made() -> None:
     assert (DEFAULT_CACHE.hits, DEFAULT_CACHE.misses) == (1, 0)  # the worker's plan, not planned here
     assert PLAN_KEY not in local
 
-    other = next(loader)  # the next row's plan does not pass for this row's
-    assert adopt_loader_plan(loader_plan_bytes(other), [0, 5, 14, 16]) is None
+    other = next(loader)  # the next row's plan does not pass for this row's, and says so once
+    with caplog.at_level("WARNING", logger="megatron_sap.megatron.loader"):
+        assert adopt_loader_plan(loader_plan_bytes(other), [0, 5, 14, 16]) is None
+    assert "does not fit this micro-batch" in caplog.text
     assert pickle.loads(loader_plan_bytes(other)).cu_seqlens == (0, 16)
     args.sap_plan_in_data_loader = False
     assert PLAN_KEY not in next(iter(build(_Rows([[16]]), 0)))

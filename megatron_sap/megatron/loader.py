@@ -10,6 +10,7 @@ not used: the training process then plans the row itself.
 """
 from __future__ import annotations
 
+import logging
 import pickle
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -24,6 +25,7 @@ from .options import get_sap_options
 from .plans import adopt_plan, planning_cost_model
 
 PLAN_KEY = "sap_plan"  # the sample entry that carries the pickled plan
+logger = logging.getLogger(__name__)
 
 
 def host_boundaries(sample: Any, reset_position_ids: bool) -> Optional[list[int]]:
@@ -114,12 +116,20 @@ def loader_plan_bytes(sample: Any) -> Optional[bytes]:
 def adopt_loader_plan(data: Optional[bytes], documents: Optional[list[int]]) -> Optional["sap.Plan"]:
     """The plan a worker made, put where `plans.plan_for` finds it, if it is the plan of this
     row (`documents`) for this process's layout and cost model; else None (planned here)."""
+    global _refusal_logged
     if data is None or documents is None:
         return None
     plan = pickle.loads(data)
-    if not isinstance(plan, sap.Plan) or list(plan.cu_seqlens) != documents:
-        return None
-    return plan if adopt_plan(plan) else None
+    if isinstance(plan, sap.Plan) and list(plan.cu_seqlens) == documents and adopt_plan(plan):
+        return plan
+    if not _refusal_logged:  # the workers plan for nothing: worth seeing once
+        _refusal_logged = True
+        logger.warning("megatron-sap: a plan made in the data loader's workers does not fit this micro-batch (another "
+                       "row, cost model or load slacks); such rows are planned in the training process")
+    return None
+
+
+_refusal_logged = False
 
 
 def loader_planning(reset_position_ids: bool) -> LoaderPlanning:
