@@ -218,11 +218,13 @@ def host_twin_rank(rank: int, world_size: int) -> dict:
         disagreement = None
     except RuntimeError as error:
         disagreement = str(error)
+    from megatron_sap.comm.groups import group_timeout
+
     return {"twin": twin is not groups.cp_group and again is twin, "ranks": tuple(dist.get_process_group_ranks(twin)),
-            "disagreement": disagreement}
+            "disagreement": disagreement, "same_timeout": group_timeout(twin) == group_timeout(groups.cp_group)}
 
 
 def test_the_agreement_check_runs_over_a_gloo_twin_of_the_cp_group(pool4) -> None:
     for r in pool4.run(host_twin_rank):
-        assert r["twin"] and r["ranks"] == (0, 1, 2, 3)
+        assert r["twin"] and r["ranks"] == (0, 1, 2, 3) and r["same_timeout"]
         assert "CP ranks disagree on the batch" in r["disagreement"]

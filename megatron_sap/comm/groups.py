@@ -184,7 +184,7 @@ def init_sap_groups(
             raise ValueError(f"ranks {list(layout.cp_ranks)} exceed the world of {world_size} ranks")
         layouts = [layout]
     if timeout is None:
-        timeout = _group_timeout(dist.group.WORLD)
+        timeout = group_timeout(dist.group.WORLD)
 
     def new_group(group_ranks: tuple[int, ...]) -> ProcessGroup:
         try:
@@ -272,7 +272,7 @@ def _member(ranks: tuple[int, ...], index: int, level: str) -> int:
     return ranks[index]
 
 
-def _group_timeout(group: ProcessGroup) -> datetime.timedelta:
+def group_timeout(group: ProcessGroup) -> datetime.timedelta:
     """The timeout an existing group was created with (torch's new_group does not inherit it)."""
     device = next(iter(group._device_types))
     return group._get_backend(device).options._timeout

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import megatron_sap as sap
 from megatron.core import parallel_state
+from megatron_sap.comm.groups import group_timeout
 from megatron_sap.comm.p2p import collective_device
 
 from .options import get_sap_options
@@ -119,13 +120,15 @@ _HOST_TWINS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # id(g
 
 def host_twin(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A gloo group of `group`'s ranks, for small collectives of host values that should not
-    wait for the GPU (`group` itself where its collectives run on the CPU already). Made at
-    first use, by the group's ranks together, and again for a group rebuilt since."""
+    wait for the GPU (`group` itself where its collectives run on the CPU already), with its
+    timeout. Made at first use, by the group's ranks together, and again for a group rebuilt
+    since."""
     if collective_device(group).type == "cpu":
         return group
     entry = _HOST_TWINS.get(id(group))
     if entry is None or entry[0] is not group:
-        twin = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+        twin = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", timeout=group_timeout(group),
+                              use_local_synchronization=True)
         entry = _HOST_TWINS[id(group)] = (group, twin)
     return entry[1]
 
