@@ -282,7 +282,7 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
             },
             "host_planning_time": {
                 "ok": True, "cpu": "Some CPU", "program_device": "cuda",
-                "rows": as_records([("stdlib", 8, 8, 0.00412, 0.003, 1.25e-5, 0.0021)]),
+                "rows": as_records([("stdlib", 8, 8, 0.00412, 0.003, 1.25e-5, 0.0021, 0.0013)]),
             },
             "method_kernel_times": {
                 "ok": True, "shape": {"world": 2},
@@ -311,4 +311,4 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
     assert "outer rank 0's program, its index tensors on cuda):" in body
     assert "| stdlib/T=32768 | p2p | 10.00 | 9.00 | 1.111 | 2.00x |" in body
     assert "Peak memory" not in body  # the failed check has no table
-    assert "CPU (Some CPU, one thread)" in body and "| stdlib | 8x8 | 4.1 | 3.0 | 12 | 2.1 |" in body
+    assert "CPU (Some CPU, one thread)" in body and "| stdlib | 8x8 | 4.1 | 3.0 | 12 | 2.1 | 1.3 |" in body

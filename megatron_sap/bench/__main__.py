@@ -220,7 +220,9 @@ def main(argv: list[str] | None = None) -> None:
          "A fresh plan (`cache=None`) of packed 128K-token rows, a cache hit of the same row, and "
          "compiling outer rank 0's program of a fresh plan (in the schedule it runs by default, which "
          "compiles and times both, and makes the index tensors of the one it runs; every rank compiles "
-         f"its own once per plan). CPU: {planning_time.cpu_name()}; the GPU check measures the same on its "
+         "its own once per plan), and unpickling a plan with rank 0's program compiled, as a data loader's "
+         "worker ships it under Megatron-LM (`megatron_sap.megatron.loader`): all the training process "
+         f"does there. CPU: {planning_time.cpu_name()}; the GPU check measures the same on its "
          "machine's CPU (in the GPU section, when its report has it).\n\n"
          + planning_time.table(planning) + f"\n\n({time.perf_counter() - t0:.0f} s)")
 

@@ -194,7 +194,12 @@ def _planning_table(result: dict) -> str:
         "rank 0's program ms (median) |",
         "|---|---|---|---|---|---|",
     ]
+    shipped = all("unpickle_median_ms" in row for row in result["rows"])  # reports before 2026-12-01 lack it
+    if shipped:
+        lines[2] += " plan and program from a loader worker: unpickle ms (median) |"
+        lines[3] += "---|"
     for row in result["rows"]:
         lines.append(f"| {row['corpus']} | {row['layout']} | {row['fresh_median_ms']:.1f} | {row['fresh_min_ms']:.1f} | "
-                     f"{row['hit_median_us']:.0f} | {row['program_median_ms']:.1f} |")
+                     f"{row['hit_median_us']:.0f} | {row['program_median_ms']:.1f} |"
+                     + (f" {row['unpickle_median_ms']:.1f} |" if shipped else ""))
     return "\n".join(lines)

@@ -5,10 +5,13 @@ The planner runs once per micro-batch on every rank; its targets are a fresh pla
 Each layout plans rows it has not seen (its own packing seed), one after another as
 training would: the plan cache is bypassed, while the cuts memoised from earlier rows
 stay (document lengths recur). Times are wall-clock on this machine (CPU, one thread),
-so they move with its load.
+so they move with its load. Under Megatron-LM the data loader's workers make the plan and
+rank 0's program and ship them pickled (`megatron_sap.megatron.loader`): what is left to
+the training process is unpickling them, timed here too.
 """
 from __future__ import annotations
 
+import pickle
 import platform
 import statistics
 import time
@@ -29,20 +32,31 @@ FRESH_TARGET_S = 5e-3
 HIT_TARGET_S = 50e-6
 
 
-def measure(num_batches: int = 16, device: str = "cpu") -> list[tuple[str, int, int, float, float, float, float]]:
-    """(corpus, U, R, fresh median s, fresh min s, hit median s, program median s) per corpus
-    and layout; the program is outer rank 0's, compiled in the schedule it runs by default
-    (which compiles and times both), with its index tensors on `device` (a GPU where the
-    training runs: the copies there are part of the host's work)."""
+Row = tuple[str, int, int, float, float, float, float, float]
+
+
+def measure(num_batches: int = 16, device: str = "cpu") -> list[Row]:
+    """(corpus, U, R, fresh median s, fresh min s, hit median s, program median s, unpickle
+    median s) per corpus and layout; the program is outer rank 0's, compiled in the schedule
+    it runs by default (which compiles and times both), with its index tensors on `device` (a
+    GPU where the training runs: the copies there are part of the host's work); unpickling is
+    of the plan with that program compiled on the CPU, as a data loader's worker ships it."""
     rows = []
     for corpus in CORPORA:
         for layout, (inner, outer) in enumerate(LAYOUTS):
             batches = pack(document_lengths(corpus), TOKENS, num_batches, seed=5 + layout)
-            fresh, programs = [], []
+            fresh, programs, unpickled = [], [], []
             for cu in batches:
                 start = time.perf_counter()
                 plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
                 fresh.append(time.perf_counter() - start)
+                shipped = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
+                shipped.program(0)
+                shipped.group_indices(0)
+                data = pickle.dumps(shipped, protocol=pickle.HIGHEST_PROTOCOL)
+                start = time.perf_counter()
+                pickle.loads(data)
+                unpickled.append(time.perf_counter() - start)
                 start = time.perf_counter()
                 plan.program(0).to(device)  # with its index tensors, as the executor gets it
                 if torch.device(device).type == "cuda":
@@ -56,7 +70,7 @@ def measure(num_batches: int = 16, device: str = "cpu") -> list[tuple[str, int, 
                 sap.plan_sequences(batches[0], outer_size=outer, inner_size=inner, cache=cache)
                 hits.append(time.perf_counter() - start)
             rows.append((corpus, inner, outer, statistics.median(fresh), min(fresh), statistics.median(hits),
-                         statistics.median(programs)))
+                         statistics.median(programs), statistics.median(unpickled)))
     return rows
 
 
@@ -71,29 +85,29 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def as_records(rows: list[tuple[str, int, int, float, float, float, float]]) -> list[dict]:
+def as_records(rows: list[Row]) -> list[dict]:
     """`measure`'s rows as JSON-able dicts (ms and us, rounded), for the GPU check's report."""
     return [
         {"corpus": corpus, "layout": f"{inner}x{outer}", "fresh_median_ms": round(median * 1e3, 2),
          "fresh_min_ms": round(best * 1e3, 2), "hit_median_us": round(hit * 1e6, 1),
-         "program_median_ms": round(program * 1e3, 2)}
-        for corpus, inner, outer, median, best, hit, program in rows
+         "program_median_ms": round(program * 1e3, 2), "unpickle_median_ms": round(unpickle * 1e3, 2)}
+        for corpus, inner, outer, median, best, hit, program, unpickle in rows
     ]
 
 
-def table(rows: list[tuple[str, int, int, float, float, float, float]]) -> str:
+def table(rows: list[Row]) -> str:
     lines = [
         "| corpus | U x R | fresh plan ms (median) | fresh plan ms (min) | cache hit us (median) | "
-        "rank 0's program ms (median) |",
-        "|---|---|---|---|---|---|",
+        "rank 0's program ms (median) | plan and program from a loader worker: unpickle ms (median) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for corpus, inner, outer, median, best, hit, program in rows:
+    for corpus, inner, outer, median, best, hit, program, unpickle in rows:
         lines.append(f"| {corpus} | {inner}x{outer} | {median * 1e3:.1f} | {best * 1e3:.1f} | {hit * 1e6:.0f} | "
-                     f"{program * 1e3:.1f} |")
+                     f"{program * 1e3:.1f} | {unpickle * 1e3:.1f} |")
     return "\n".join(lines)
 
 
-def targets(rows: list[tuple[str, int, int, float, float, float, float]]) -> list[Target]:
+def targets(rows: list[Row]) -> list[Target]:
     at_64 = [r for r in rows if r[1] * r[2] == 64]
     worst_fresh = max(at_64, key=lambda r: r[3])
     worst_hit = max(rows, key=lambda r: r[5])
