@@ -404,9 +404,10 @@ def test_batch_hooks_take_the_plan_the_loader_made(caplog) -> None:
     from megatron_sap.megatron.loader import PLAN_KEY, adopt_loader_plan, loader_plan_bytes
     from megatron_sap.planning.plan import DEFAULT_CACHE
 
-    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True, dataloader_type="single")
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True, dataloader_type="single", num_workers=1)
     build = wrap_build_pretraining_data_loader(
-        lambda dataset, consumed: torch.utils.data.DataLoader(dataset, batch_size=1, num_workers=1), get_args=lambda: args)
+        lambda dataset, consumed: torch.utils.data.DataLoader(dataset, batch_size=1, num_workers=args.num_workers),
+        get_args=lambda: args)
     get_batch = wrap_get_batch_on_this_tp_rank(_tp_source, get_args=lambda: args)
     split = wrap_get_thd_batch_on_this_cp_rank(lambda *a, **k: pytest.fail("Megatron's split was called"),
                                                get_args=lambda: args)
@@ -426,6 +427,8 @@ def test_batch_hooks_take_the_plan_the_loader_made(caplog) -> None:
     assert "does not fit this micro-batch" in caplog.text
     assert pickle.loads(loader_plan_bytes(other)).cu_seqlens == (0, 16)
     args.sap_plan_in_data_loader = False
+    assert PLAN_KEY not in next(iter(build(_Rows([[16]]), 0)))
+    args.sap_plan_in_data_loader, args.num_workers = True, 0  # no workers: the training process plans directly
     assert PLAN_KEY not in next(iter(build(_Rows([[16]]), 0)))
     DEFAULT_CACHE.clear()
 

@@ -89,8 +89,10 @@ def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None
 
                     from megatron_sap.planning.plan import DEFAULT_CACHE
 
-                    args.dataloader_type, args.num_workers = "single", 0
-                    data = iter(training_loop.build_pretraining_data_loader([{k: v[0] for k, v in sample.items()}], 0))
+                    args.dataloader_type, args.num_workers = "single", 1  # the hook wraps loaders with workers
+                    loader = training_loop.build_pretraining_data_loader([{k: v[0] for k, v in sample.items()}], 0)
+                    loader.num_workers = 0  # a pool worker is daemonic, it cannot start any: the row is fetched here
+                    data = iter(loader)
                     DEFAULT_CACHE.clear()
                 output, loss_func = pretrain_gpt.forward_step(data, model)
                 if cp == 2 and patched_script is None:

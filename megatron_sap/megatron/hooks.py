@@ -326,8 +326,9 @@ def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], A
 def wrap_build_pretraining_data_loader(build: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
     """`build_pretraining_data_loader` whose dataset plans every sample in the loader's workers
     (`loader.PlannedDataset`), with SAP on and `--sap-plan-in-data-loader` (the default), for the
-    loaders Megatron builds itself (`--dataloader-type single` or `cyclic`). A function wrapped
-    already is returned as it is."""
+    loaders Megatron builds itself (`--dataloader-type single` or `cyclic`) with workers
+    (`--num-workers` > 0: without, the training process would plan there and pay the pickling
+    on top). A function wrapped already is returned as it is."""
     if getattr(build, "_sap_hook", False):
         return build
 
@@ -335,7 +336,8 @@ def wrap_build_pretraining_data_loader(build: Callable, get_args: Callable[[], A
     def build_planned(dataset: Any, *args: Any, **kwargs: Any) -> Any:
         megatron_args = get_args()
         if (dataset is not None and sap_requested(megatron_args) and getattr(megatron_args, "sap_plan_in_data_loader", True)
-                and getattr(megatron_args, "dataloader_type", "single") in ("single", "cyclic")):
+                and getattr(megatron_args, "dataloader_type", "single") in ("single", "cyclic")
+                and getattr(megatron_args, "num_workers", 0) > 0):
             dataset = PlannedDataset(dataset, loader_planning(bool(getattr(megatron_args, "reset_position_ids", False))))
         return build(dataset, *args, **kwargs)
 
