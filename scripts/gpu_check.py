@@ -59,6 +59,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -516,8 +517,10 @@ def rank_memory() -> dict:
 def batch_split_no_host_syncs() -> dict:
     """The Megatron batch split through the hooks, as on a rank that reads the data: the
     loader's CPU row moved to the GPU, its documents read from the CPU copy, then split
-    (`sap_split_batch`: plan, index copies, slicing), with host syncs turned into errors; one
-    CP rank (no agreement check: with more, it all-reduces over a gloo group, on the host).
+    (`sap_split_batch`: plan, index copies, slicing), with host syncs turned into errors; a
+    row planned here (cached) and one whose plan a data loader's worker made (unpickled and
+    taken from the plan cache); one CP rank (no agreement check: with more, it all-reduces
+    over a gloo group, on the host).
     Needs megatron-core: the machine's own, else the newest one `make test-compat` cached in
     .cache/."""
     from types import SimpleNamespace
@@ -534,33 +537,50 @@ def batch_split_no_host_syncs() -> dict:
             return {"ok": True, "skipped": "megatron-core is not importable on this machine"}
         sys.path.insert(0, str(cached[-1]))
     from megatron_sap.megatron.hooks import wrap_get_batch_on_this_tp_rank, wrap_get_thd_batch_on_this_cp_rank
+    from megatron_sap.megatron.loader import PlannedDataset, loader_planning
+    from megatron_sap.planning.plan import DEFAULT_CACHE
 
     args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True)
     get_batch = wrap_get_batch_on_this_tp_rank(
         lambda data_iterator: {k: v.cuda(non_blocking=True) for k, v in next(data_iterator).items()}, get_args=lambda: args)
     split = wrap_get_thd_batch_on_this_cp_rank(lambda *a, **k: None, get_args=lambda: args)
-    lengths = _packed_batch(32768, 11, 4096)
-    documents = [b - a for a, b in zip(lengths, lengths[1:])]
-    positions = torch.cat([torch.arange(n) for n in documents]).unsqueeze(0)
-    tokens = torch.randint(0, 32000, (1, lengths[-1] + 1))
-    row = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, lengths[-1]),
-           "position_ids": positions}
 
-    def step():
-        batch = get_batch(iter([{k: v.pin_memory() for k, v in row.items()}]))
-        cu, max_seqlen = batch.pop("cu_seqlens"), batch.pop("max_seqlen")
-        return split(batch, cu, None, max_seqlen)
+    def row(seed: int) -> tuple[list[int], dict]:
+        """cu_seqlens and one packed [S] sample of 32K tokens, as a GPT dataset gives it."""
+        lengths = _packed_batch(32768, seed, 4096)
+        positions = torch.cat([torch.arange(b - a) for a, b in zip(lengths, lengths[1:])])
+        tokens = torch.randint(0, 32000, (lengths[-1] + 1,))
+        return lengths, {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": torch.ones(lengths[-1]),
+                         "position_ids": positions}
 
-    step()  # plans the row (cached) and installs the RoPE hook
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        local, params = step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    ok = params.cu_seqlens_q.tolist() == lengths and torch.equal(local["tokens"].cpu(), row["tokens"])
-    return {"ok": ok, "documents": len(documents), "tokens": lengths[-1]}
+    def step(sample: dict, checked: bool) -> tuple[dict, Any]:
+        """The sample collated and pinned as the data loader gives it, then the hooked batch and split."""
+        batch = {k: v.pin_memory() for k, v in torch.utils.data.default_collate([sample]).items()}
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
+        try:
+            batch = get_batch(iter([batch]))
+            cu, max_seqlen = batch.pop("cu_seqlens"), batch.pop("max_seqlen")
+            return split(batch, cu, None, max_seqlen)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+
+    results, ok = {}, True
+    lengths, sample = row(11)
+    step(sample, checked=False)  # plans the row (cached) and installs the RoPE hook
+    local, params = step(sample, checked=True)
+    ok &= params.cu_seqlens_q.tolist() == lengths and torch.equal(local["tokens"][0].cpu(), sample["tokens"])
+    results["planned_here"] = {"documents": len(lengths) - 1, "tokens": lengths[-1]}
+    # A row the data loader's worker planned (made here, in-process): the split takes its plan.
+    lengths, sample = row(12)
+    shipped = PlannedDataset([sample], loader_planning(reset_position_ids=True))[0]
+    hits, misses = DEFAULT_CACHE.hits, DEFAULT_CACHE.misses
+    local, params = step(shipped, checked=True)
+    taken = (DEFAULT_CACHE.hits - hits, DEFAULT_CACHE.misses - misses) == (1, 0)
+    ok &= taken and params.cu_seqlens_q.tolist() == lengths
+    results["planned_by_the_loader"] = {"documents": len(lengths) - 1, "plan_taken_from_the_loader": taken}
+    return {"ok": bool(ok), **results}
 
 
 def host_planning_time() -> dict:
