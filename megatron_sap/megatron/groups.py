@@ -8,6 +8,7 @@ loss reduction, pipeline shapes) therefore stays consistent without rewriting an
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Optional, Sequence
 
@@ -116,14 +117,16 @@ def initialize_sap_parallel(
 
 
 _HOST_TWINS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # id(group) -> (group, its gloo twin)
+# Whether this torch makes a group with its members only (the others need not call new_group).
+_LOCAL_GROUPS = "use_local_synchronization" in inspect.signature(dist.new_group).parameters
 
 
 def host_twin(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A gloo group of `group`'s ranks, for small collectives of host values that should not
-    wait for the GPU (`group` itself where its collectives run on the CPU already), with its
-    timeout. Made at first use, by the group's ranks together, and again for a group rebuilt
-    since."""
-    if collective_device(group).type == "cpu":
+    wait for the GPU (`group` itself where its collectives run on the CPU already, or where
+    torch cannot make a group of some ranks only), with its timeout. Made at first use, by the
+    group's ranks together, and again for a group rebuilt since."""
+    if collective_device(group).type == "cpu" or not _LOCAL_GROUPS:
         return group
     entry = _HOST_TWINS.get(id(group))
     if entry is None or entry[0] is not group:
