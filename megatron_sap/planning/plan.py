@@ -365,7 +365,7 @@ class PlanCache:
     def add(self, plan: Plan) -> None:
         """Keep a plan made elsewhere (another process: a data loader's worker) under the key
         `plan_sequences` looks it up by."""
-        self.put((plan.cu_seqlens, plan.outer_size, plan.inner_size, plan.cost_model, plan.slacks), plan)
+        self.put(_cache_key(plan.cu_seqlens, plan.outer_size, plan.inner_size, plan.cost_model, plan.slacks), plan)
 
     def put(self, key: tuple, plan: Plan) -> None:
         with self._lock:
@@ -384,6 +384,12 @@ class PlanCache:
 
 
 DEFAULT_CACHE = PlanCache()
+
+
+def _cache_key(cu_seqlens: tuple[int, ...], outer_size: int, inner_size: int, model: CostModel,
+               slacks: tuple[float, ...]) -> tuple:
+    """What a plan is cached under: everything `plan_sequences` plans from."""
+    return (cu_seqlens, outer_size, inner_size, model, slacks)
 
 
 def _cache_key_values(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[int, ...] | None:
@@ -470,7 +476,7 @@ def plan_sequences(
     values = _cache_key_values(cu_seqlens)
     key = None
     if cache is not None and values is not None:
-        key = (values, outer_size, inner_size, model, slacks)
+        key = _cache_key(values, outer_size, inner_size, model, slacks)
         plan = cache.get(key)
         if plan is not None:
             return plan
@@ -557,6 +563,6 @@ def plan_sequences(
     plan = Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks)
     if cache is not None:
         if key is None:
-            key = (tuple(cu), outer_size, inner_size, model, slacks)
+            key = _cache_key(tuple(cu), outer_size, inner_size, model, slacks)
         cache.put(key, plan)
     return plan
