@@ -18,24 +18,11 @@ import megatron_sap as sap
 from megatron_sap.plan import main as plan_cli
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
 from megatron_sap.planning.evaluate import evaluate, rank_work, ulysses_cost, whole_documents_s
-from megatron_sap.planning.placement import (
-    Cut,
-    BALANCED,
-    DEALT,
-    _chunks,
-    _tile_pairs,
-    balanced_order,
-    build_all,
-    candidates,
-    contiguous,
-    dealt_order,
-    heaviest_first,
-    greedy,
-    split_cut,
-    split_need,
-    whole_packing,
-    whole_pairs,
-)
+from megatron_sap.planning.candidates import candidates
+from megatron_sap.planning.cuts import Cut, _chunks, split_cut, split_need, tile_pairs, whole_pairs
+from megatron_sap.planning.greedy import greedy, heaviest_first
+from megatron_sap.planning.layouts import BALANCED, DEALT, balanced_order, contiguous, dealt_order, whole_packing
+from megatron_sap.planning.placement import build_all
 from megatron_sap.planning.tally import Tally
 from megatron_sap.planning.plan import DEFAULT_SLACKS, TIME_RESOLUTION_S, TIME_TOLERANCE, at_bound
 
@@ -220,7 +207,7 @@ CHUNK_SIZES = st.sampled_from([0, 1, 5, 127, 128, 129, 4096, 10**6])
 def test_whole_pairs_are_each_documents_tile_pairs(lengths, tile):
     """The array form of a whole document's tile pairs equals the scalar one, exactly, up to
     a 2**31-token document."""
-    assert whole_pairs(lengths, tile).tolist() == [_tile_pairs(tile, 0, n) for n in lengths]
+    assert whole_pairs(lengths, tile).tolist() == [tile_pairs(tile, 0, n) for n in lengths]
 
 
 @settings(max_examples=100, deadline=None)
@@ -349,7 +336,7 @@ def test_split_chunks_are_whole_tiles(split):
             if tiles >= 2 * k:
                 assert all(n % tile == 0 and n > 0 for _, n in chunks[:-1]), (length, k, chunks)
                 assert 0 < chunks[-1][1] and chunks[-1][1] % tile == length % tile
-                assert sum(cut.costs) == _tile_pairs(tile, 0, length)
+                assert sum(cut.costs) == tile_pairs(tile, 0, length)
                 sizes = [n for _, n in chunks]
                 assert max(sizes) - min(sizes) <= tile + (tile - length % tile) % tile
             else:
@@ -373,7 +360,7 @@ def test_whole_packing_fills_every_rank_exactly():
                 left -= n
         rng.shuffle(lengths)
         lengths.insert(int(rng.integers(0, len(lengths) + 1)), 0)  # an empty document stays unplaced
-        costs = [_tile_pairs(128, 0, n) for n in lengths]
+        costs = [tile_pairs(128, 0, n) for n in lengths]
         where = whole_packing(lengths, costs, R, capacity)
         if where is None:
             continue
@@ -676,7 +663,7 @@ def uniform_row(low: int, high: int, total: int, seed: int = 1) -> list[int]:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 3000), min_size=1, max_size=80), st.integers(1, 12))
 def test_balanced_and_dealt_orders_list_every_document_once(lengths, ranks):
-    costs = [_tile_pairs(128, 0, n) for n in lengths]
+    costs = [tile_pairs(128, 0, n) for n in lengths]
     docs = heaviest_first(lengths, costs)
     assert sorted(docs) == [d for d, n in enumerate(lengths) if n]
     capacity = max(1, -(-sum(lengths) // ranks))
@@ -686,7 +673,7 @@ def test_balanced_and_dealt_orders_list_every_document_once(lengths, ranks):
 
 def test_dealt_order_deals_the_heaviest_back_and_forth():
     lengths = [100, 900, 500, 700, 300, 800]  # by cost: 1 (900), 5, 3, 2, 4, 0
-    costs = [_tile_pairs(128, 0, n) for n in lengths]
+    costs = [tile_pairs(128, 0, n) for n in lengths]
     assert heaviest_first(lengths, costs) == [1, 5, 3, 2, 4, 0]
     assert dealt_order([1, 5, 3, 2, 4, 0], 2) == [1, 2, 4, 5, 3, 0]  # bins 0: 1, 2, 4 and 1: 5, 3, 0
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 import megatron_sap as sap
 from megatron_sap.planning import CostModel, KernelCall, RankProgram, compile_all
 from megatron_sap.planning.evaluate import evaluate
-from megatron_sap.planning.placement import build_all, candidates
+from megatron_sap.planning.candidates import candidates
+from megatron_sap.planning.placement import build_all
 from megatron_sap.planning.plan import DEFAULT_SLACKS
 from megatron_sap.planning.program import exchange_round
 from megatron_sap.planning.timeline import joint_schedule

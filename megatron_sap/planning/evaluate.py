@@ -29,7 +29,8 @@ from functools import cached_property
 import numpy as np
 
 from .cost_model import LINK_INTRA, CostModel
-from .placement import Placement, whole_pairs
+from .cuts import whole_pairs
+from .placement import Placement
 from .tally import Tally
 
 

@@ -18,7 +18,8 @@ from ..validation import check_divisible, cu_seqlens_to_list
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, ulysses_cost, whole_documents_s
 from .order import exchange_order
-from .placement import Build, Placement, candidates
+from .candidates import candidates
+from .placement import Build, Placement
 from .program import CPU, SCHEDULES, RankProgram, _Layout, _rows, check_schedule, compile_program
 from .timeline import RankSchedule, plan_schedule, rank_schedule
 

@@ -20,14 +20,12 @@ all that `evaluate` needs.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
 from .cost_model import LINK_INTER, LINK_INTRA, CostModel
-
-if TYPE_CHECKING:  # placement imports this module
-    from .placement import Cut
+from .cuts import Cut
 
 
 class Tally:

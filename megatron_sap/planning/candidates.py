@@ -1,0 +1,52 @@
+"""Every candidate placement the planner weighs, as builds (see `placement.Build`)."""
+from __future__ import annotations
+
+from .cost_model import CostModel
+from .greedy import GreedyPasses, greedy_name
+from .layouts import BALANCED, DEALT, ContiguousBuild, WholeBuild, ZigzagBuild, balanced_order, dealt_order
+from .placement import Build
+from .tally import Tally
+
+
+def candidates(
+    doc_starts: list[int],
+    lengths: list[int],
+    num_ranks: int,
+    capacity: int,
+    model: CostModel,
+    slacks: tuple[float, ...],
+    inner_size: int = 1,
+) -> list[Build]:
+    """Every placement the planner weighs, as builds (see `Build`), in this order:
+    sequence-aware ones from the tightest slack (the most balanced) up, the split mode
+    that moves fewer bytes first; then one that spreads each document heavier than a
+    rank's share over as many ranks as it can (balance when one document dominates the
+    work, worth its traffic where links are fast); then the zigzag, contiguous and
+    whole layouts, and the contiguous layouts of the documents in `balanced_order` and
+    in `dealt_order` (where every document fits on one rank). The greedy passes start as
+    one build."""
+    passes = GreedyPasses(doc_starts, lengths, num_ranks, capacity, model, inner_size)
+    members = [
+        (greedy_name(s, split), 2 * i + j, s, split, False)
+        for i, s in enumerate(slacks)
+        for j, split in enumerate(("contiguous", "zigzag"))
+    ]
+    builds: list[Build] = []
+    if num_ranks > 1:
+        spread_slack = min(slacks, default=0.0)
+        members.append((greedy_name(spread_slack, "zigzag", spread=True), 2 * len(slacks), spread_slack, "zigzag", True))
+        builds.append(ZigzagBuild(2 * len(slacks) + 1, doc_starts, lengths, passes.cost, capacity,
+                                   Tally(num_ranks, inner_size, model)))
+        builds.append(ContiguousBuild(2 * len(slacks) + 2, doc_starts, lengths, passes.cost, capacity,
+                                       Tally(num_ranks, inner_size, model)))
+        if max(lengths, default=0) <= capacity:  # else no packing keeps every document whole
+            builds.append(WholeBuild(2 * len(slacks) + 3, doc_starts, lengths, passes.cost, capacity,
+                                      Tally(num_ranks, inner_size, model)))
+            builds.append(ContiguousBuild(2 * len(slacks) + 4, doc_starts, lengths, passes.cost, capacity,
+                                           Tally(num_ranks, inner_size, model),
+                                           balanced_order(passes.order, lengths, passes.cost, num_ranks, capacity),
+                                           BALANCED))
+            builds.append(ContiguousBuild(2 * len(slacks) + 5, doc_starts, lengths, passes.cost, capacity,
+                                           Tally(num_ranks, inner_size, model), dealt_order(passes.order, num_ranks),
+                                           DEALT))
+    return [passes.build(members)] + builds if members else builds

@@ -1,0 +1,366 @@
+"""The sequence-aware greedy placement.
+
+Documents go in order of decreasing cost; a document stays whole on the least-loaded
+rank that has room when that keeps the rank within `(1 + slack)` of the ideal load,
+otherwise it is split over the fewest ranks `k` that do, as `2k` chunks paired
+head-to-tail (rank i holds chunks i and 2k-1-i) so causal work balances, or as k
+consecutive chunks (the ``contiguous`` split); chunks are whole kernel tiles where the
+document has enough, token-level where the ranks' room is not whole tiles. What no
+longer fits whole is cut over the ranks with the most room. With `spread`, a document
+heavier than one rank's share of the work goes over as many ranks as it can. Ranks of
+one node are preferred for a split.
+
+The passes at every slack and split mode run as one build while they place documents
+alike, and part where they choose differently (`GreedyBuild.step`).
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from operator import add
+from typing import NamedTuple, Sequence
+
+from .cost_model import CostModel
+from .cuts import Cut, split_cut, split_need, token_split_cut, whole_pairs
+from .placement import Build, Placement, Record, build_all
+from .tally import Tally
+
+
+def heaviest_first(lengths: Sequence[int], costs: Sequence[int]) -> list[int]:
+    """The non-empty documents by decreasing cost; among equal costs (documents within one
+    tile row of each other cost the same) the longest first, so that the short ones fill
+    the room left; then in packed order."""
+    return sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-costs[d], -lengths[d], d))
+
+
+def greedy(
+    doc_starts: list[int],
+    lengths: list[int],
+    num_ranks: int,
+    capacity: int,
+    model: CostModel,
+    slack: float,
+    inner_size: int = 1,
+    split: str = "zigzag",
+    spread: bool = False,
+) -> Placement:
+    """Sequence-aware placement: keep documents whole, split the ones that would
+    overload a rank over as few ranks as possible, preferring ranks of one node
+    (see the module docstring). Outer rank r is on node `model.node_of(r * inner_size)`;
+    `split` is how a document is cut over k ranks (see `split_cut`); with `spread`, a
+    document heavier than one rank's share of the work is split as wide as the ranks'
+    room and chunks of at least one tile allow, instead of over the fewest ranks."""
+    passes = GreedyPasses(doc_starts, lengths, num_ranks, capacity, model, inner_size)
+    (placement,) = build_all([passes.build([(greedy_name(slack, split, spread), 0, slack, split, spread)])]).values()
+    return placement
+
+
+def greedy_name(slack: float, split: str, spread: bool = False) -> str:
+    return f"greedy(slack={slack:g}, {split}{', spread' if spread else ''})"
+
+
+class _Member(NamedTuple):
+    """One greedy pass: its candidate name and index, its load slack, split and spread mode."""
+
+    name: str
+    index: int
+    slack: float
+    split: str
+    spread: bool
+
+
+class GreedyPasses:
+    """The greedy passes over one batch: costs and the document order are computed once
+    and shared by the passes at every slack."""
+
+    def __init__(
+        self,
+        doc_starts: list[int],
+        lengths: list[int],
+        num_ranks: int,
+        capacity: int,
+        model: CostModel,
+        inner_size: int = 1,
+    ):
+        self.starts, self.lengths, self.R, self.capacity = doc_starts, lengths, num_ranks, capacity
+        self.model, self.inner_size, self.tile = model, inner_size, model.tile
+        by_node: dict[int, list[int]] = {}
+        for r in range(num_ranks):
+            by_node.setdefault(model.node_of(r * inner_size), []).append(r)
+        self.node_ranks = list(by_node.values())  # each node's ranks, ascending
+        self.node_index = [0] * num_ranks  # each rank's position in node_ranks
+        for n, ranks in enumerate(self.node_ranks):
+            for r in ranks:
+                self.node_index[r] = n
+        # With one node, or one rank per node, the node-local choice is the least-loaded ranks.
+        self.node_aware = 1 < len(self.node_ranks) < num_ranks
+        self.cost = whole_pairs(lengths, self.tile).tolist()
+        self.total = sum(self.cost)
+        self.share = self.total / num_ranks
+        self.order = heaviest_first(lengths, self.cost)
+
+    def build(self, members: Sequence[tuple[str, int, float, str, bool]]) -> Build:
+        """The passes (name, index, slack, split, spread), built together while they
+        place documents alike."""
+        tally = Tally(self.R, self.inner_size, self.model)
+        return GreedyBuild(self, tuple(_Member(*m) for m in members), tally, [self.capacity] * self.R, [], 0)
+
+    def choose(self, doc: _DocChoices, slack: float, split: str, spread: bool) -> tuple[tuple[int, ...], Cut]:
+        """Where a pass at `slack` puts the document: (rank of each slot, cut). What does
+        not depend on the slack is worked out once per document in `doc`."""
+        n, c, load = doc.n, doc.c, doc.load
+        limit = (1.0 + slack) * self.share
+        options: list[tuple[int, int, list[int], Cut | None]] = []  # (peak, k, ranks heaviest slot first, cut); k = 1: whole
+        whole = doc.whole_rank
+        if whole is not None:
+            if load[whole] + c <= limit:
+                return (whole,), split_cut(n, 1, "contiguous", self.tile)
+            options.append((load[whole] + c, 1, [whole], None))
+        degrees = _split_degrees(c, doc.sorted_loads, limit, min(self.R, n))
+        if spread and degrees and c > self.share and doc.widest > degrees[0]:
+            # A document heavier than a rank's share: as wide as chunks of at least a
+            # tile and the ranks' room allow; the usual degrees as fallback.
+            degrees = [doc.widest] + degrees
+        for k in degrees:
+            split_k = doc.split_over(k, split)
+            if split_k is None:
+                continue
+            near, first, peak_near, peak_first, cut_k = split_k
+            # The heaviest slot goes to the least-loaded chosen rank.
+            best_here = (peak_near, k, near, cut_k)
+            if near is not first and peak_near > limit and peak_first < peak_near:
+                best_here = (peak_first, k, first, cut_k)
+            options.append(best_here)
+            if best_here[0] <= limit:
+                break
+        if not options:
+            return doc.fragments()
+        # The loop stops at the first k within the limit; else take the lowest peak.
+        _, k, chosen, cut_k = options[-1] if options[-1][0] <= limit else min(options, key=lambda o: (o[0], o[1]))
+        if k == 1:
+            return (whole,), split_cut(n, 1, "contiguous", self.tile)
+        return doc.slots(chosen, cut_k)
+
+
+class _DocChoices:
+    """What passes in one state weigh for document `d`: worked out when first asked,
+    and kept for the other passes when `shared`."""
+
+    __slots__ = ("greedy", "d", "load", "room", "n", "c", "by_load", "whole_rank", "shared",
+                 "_sorted_loads", "_roomy", "_rooms", "_widest", "_splits", "_slots", "_fragments")
+
+    def __init__(self, greedy: GreedyPasses, d: int, load: list[int], room: list[int], by_load: list[int],
+                 whole_rank: int | None, shared: bool):
+        self.greedy, self.d, self.load, self.room, self.shared = greedy, d, load, room, shared
+        self.n, self.c = greedy.lengths[d], greedy.cost[d]
+        self.by_load, self.whole_rank = by_load, whole_rank  # see `GreedyBuild.step`
+        self._sorted_loads: list[int] | None = None
+        self._roomy: list[int] | None = None  # the ranks with room, least loaded first
+        self._rooms: list[int] | None = None  # their rooms, ascending
+        self._widest: int | None = None
+        self._splits: dict[tuple[int, str], tuple | None] = {}
+        self._slots: dict[tuple[int, int], tuple[tuple[int, ...], Cut]] = {}
+        self._fragments: tuple[tuple[int, ...], Cut] | None = None
+
+    @property
+    def sorted_loads(self) -> list[int]:
+        if self._sorted_loads is None:
+            self._sorted_loads = list(map(self.load.__getitem__, self.by_load))
+        return self._sorted_loads
+
+    @property
+    def roomy(self) -> list[int]:
+        """The ranks with room left, least loaded first (late in a pass most ranks are full)."""
+        if self._roomy is None:
+            self._roomy = list(filter(self.room.__getitem__, self.by_load))
+        return self._roomy
+
+    @property
+    def widest(self) -> int:
+        """The most ranks with room for a 1/R share of the document, chunks of a tile at least."""
+        if self._widest is None:
+            need = -(-self.n // self.greedy.R)
+            self._widest = min(self.n // (2 * self.greedy.tile), sum(1 for r in self.roomy if self.room[r] >= need))
+        return self._widest
+
+    def split_over(self, k: int, split: str) -> tuple | None:
+        """(node-local ranks, least-loaded ranks, and the peak load of each) for the
+        document over k ranks; None if fewer than k ranks have room. Node-local: the
+        first node to have k of the least-loaded ranks with room, else as few nodes as
+        possible (`_fewest_nodes`)."""
+        key = (k, split)
+        if key in self._splits:
+            return self._splits[key]
+        found = self._weigh_split(k, split)
+        if self.shared:
+            self._splits[key] = found
+        return found
+
+    def _weigh_split(self, k: int, split: str) -> tuple | None:
+        g, load, room = self.greedy, self.load, self.room
+        roomy = self.roomy
+        if self._rooms is None:
+            self._rooms = sorted(map(room.__getitem__, roomy))
+        if len(roomy) < k:
+            return None
+        # Whole-tile chunks first; where too few ranks have room for them (a document
+        # that must fill ranks whose room is not whole tiles), token-level chunks.
+        for tile, make_cut in ((g.tile, split_cut), (1, token_split_cut)):
+            need = split_need(self.n, k, split, tile)
+            if len(roomy) - bisect_left(self._rooms, need) >= k:
+                break
+        else:
+            return None
+        cut = make_cut(self.n, k, split, g.tile)
+        heavy = cut.heavy
+        # The ranks with room for the largest slot, least loaded first.
+        eligible = roomy if need <= self._rooms[0] else [r for r in roomy if room[r] >= need]
+        first = eligible[:k]
+        near = first
+        if g.node_aware:
+            near = self._node_local(k, eligible)
+            if near == first:
+                near = first
+        peak_first = max(map(add, map(load.__getitem__, first), heavy))
+        peak_near = peak_first if near is first else max(map(add, map(load.__getitem__, near), heavy))
+        return near, first, peak_near, peak_first, cut
+
+    def _node_local(self, k: int, eligible: list[int]) -> list[int]:
+        """k of the `eligible` ranks (least loaded first): those of the first node to
+        gather k of them going through the ranks by load (the node whose k-th
+        least-loaded eligible rank is the least loaded), else over as few nodes as
+        possible (`_fewest_nodes`)."""
+        node = self.greedy.node_index
+        per_node: dict[int, list[int]] = {}  # in the order of each node's least-loaded rank
+        for r in eligible:
+            ranks = per_node.get(node[r])
+            if ranks is None:
+                ranks = per_node[node[r]] = []
+            ranks.append(r)
+            if len(ranks) == k:
+                return ranks
+        return _fewest_nodes(list(per_node.values()), k, self.load)
+
+    def slots(self, chosen: list[int], cut: Cut) -> tuple[tuple[int, ...], Cut]:
+        """The rank of each slot of `cut` when its heaviest slots go to `chosen` in order."""
+        key = (id(chosen), id(cut))
+        if key in self._slots:
+            return self._slots[key]
+        ranks = [0] * len(chosen)
+        for slot, r in zip(cut.order, chosen):
+            ranks[slot] = r
+        found = (tuple(ranks), cut)
+        if self.shared:
+            self._slots[key] = found
+        return found
+
+    def fragments(self) -> tuple[tuple[int, ...], Cut]:
+        """Fragmented room: the document cut over the ranks with the most room."""
+        if self._fragments is None:
+            offset, ranks, chunks = 0, [], []
+            room = self.room
+            # The most room first; among equal rooms the least loaded (by_load's order, which
+            # the stable sort keeps).
+            for r in sorted(self.roomy, key=room.__getitem__, reverse=True):
+                if offset == self.n:
+                    break
+                take = min(room[r], self.n - offset)
+                if take > 0:
+                    ranks.append(r)
+                    chunks.append(take)
+                    offset += take
+            self._fragments = (tuple(ranks), Cut(chunks, False, self.greedy.tile))
+        return self._fragments
+
+
+class GreedyBuild(Build):
+    """Greedy passes that have placed every document alike so far."""
+
+    def __init__(self, greedy: GreedyPasses, members: tuple[_Member, ...], tally: Tally,
+                 room: list[int], records: list[Record], position: int):
+        self.greedy, self.tally, self.room, self.records, self.position = greedy, tally, room, records, position
+        self._join(members)
+
+    def _join(self, members: tuple[_Member, ...]) -> None:
+        self.members = members
+        self.names = tuple(m.name for m in members)
+        self.indices = tuple(m.index for m in members)
+        self.index = members[0].index
+        self.tightest = min(m.slack for m in members)
+        self.floor_s = self.tally.floor_s
+
+    def step(self) -> list[Build]:
+        g, load, room = self.greedy, self.tally.tiles, self.room
+        d = g.order[self.position]
+        n = g.lengths[d]
+        by_load = sorted(range(g.R), key=load.__getitem__)
+        # The least-loaded rank with room for the whole document.
+        whole = next((r for r in by_load if room[r] >= n), None) if n <= g.capacity else None
+        if whole is not None and load[whole] + g.cost[d] <= (1.0 + self.tightest) * g.share:
+            # Kept whole by the tightest pass, so by all: a larger slack only raises the
+            # limit, and the split and spread modes change only how a document is split.
+            self._place(d, ((whole,), split_cut(n, 1, "contiguous", g.tile)))
+            return [self]
+        doc = _DocChoices(g, d, load, room, by_load, whole, shared=len(self.members) > 1)
+        if len(self.members) == 1:
+            m = self.members[0]
+            self._place(d, g.choose(doc, m.slack, m.split, m.spread))
+            return [self]
+        groups: dict[tuple, tuple[tuple[tuple[int, ...], Cut], list[_Member]]] = {}
+        for m in self.members:
+            choice = g.choose(doc, m.slack, m.split, m.spread)
+            groups.setdefault((choice[0], id(choice[1])), (choice, []))[1].append(m)
+        parted = [self] + [self._copy() for _ in range(len(groups) - 1)]
+        for build, (choice, members) in zip(parted, groups.values()):
+            if len(groups) > 1:
+                build._join(tuple(members))  # before placing: a finished placement takes the first name
+            build._place(d, choice)
+        return parted
+
+    def _copy(self) -> GreedyBuild:
+        return GreedyBuild(self.greedy, self.members, self.tally.copy(), self.room[:], self.records[:], self.position)
+
+    def _place(self, d: int, choice: tuple[tuple[int, ...], Cut]) -> None:
+        g, room = self.greedy, self.room
+        ranks, cut = choice
+        for r, size in zip(ranks, cut.sizes):
+            room[r] -= size
+        self.tally.add(ranks, cut)
+        self.floor_s = self.tally.floor_s
+        self.records.append(Record(d, g.starts[d], ranks, cut))
+        self.position += 1
+        if self.position == len(g.order):
+            for r, left in enumerate(room):
+                if left:
+                    raise AssertionError(f"placement {self.names[0]} gave rank {r} {g.capacity - left} tokens, expected {g.capacity}")
+            self.placement = Placement(g.capacity, g.R, tuple(self.records), self.members[0].name, tuple(self.tally.tiles), self.tally)
+
+
+def _fewest_nodes(per_node: list[list[int]], k: int, load: list[int]) -> list[int]:
+    """k ranks spread over as few nodes as possible when no node has k: the nodes with
+    the most of the eligible ranks `per_node` (each least loaded first; the nodes in
+    the order of their least-loaded rank) first, ties in that order; the result least
+    loaded first."""
+    chosen: list[int] = []
+    for ranks in sorted(per_node, key=len, reverse=True):
+        chosen.extend(ranks[: k - len(chosen)])
+        if len(chosen) == k:
+            break
+    return sorted(chosen, key=load.__getitem__)
+
+
+def _split_degrees(doc_cost: int, sorted_loads: list[int], limit: float, max_k: int) -> list[int]:
+    """Split degrees worth trying, smallest first.
+
+    A split over k ranks lands about doc_cost / k on each of the k least-loaded ranks;
+    the first k whose estimate fits the limit is tried with its neighbours (tile
+    rounding makes the estimate slightly optimistic), then the largest degree as the
+    fallback when nothing fits.
+    """
+    # No k under doc_cost / (limit - the lowest load) fits: start there.
+    headroom = limit - sorted_loads[0]
+    if headroom <= 0:
+        return [max_k] if max_k >= 2 else []
+    for k in range(max(2, int(doc_cost / headroom)), max_k + 1):
+        if sorted_loads[k - 1] + doc_cost / k <= limit:
+            return [k2 for k2 in (k, k + 1, k + 2) if k2 <= max_k] + ([max_k] if k + 2 < max_k else [])
+    return [max_k] if max_k >= 2 else []
