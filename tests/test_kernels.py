@@ -591,3 +591,76 @@ def test_flash_attn_adapter_across_versions(monkeypatch, new_api):
     wanted = torch_backend.backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True, softmax_scale=0.25)
     assert all(torch.equal(got, want) for got, want in zip(grads, wanted))
     flash_attn_backend.varlen.padded_lse.cache_clear()
+
+
+def _bind_to_schema(op, args: tuple, kwargs: dict) -> dict:
+    """The arguments of a call to the aten op `op`, by name, checked against this torch's
+    schema of it: as many positional arguments as it takes, keywords it knows, and each
+    value of the type the schema declares (None only where it is optional)."""
+    schema = op.default._schema
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    assert len(args) <= len(positional), f"{schema.name} takes {len(positional)} positional arguments, got {len(args)}"
+    bound = dict(zip((a.name for a in positional), args))
+    names = {a.name for a in schema.arguments}
+    assert set(kwargs) <= names, f"{schema.name} has no argument {sorted(set(kwargs) - names)}"
+    bound.update(kwargs)
+    python_types = {"Tensor": torch.Tensor, "int": int, "SymInt": int, "float": float, "bool": bool}
+    for arg in schema.arguments:
+        if arg.name not in bound:
+            assert arg.has_default_value(), f"{schema.name}: required argument {arg.name} not passed"
+            continue
+        value, type_name = bound[arg.name], str(arg.type)
+        optional = type_name.startswith("Optional[")
+        type_name = type_name.removeprefix("Optional[").removesuffix("]")
+        if value is None:
+            assert optional, f"{schema.name}: {arg.name} is not optional"
+            continue
+        want = python_types[type_name]
+        assert isinstance(value, want) and not (want is not bool and isinstance(value, bool)), (
+            f"{schema.name}: {arg.name} should be {type_name}, got {type(value).__name__}")
+    return bound
+
+
+def test_aten_flash_calls_bind_to_torchs_op_schemas(monkeypatch):
+    """The aten-flash backend's calls to torch.ops.aten._flash_attention_forward/_backward,
+    checked against the schemas of the torch installed here (the kernels need CUDA), with
+    stand-ins that compute through the torch backend in the kernels' conventions (lse
+    [Hq, Tq], +inf for rows without keys)."""
+    from megatron_sap.kernels import aten_flash
+
+    real_forward, real_backward = torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward
+    calls = []
+
+    def forward(*args, **kwargs):
+        a = _bind_to_schema(real_forward, args, kwargs)
+        calls.append("forward")
+        assert a["dropout_p"] == 0.0 and not a["return_debug_mask"] and a["cum_seq_q"].dtype == torch.int32
+        out, lse = torch_backend.forward(a["query"], a["key"], a["value"], a["cum_seq_q"], a["cum_seq_k"],
+                                         causal=a["is_causal"], softmax_scale=a["scale"])
+        return out, aten_flash.lse_for_kernel(lse, a["cum_seq_q"], a["max_q"], padded=False), None, None, None
+
+    def backward(*args, **kwargs):
+        a = _bind_to_schema(real_backward, args, kwargs)
+        calls.append("backward")
+        assert a["dropout_p"] == 0.0 and a["logsumexp"].dtype == torch.float32
+        lse = aten_flash.lse_rows(a["logsumexp"], a["cum_seq_q"], a["query"].shape[0])
+        return torch_backend.backward(a["grad_out"], a["query"], a["key"], a["value"], a["out"], lse, a["cum_seq_q"],
+                                      a["cum_seq_k"], causal=a["is_causal"], softmax_scale=a["scale"])
+
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", forward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", backward)
+    aten_flash.varlen.padded_lse.cache_clear()
+    try:
+        gen = torch.Generator().manual_seed(23)
+        cu_q, cu_k = _cu([1, 0, 2, 3]), _cu([1, 4, 0, 3])  # a zero-length segment, one without keys
+        q, dout = _random(6, 4, 16, torch.float16, gen), _random(6, 4, 16, torch.float16, gen)
+        k, v = _random(8, 2, 16, torch.float16, gen), _random(8, 2, 16, torch.float16, gen)
+        out, lse = aten_flash.forward(q, k, v, cu_q, cu_k, 3, 4, causal=False, softmax_scale=0.25)
+        want_out, want_lse = torch_backend.forward(q, k, v, cu_q, cu_k, causal=False, softmax_scale=0.25)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse) and torch.all(lse[:, 1:3] == float("-inf"))
+        grads = aten_flash.backward(dout, q, k, v, out, lse, cu_q, cu_k, 3, 4, causal=False, softmax_scale=0.25)
+        wanted = torch_backend.backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=False, softmax_scale=0.25)
+        assert all(torch.equal(got, want) for got, want in zip(grads, wanted))
+        assert calls == ["forward", "forward", "backward"]  # the layout probe, then the calls
+    finally:
+        aten_flash.varlen.padded_lse.cache_clear()
