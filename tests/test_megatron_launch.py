@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -282,7 +283,7 @@ def test_legacy_batch_hooks_split_rows_and_hand_the_model_their_params() -> None
     assert model_forward(None, local["tokens"], None, None, packed_seq_params="given") == "given"
     whole = wrap_get_batch_on_this_cp_rank(lambda batch: None, get_args=lambda: SimpleNamespace(cp_comm_type="sap"))
     assert model_forward(None, whole(_row([0, 1, 0, 1]))["tokens"], None, None).cu_seqlens_q.tolist() == [0, 4]
-    with pytest.raises(ValueError, match="got none"):
+    with pytest.raises(ValueError, match="got neither them nor the tokens"):
         split({"tokens": None, "labels": torch.zeros(1, 4)})
 
 
@@ -341,6 +342,44 @@ def test_legacy_batch_hooks_plan_from_the_loaders_host_copy() -> None:
     local = split(batch)
     assert list(local) == list(sample)
     assert torch.equal(local["position_ids"][0], torch.tensor([0, 1, 2, 0, 1, 0, 1, 2])[local["tokens"][0]])
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["core_v0.16", "before"])
+def test_last_stage_tp_ranks_without_tokens_split_by_the_shared_documents(pack: bool) -> None:
+    """A last pipeline stage's TP ranks other than the source get labels and loss mask but no
+    tokens or position ids; the documents the source read, shared over the TP host group, split
+    their batch (core_v0.16: packed, then SAP's THD split; before: the CP split, and the model
+    finds the split's parameters by the labels)."""
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True)
+    documents = [0, 3, 5, 8]
+
+    def last_stage_receiver(data_iterator) -> dict:
+        assert data_iterator is None
+        return {"tokens": None, "labels": torch.arange(1, 9).unsqueeze(0), "loss_mask": torch.ones(1, 8),
+                "attention_mask": None, "position_ids": None}
+
+    get_batch = wrap_get_batch_on_this_tp_rank(last_stage_receiver, get_args=lambda: args, pack=pack,
+                                               host_group=lambda: ("tp twin", 0))
+    with mock.patch("megatron_sap.megatron.hooks.dist.broadcast_object_list",
+                    lambda box, src, group: box.__setitem__(0, (documents, None))):
+        batch = get_batch(None)
+    if pack:
+        cu, max_seqlen = batch.pop("cu_seqlens"), batch.pop("max_seqlen")
+        assert cu.tolist() == [documents] and max_seqlen.tolist() == [3]
+        split = wrap_get_thd_batch_on_this_cp_rank(lambda *a, **k: pytest.fail("Megatron's split was called"),
+                                                   get_args=lambda: args)
+        local, params = split(batch, cu, None, max_seqlen)
+    else:
+        split = wrap_get_batch_on_this_cp_rank(lambda batch: pytest.fail("Megatron's split was called"),
+                                               get_args=lambda: args)
+        local = split(batch)
+
+        def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, packed_seq_params=None):
+            return packed_seq_params
+
+        params = wrap_gpt_forward(forward, get_args=lambda: args)(None, None, None, None, labels=local["labels"])
+    assert local["tokens"] is None and local["position_ids"] is None
+    assert params.cu_seqlens_q.tolist() == documents and torch.equal(local["labels"], batch["labels"])
 
 
 def test_host_boundaries_of_loader_samples() -> None:
@@ -564,8 +603,6 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
 @pytest.mark.parametrize(
     "settings, match",
     [
-        (dict(pipeline_model_parallel_size=3), "PP=3"),
-        (dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2), "PP=2, TP=2"),
         (dict(context_parallel_size=2, mtp_num_layers=1), "multi-token prediction"),
         (dict(hybrid_context_parallel=True), "hybrid-context-parallel"),
         (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), "virtual"),
@@ -620,13 +657,15 @@ def test_release_specific_settings_are_refused_where_they_would_fail(settings: d
         configure_sap(args)
 
 
-def test_two_pipeline_stages_without_tp_are_fine_and_mla_rope_fusion_is_turned_off() -> None:
+def test_pipelines_with_tp_are_fine_and_mla_rope_fusion_is_turned_off() -> None:
     from megatron_sap.megatron.compat import mla_keeps_packed_rope_table
     from megatron_sap.megatron.hooks import configure_sap
 
     args = _parse("--context-parallel-size 2 --cp-comm-type sap")
-    args.pipeline_model_parallel_size = 2
-    assert configure_sap(args) == [1, 2]
+    for pp, tp in ((2, 1), (2, 2), (4, 2)):
+        args.pipeline_model_parallel_size, args.tensor_model_parallel_size = pp, tp
+        assert configure_sap(args) == [1, 2]
+    args.pipeline_model_parallel_size, args.tensor_model_parallel_size = 2, 1
     if not mla_keeps_packed_rope_table():
         pytest.skip("megatron-core 0.13 refuses MLA under CP (test_release_specific_settings_are_refused_where_they_would_fail)")
     args.multi_latent_attention, args.apply_rope_fusion = True, True

@@ -143,3 +143,112 @@ def test_patched_pretrain_gpt_gives_cp1s_loss(patched_pool2, tmp_path) -> None:
                              capture_output=True, text=True)
     assert applied.returncode == 0, applied.stderr
     _assert_cp1s_loss(patched_pool2.run(run_pretrain_gpt_rank, str(tmp_path / "pretrain_gpt.py")))
+
+
+pool6 = make_pool_fixture(6, timeout=600)
+PIPELINE_LAYOUTS = ((1, 1), (1, 2), (2, 1))  # (TP, CP) beside three pipeline stages, on six ranks
+
+
+def run_pipeline_rank(rank: int, world_size: int) -> dict:
+    """The row's summed loss and loss tokens through three pipeline stages of the script's
+    `forward_step` (the activations passed by hand, forward only), per (TP, CP) of
+    `PIPELINE_LAYOUTS`, on the last stage's ranks. The middle stage reads no data: its documents
+    come from the first stage through the hooks."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, MEGATRON_LM)
+    from megatron_sap.megatron.hooks import install_training_hooks
+
+    install_training_hooks()
+    import pretrain_gpt
+    from megatron.core import mpu
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args
+
+    from megatron_sap.megatron import add_sap_args
+    from megatron_sap.megatron.demo_train import build_tiny_gpt
+    from megatron_sap.megatron.options import reset_sap_options
+
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (1, ROW + 1), generator=generator)
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(DOCUMENTS, DOCUMENTS[1:])]).unsqueeze(0)
+    sample = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, ROW), "position_ids": positions}
+    losses = {}
+    with mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self), \
+            mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+        for tp, cp in PIPELINE_LAYOUTS:
+            flags = [*_flags(cp), "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", "3"]
+            flags[flags.index("--num-layers") + 1] = "3"
+            with mock.patch.object(sys, "argv", ["pretrain_gpt.py", *flags]):
+                args = parse_args(add_sap_args)
+            args.rank, args.world_size, args.params_dtype = rank, world_size, torch.float32
+            global_vars.set_args(args)
+            global_vars._GLOBAL_TIMERS = None
+            global_vars._set_timers(args)
+            try:
+                mpu.initialize_model_parallel(tp, 3, context_parallel_size=cp)
+                model = build_tiny_gpt(num_layers=3)
+                first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
+                data = iter([dict(sample)]) if first or last else None
+                if not first:
+                    hidden = torch.empty(ROW // cp, 1, 64)
+                    dist.recv(hidden, mpu.get_pipeline_model_parallel_prev_rank())
+                    model.set_input_tensor(hidden)
+                with torch.no_grad():
+                    output, loss_func = pretrain_gpt.forward_step(data, model)
+                if not last:
+                    dist.send(output.contiguous(), mpu.get_pipeline_model_parallel_next_rank())
+                else:
+                    loss, count = loss_func(output)[:2]
+                    losses[(tp, cp)] = (float(loss), int(count))
+                if cp == 1:  # the documents one at a time, unpacked, through the same stages
+                    documents = _stage_by_stage(model, sample, first, last)
+                    if last:
+                        losses[("documents", tp)] = documents
+            finally:
+                mpu.destroy_model_parallel()
+                reset_sap_options()
+    return losses
+
+
+def _stage_by_stage(model, sample: dict, first: bool, last: bool) -> float:
+    """The summed loss of the row's documents run one at a time through this rank's stage, the
+    model called directly (each a single sequence: no packed parameters anywhere)."""
+    import torch.distributed as dist
+    from megatron.core import mpu
+
+    forward = type(model).forward.__wrapped__  # Megatron's own, without the hooks
+    total = 0.0
+    with torch.no_grad():
+        for a, b in zip(DOCUMENTS, DOCUMENTS[1:]):
+            if first:
+                output = forward(model, sample["tokens"][:, a:b], sample["position_ids"][:, a:b], None)
+            else:
+                hidden = torch.empty(b - a, 1, 64)
+                dist.recv(hidden, mpu.get_pipeline_model_parallel_prev_rank())
+                model.set_input_tensor(hidden)
+                output = forward(model, None, None, None, labels=sample["labels"][:, a:b] if last else None)
+            if last:
+                total += float(output.sum())
+            else:
+                dist.send(output.contiguous(), mpu.get_pipeline_model_parallel_next_rank())
+    return total
+
+
+def test_pretrain_gpt_through_three_pipeline_stages(pool6) -> None:
+    """Megatron-LM's `get_batch` gives the middle stage nothing and the last stage's second TP
+    rank no tokens; through the hooks they keep the documents apart all the same. At CP 1 the
+    packed row's loss is that of its documents run one at a time through the same stages (at TP 1
+    and TP 2, whose weights releases before core_v0.16 initialise otherwise); at CP 2 the ranks'
+    shares add up to TP 1's."""
+    results = pool6.run(run_pipeline_rank)
+    for tp in (1, 2):  # the whole row on each rank of the last stage: two data-parallel replicas at TP 1, two TP ranks
+        packed = [r[(tp, 1)] for r in results if (tp, 1) in r]
+        documents = [r[("documents", tp)] for r in results if ("documents", tp) in r]
+        assert len(packed) == len(documents) == 2 and all(count == ROW for _, count in packed)
+        assert all(abs(loss - d) <= 1e-5 * abs(d) for (loss, _), d in zip(packed, documents)), (packed, documents)
+    reference = next(r[("documents", 1)] for r in results if ("documents", 1) in r)
+    shares = [r[(1, 2)] for r in results if (1, 2) in r]  # CP 2: each CP rank its share, TP 1's weights
+    assert len(shares) == 2 and sum(count for _, count in shares) == ROW
+    assert abs(sum(loss for loss, _ in shares) - reference) <= 1e-5 * abs(reference)

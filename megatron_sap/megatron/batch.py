@@ -115,10 +115,37 @@ def sap_split_batch(
 
     groups = resolve_groups(cp_group)
     cu, values = _as_cu_seqlens(cu_seqlens, total_tokens, device)
-    world = 1 if groups is None else groups.world_size
-    if total_tokens % world:
-        raise ValueError(f"packed length {total_tokens} is not divisible by the CP size {world}; pad the batch")
+    indices, positions, params = _plan_this_rank(cu, values, groups, device)
+    local: dict[str, Optional[Tensor]] = {}
+    for key, value in batch.items():
+        if key == "attention_mask" or value is None:
+            local[key] = None
+        elif not _is_token_tensor(key, value):
+            local[key] = value
+        elif key == "position_ids":
+            local[key] = positions.to(value.dtype).unsqueeze(0)
+        else:
+            local[key] = value[:, indices]
+    return local, params
 
+
+def sap_packed_seq_params(documents: list[int], device: torch.device, cp_group: GroupsLike = None) -> PackedSeqParams:
+    """The PackedSeqParams of a packed row whose documents are `documents` (its cu_seqlens, on the
+    host), for a rank that holds none of its tensors: a pipeline stage between the first and the
+    last, whose input is the previous stage's output, already in the plan's token order. The
+    same plan, agreement check and RoPE positions as `sap_split_batch` of that row."""
+    cu, values = _as_cu_seqlens(documents, documents[-1] if documents else 0, device)
+    return _plan_this_rank(cu, values, resolve_groups(cp_group), device)[2]
+
+
+def _plan_this_rank(cu: Tensor, values: list[int], groups: Optional["sap.SAPGroups"],
+                    device: torch.device) -> tuple[Tensor, Tensor, PackedSeqParams]:
+    """This rank's (local indices, in-document positions, PackedSeqParams) of the row `cu`
+    (`values` its cu_seqlens on the host), its plan checked to be the other CP ranks' and its
+    positions registered for the SAP RoPE."""
+    world = 1 if groups is None else groups.world_size
+    if values[-1] % world:
+        raise ValueError(f"packed length {values[-1]} is not divisible by the CP size {world}; pad the batch")
     plan = plan_for(cu, groups, values)
     options = get_sap_options()
     if groups is not None and options.check_agreement:
@@ -130,18 +157,6 @@ def sap_split_batch(
     cp_rank = 0 if groups is None else groups.cp_rank
     indices = plan.local_indices(cp_rank).to(device, non_blocking=True)
     positions = plan.position_ids(cp_rank).to(device, non_blocking=True)
-
-    local: dict[str, Optional[Tensor]] = {}
-    for key, value in batch.items():
-        if key == "attention_mask" or value is None:
-            local[key] = None
-        elif not _is_token_tensor(key, value):
-            local[key] = value
-        elif key == "position_ids":
-            local[key] = positions.to(value.dtype).unsqueeze(0)
-        else:
-            local[key] = value[:, indices]
-
     install_sap_rope()
     register_token_positions(cu, positions)
     max_seqlen = max(map(operator.sub, values[1:], values))
@@ -152,7 +167,7 @@ def sap_split_batch(
         max_seqlen_q=max_seqlen,
         max_seqlen_kv=max_seqlen,
     )
-    return local, params
+    return indices, positions, params
 
 
 def sap_loss(

@@ -143,3 +143,28 @@ def tensor_parallel_host_group() -> Optional[tuple[dist.ProcessGroup, int]]:
     if not parallel_state.model_parallel_is_initialized() or parallel_state.get_tensor_model_parallel_world_size() == 1:
         return None
     return host_twin(parallel_state.get_tensor_model_parallel_group()), parallel_state.get_tensor_model_parallel_src_rank()
+
+
+_PIPELINE_TWINS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # id(PP group) -> (it, its host group)
+
+
+def pipeline_host_group() -> Optional[tuple[dist.ProcessGroup, int, list[int]]]:
+    """A group of this rank's pipeline without its last stage, its first stage's global rank
+    and its middle stages' (neither first nor last): how the first stage hands each micro-batch's
+    documents to the stages that read no data. The group is a gloo one (host to host, made at
+    first use by its ranks together; the last stage, which reads its own data, never joins),
+    else the pipeline group itself (where torch cannot make a group of some ranks only). None
+    with fewer than three stages or before Megatron's groups exist."""
+    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_pipeline_model_parallel_world_size() < 3:
+        return None
+    group = parallel_state.get_pipeline_model_parallel_group()
+    first, last = parallel_state.get_pipeline_model_parallel_first_rank(), parallel_state.get_pipeline_model_parallel_last_rank()
+    middle = [r for r in dist.get_process_group_ranks(group) if r not in (first, last)]
+    if collective_device(group).type == "cpu" or not _LOCAL_GROUPS:
+        return group, first, middle
+    entry = _PIPELINE_TWINS.get(id(group))
+    if entry is None or entry[0] is not group:
+        twin = dist.new_group(sorted([first, *middle]), backend="gloo", timeout=group_timeout(group),
+                              use_local_synchronization=True)
+        entry = _PIPELINE_TWINS[id(group)] = (group, twin)
+    return entry[1], first, middle

@@ -13,15 +13,18 @@
 * `megatron.training.utils.get_batch_on_this_tp_rank`: on the ranks that read the data (TP
   source), each micro-batch's documents (and the plan a loader worker made) are read from the
   data loader's host copy and sent to the other TP ranks host to host, so that the split plans,
-  or finds the plan, without reading boundaries back from the GPU (`host_boundaries`).
+  or finds the plan, without reading boundaries back from the GPU (`host_boundaries`); on the
+  first pipeline stage they also go to the middle stages (`stages.send_to_middle_stages`).
 * core_v0.16, whose `pretrain_gpt.get_batch` has a packed (THD) path:
   `megatron.training.utils.get_batch_on_this_tp_rank` makes an unpacked micro-batch a packed
   one (documents from `--reset-position-ids` restarts, else the whole row) so that `get_batch`
   takes that path, and `megatron.core.utils.get_thd_batch_on_this_cp_rank`, its split, becomes
   `sap_split_batch`.
 * core_v0.13 to v0.15, whose `get_batch` has none: `megatron.training.utils.get_batch_on_this_cp_rank`
-  becomes `sap_split_batch` over the same documents, and `GPTModel.forward` takes the packed
-  parameters of a batch that split made when the script passes none.
+  becomes `sap_split_batch` over the same documents.
+* `GPTModel.forward`, called without packed parameters: it takes those of the batch the SAP
+  split made (core_v0.13 to v0.15, whose script passes none), and on a middle pipeline stage,
+  which `get_batch` gives nothing, those of the documents the first stage sends.
 * `get_gpt_heterogeneous_layer_spec` (in megatron-core, before `pretrain_gpt.py` or Megatron-LM's
   `gpt_builders` binds it by name): heterogeneous specs name their core attention directly,
   bypassing the providers, so it is swapped afterwards.
@@ -43,11 +46,12 @@ import torch.distributed as dist
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .arguments import add_sap_args, chain_args_providers, sap_settings_from_args
-from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_split_batch
+from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_packed_seq_params, sap_split_batch
 from .compat import MLA_ROPE_TABLE_REFUSED, mla_keeps_packed_rope_table, packed_get_batch
 from .groups import tensor_parallel_host_group
 from .loader import PLAN_KEY, PlannedDataset, adopt_loader_plan, host_boundaries, loader_plan_bytes, loader_planning
 from .rope import install_sap_rope
+from .stages import is_middle_stage, receive_from_first_stage, send_to_middle_stages
 from .specs import swap_core_attention, use_sap_core_attention
 
 _INSTALLED = False
@@ -96,6 +100,7 @@ def configure_sap(args: Any) -> Optional[list[int]]:
     _refuse_unsupported(args)
     use_sap_core_attention()
     install_sap_rope()
+    install_gpt_forward_hook()  # the fork patch leaves GPTModel as it is: middle pipeline stages need it
     # SAP attends within documents by cu_seqlens and drops any mask: do not build an S x S one per
     # sample (64 GiB at 128K tokens) in the data loader, nor broadcast it over TP.
     if getattr(args, "create_attention_mask_in_dataloader", False):
@@ -118,12 +123,6 @@ def _refuse_unsupported(args: Any) -> None:
     """Raise for the Megatron-LM settings under which SAP would compute a wrong attention."""
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-    if pp > 2 or (pp == 2 and tp > 1):
-        raise ValueError(
-            f"SAP through pretrain_gpt.py supports pipeline parallelism only as 2 stages without TP (got PP={pp}, "
-            f"TP={tp}): Megatron-LM gives middle stages, and the last stage's non-source TP ranks, no "
-            "packed-sequence parameters, so their attention could not keep documents apart"
-        )
     cp = args.context_parallel_size or 1
     if getattr(args, "mtp_num_layers", None):
         if cp > 1:
@@ -233,30 +232,42 @@ class _Recorder:
         return self.item
 
 
-# A batch's global tokens -> (its documents read on the host, the boundary tensor they are the
-# values of, None where the batch has none): what the split plans from without a device read.
+# A batch's row tensor (`_row_tensor`) -> (its documents read on the host, the boundary tensor
+# they are the values of, None where the batch has none): what the split plans from without a
+# device read.
 _HOST_BOUNDARIES = WeakTensorKeyDictionary()
+
+
+def _row_tensor(batch: dict[str, Any]) -> Optional[torch.Tensor]:
+    """The batch's tokens, else its labels (the last pipeline stage's TP ranks other than the
+    source get no tokens), else None."""
+    for key in ("tokens", "labels"):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
 
 
 def _host_documents(batch: dict[str, Any], boundaries: Optional[torch.Tensor]) -> Optional[list[int]]:
     """The documents `host_boundaries` read for this batch, if `boundaries` is the tensor they
     were read for (None: the batch had none, and the split derives them)."""
-    tokens = batch.get("tokens")
-    entry = _HOST_BOUNDARIES.get(tokens) if isinstance(tokens, torch.Tensor) else None
+    row = _row_tensor(batch)
+    entry = _HOST_BOUNDARIES.get(row) if row is not None else None
     return entry[0] if entry is not None and entry[1] is boundaries else None
 
 
 def pack_unpacked_batch(batch: dict[str, Any], reset_position_ids: bool,
                         documents: Optional[list[int]] = None) -> dict[str, Any]:
     """Give a [1, S] batch without cu_seqlens its documents: `documents` (read on the host),
-    else `row_cu_seqlens` (read on the device)."""
-    if batch.get("cu_seqlens") is not None or batch.get("tokens") is None:
+    else `row_cu_seqlens` (read on the device, from the tokens and position ids)."""
+    row = _row_tensor(batch)
+    if batch.get("cu_seqlens") is not None or row is None or (documents is None and batch.get("tokens") is None):
         return batch
     if documents is None:
         cu = row_cu_seqlens(batch, reset_position_ids)
         longest = (cu[1:] - cu[:-1]).max().reshape(1)
     else:
-        device = batch["tokens"].device
+        device = row.device
         cu = torch.tensor(documents, dtype=torch.int32).to(device, non_blocking=True)
         longest = torch.tensor([max(map(operator.sub, documents[1:], documents))], dtype=torch.int32)
         longest = longest.to(device, non_blocking=True)
@@ -312,11 +323,13 @@ def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], A
         if recorder is not None:
             found = (host_boundaries(recorder.item, reset), loader_plan_bytes(recorder.item))
         documents, plan_bytes = _share_with_tp_ranks(found, host_group)
+        send_to_middle_stages(documents, plan_bytes)
         adopt_loader_plan(plan_bytes, documents)
         if pack:
             batch = pack_unpacked_batch(batch, reset, documents)
-        if documents is not None and isinstance(batch.get("tokens"), torch.Tensor):
-            _HOST_BOUNDARIES[batch["tokens"]] = (documents, batch.get("cu_seqlens"))
+        row = _row_tensor(batch)
+        if documents is not None and row is not None:
+            _HOST_BOUNDARIES[row] = (documents, batch.get("cu_seqlens"))
         return batch
 
     get_packed_batch._sap_hook = True
@@ -382,7 +395,7 @@ def wrap_get_thd_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], A
     return sap_thd_split
 
 
-_SPLIT_PARAMS = WeakTensorKeyDictionary()  # local tokens of a batch the SAP split made -> its PackedSeqParams
+_SPLIT_PARAMS = WeakTensorKeyDictionary()  # local row tensor (`_row_tensor`) of a batch the SAP split made -> its PackedSeqParams
 
 
 def wrap_get_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
@@ -397,40 +410,68 @@ def wrap_get_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], Any] 
         megatron_args = get_args()
         if not sap_requested(megatron_args):
             return split(batch, *args, **kwargs)
-        if batch.get("tokens") is None:
-            raise ValueError(
-                "SAP needs the tokens of every micro-batch on the ranks that run attention; this rank got none "
-                "(a pipeline stage or TP rank the data loader gives no tokens)"
-            )
         cu = batch.get("cu_seqlens")
         documents = _host_documents(batch, cu)
         if documents is None:
+            if cu is None and batch.get("tokens") is None:
+                raise ValueError(
+                    "SAP needs each micro-batch's documents on the ranks that run attention; this rank got neither "
+                    "them nor the tokens and position ids to find them"
+                )
             cu = row_cu_seqlens(batch, bool(getattr(megatron_args, "reset_position_ids", False))) if cu is None else cu
             documents = cu.flatten()
         local, params = sap_split_batch(batch, documents)
-        _SPLIT_PARAMS[local["tokens"]] = params
+        _SPLIT_PARAMS[_row_tensor(local)] = params
         return local
 
     return sap_cp_split
 
 
 def wrap_gpt_forward(forward: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
-    """`GPTModel.forward` that, called with no `packed_seq_params` on tokens the SAP split made
-    (`wrap_get_batch_on_this_cp_rank`), takes that split's: `pretrain_gpt.py` before core_v0.16
-    calls the model without them."""
+    """`GPTModel.forward` that, called with SAP on and no `packed_seq_params`, takes the
+    micro-batch's: those of the batch the SAP split made (`wrap_get_batch_on_this_cp_rank`:
+    `pretrain_gpt.py` before core_v0.16 calls the model without them), found by its tokens or
+    labels; on a middle pipeline stage, which gets neither, those of the documents its first
+    stage sends (`stages.receive_from_first_stage`). A function wrapped already is returned as
+    it is."""
+    if getattr(forward, "_sap_hook", False):
+        return forward
     signature = inspect.signature(forward)
 
     @functools.wraps(forward)
-    def forward_with_split_params(*args: Any, **kwargs: Any) -> Any:
+    def forward_with_packed_params(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
-        input_ids = bound.arguments.get("input_ids")
-        if bound.arguments.get("packed_seq_params") is None and isinstance(input_ids, torch.Tensor):
-            params = _SPLIT_PARAMS.get(input_ids)
-            if params is not None and sap_requested(get_args()):
+        if bound.arguments.get("packed_seq_params") is None:
+            params = _micro_batch_params(bound.arguments, get_args)
+            if params is not None:
                 bound.arguments["packed_seq_params"] = params
         return forward(*bound.args, **bound.kwargs)
 
-    return forward_with_split_params
+    forward_with_packed_params._sap_hook = True
+    return forward_with_packed_params
+
+
+def _micro_batch_params(arguments: dict[str, Any], get_args: Callable[[], Any]) -> Any:
+    """The packed parameters `wrap_gpt_forward` gives a forward call with these arguments, or
+    None (Megatron's args are read only where there are some to give)."""
+    for name in ("input_ids", "labels"):
+        value = arguments.get(name)
+        if isinstance(value, torch.Tensor):
+            params = _SPLIT_PARAMS.get(value)
+            return params if params is not None and sap_requested(get_args()) else None
+    if not is_middle_stage() or not sap_requested(get_args()):
+        return None
+    documents, plan_bytes = receive_from_first_stage()
+    adopt_loader_plan(plan_bytes, documents)
+    parameter = next(arguments["self"].parameters(), None)
+    return sap_packed_seq_params(documents, torch.device("cpu") if parameter is None else parameter.device)
+
+
+def install_gpt_forward_hook() -> None:
+    """`GPTModel.forward` wrapped by `wrap_gpt_forward` (idempotent)."""
+    from megatron.core.models.gpt import GPTModel
+
+    GPTModel.forward = wrap_gpt_forward(GPTModel.forward)
 
 
 def wrap_spec_builder(build: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
@@ -455,7 +496,6 @@ def install_training_hooks() -> None:
     import megatron.training.training as training_loop
     import megatron.training.utils as training_utils
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
 
     megatron.training.pretrain = wrap_pretrain(megatron.training.pretrain)
     training_loop.build_pretraining_data_loader = wrap_build_pretraining_data_loader(training_loop.build_pretraining_data_loader)
@@ -466,7 +506,7 @@ def install_training_hooks() -> None:
         core_utils.get_thd_batch_on_this_cp_rank = wrap_get_thd_batch_on_this_cp_rank(core_utils.get_thd_batch_on_this_cp_rank)
     else:  # core_v0.13 to v0.15
         training_utils.get_batch_on_this_cp_rank = wrap_get_batch_on_this_cp_rank(training_utils.get_batch_on_this_cp_rank)
-        GPTModel.forward = wrap_gpt_forward(GPTModel.forward)
+    install_gpt_forward_hook()
     heterogeneous.get_gpt_heterogeneous_layer_spec = wrap_spec_builder(heterogeneous.get_gpt_heterogeneous_layer_spec)
     builders = sys.modules.get("gpt_builders")  # imported already: it holds the original by name
     if builders is not None and hasattr(builders, "get_gpt_heterogeneous_layer_spec"):

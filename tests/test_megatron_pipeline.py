@@ -1,0 +1,117 @@
+"""SAP on every pipeline stage: the middle ones, which Megatron-LM's `get_batch` gives nothing.
+
+Six gloo ranks run Megatron-Core's GPTModel as three pipeline stages (one layer each; the
+embedding on the first, the output layer on the last) at CP 1 and at CP 2, the activations passed
+by hand from stage to stage. The first stage splits the packed row and sends its documents to the
+middle stage (`stages.send_to_middle_stages`); the middle stage's model is called as
+`pretrain_gpt.py` calls it there, with no tokens and no packed parameters, and takes them from the
+hooked `GPTModel.forward`. Changing one document's tokens must change no other document's
+per-token losses (without the hook the middle stage attends across documents, and they change),
+and CP 2 must give CP 1's losses.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_pool import make_pool_fixture
+
+pytest.importorskip("megatron.core")
+
+pool6 = make_pool_fixture(6, timeout=300)
+
+DOC_LENGTHS = (301, 17, 64, 95, 1, 34)  # 512 tokens
+HIDDEN = 64  # build_tiny_gpt's
+
+
+def _run_stages(model, row: dict, cu: list[int], hooked_middle: bool):
+    """This rank's stage of one forward pass of `row`; on the last stage (global position of each
+    local token, its loss), elsewhere None."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_sap.megatron import resolve_groups, sap_split_batch
+    from megatron_sap.megatron.plans import plan_for
+    from megatron_sap.megatron.stages import send_to_middle_stages
+
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    if first:
+        local, params = sap_split_batch(row, cu)
+        send_to_middle_stages(cu, None)  # as the hooked get_batch_on_this_tp_rank does
+        hidden = model(local["tokens"], local["position_ids"], None, packed_seq_params=params)
+        dist.send(hidden.detach().contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
+        return None
+    cp = parallel_state.get_context_parallel_world_size()
+    received = torch.empty(cu[-1] // cp, 1, HIDDEN)
+    dist.recv(received, parallel_state.get_pipeline_model_parallel_prev_rank())
+    model.set_input_tensor(received)
+    if not last:
+        forward = type(model).forward if hooked_middle else type(model).forward.__wrapped__
+        hidden = forward(model, None, None, None)  # pretrain_gpt.py's call on a middle stage
+        dist.send(hidden.detach().contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
+        return None
+    local, params = sap_split_batch({"labels": row["labels"], "loss_mask": row["loss_mask"]}, cu)
+    per_token = model(None, None, None, labels=local["labels"], packed_seq_params=params)
+    groups = resolve_groups(None)
+    indices = plan_for(torch.tensor(cu, dtype=torch.int32), groups).local_indices(0 if groups is None else groups.cp_rank)
+    return indices, per_token.detach()[0]
+
+
+def run_pipeline_rank(rank: int, world_size: int) -> dict:
+    """Per CP size (and at CP 1 without the hook on the middle stage): the last stage's per-token
+    losses of the row and of the row with its first document's tokens changed."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_sap.megatron import initialize_sap_parallel
+    from megatron_sap.megatron.demo_train import build_tiny_gpt, packed_batch, stdlib_documents
+    from megatron_sap.megatron.hooks import wrap_gpt_forward
+
+    torch.set_num_threads(1)
+    tokens, cu = stdlib_documents(DOC_LENGTHS)
+    row = packed_batch(tokens, cu)
+    changed = dict(row, tokens=row["tokens"].clone())
+    changed["tokens"][0, : cu[1]] = (changed["tokens"][0, : cu[1]] + 7) % 256
+    args = SimpleNamespace(cp_comm_type="sap")
+    original = GPTModel.forward
+    GPTModel.forward = wrap_gpt_forward(original, get_args=lambda: args)
+    results = {}
+    try:
+        for name, cp, hooked in (("cp1", 1, True), ("cp2", 2, True), ("cp1 unhooked", 1, False)):
+            initialize_sap_parallel(inner_size=1, outer_size=cp, pipeline_model_parallel_size=3)
+            try:
+                model = build_tiny_gpt(num_layers=3)
+                with torch.no_grad():
+                    results[name] = [_run_stages(model, r, cu, hooked) for r in (row, changed)]
+            finally:
+                parallel_state.destroy_model_parallel()
+    finally:
+        GPTModel.forward = original
+    return {"results": results, "cu": cu}
+
+
+def _global_losses(results: list[dict], name: str, which: int) -> torch.Tensor:
+    """The row's per-token losses in packed order, gathered from the last stage's ranks."""
+    total = results[0]["cu"][-1]
+    losses = torch.full((total,), float("nan"))
+    for r in results:
+        found = r["results"][name][which]
+        if found is not None:
+            indices, per_token = found
+            losses[indices] = per_token
+    return losses
+
+
+def test_middle_pipeline_stages_keep_documents_apart(pool6) -> None:
+    results = pool6.run(run_pipeline_rank)
+    first_document = results[0]["cu"][1]
+    for name in ("cp1", "cp2", "cp1 unhooked"):
+        row, changed = _global_losses(results, name, 0), _global_losses(results, name, 1)
+        assert not row.isnan().any() and not changed.isnan().any()
+        assert not torch.equal(row[:first_document], changed[:first_document])
+        others_equal = torch.equal(row[first_document:], changed[first_document:])
+        assert others_equal is (name != "cp1 unhooked"), name  # unhooked, the middle stage attends across documents
+    torch.testing.assert_close(_global_losses(results, "cp2", 0), _global_losses(results, "cp1", 0), rtol=1e-5, atol=1e-5)
