@@ -14,6 +14,7 @@
 
 : "${SEQ_LENGTH:=131072}"          # tokens per packed row (Megatron wants it divisible by 2 * CP)
 : "${TP:=2}"                       # tensor parallel size
+: "${PP:=1}"                       # pipeline stages (any number; the middle ones get each row's documents from the first)
 : "${SAP_INNER:=4}"                # SAP inner level U (TP*U GPUs must sit on one node)
 : "${SAP_OUTER:=4}"                # SAP outer level R
 : "${GLOBAL_BATCH:=16}"
@@ -38,7 +39,7 @@ MODEL_ARGS=(
 
 PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP" --sequence-parallel
-    --pipeline-model-parallel-size 1
+    --pipeline-model-parallel-size "$PP"
     --context-parallel-size "$CP" --hierarchical-context-parallel-sizes "$SAP_INNER" "$SAP_OUTER"
     --cp-comm-type sap
     --use-distributed-optimizer --overlap-grad-reduce

@@ -115,3 +115,50 @@ def test_middle_pipeline_stages_keep_documents_apart(pool6) -> None:
         others_equal = torch.equal(row[first_document:], changed[first_document:])
         assert others_equal is (name != "cp1 unhooked"), name  # unhooked, the middle stage attends across documents
     torch.testing.assert_close(_global_losses(results, "cp2", 0), _global_losses(results, "cp1", 0), rtol=1e-5, atol=1e-5)
+
+
+def run_host_group_rank(rank: int, world_size: int) -> dict:
+    """With the pipeline group's collectives on a GPU (faked: its device reported as CUDA), the
+    documents go over a gloo group of the first and middle stages made after the groups; asked
+    for when it was not made, it raises."""
+    from unittest import mock
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_sap.megatron import groups, initialize_sap_parallel
+    from megatron_sap.megatron.stages import receive_from_first_stage, send_to_middle_stages
+
+    rows = [[0, 5, 8], [0, 8], [0, 1, 2, 8]]
+    found: dict = {}
+    with mock.patch.object(groups, "collective_device", lambda group: torch.device("cuda")):
+        try:
+            initialize_sap_parallel(inner_size=1, outer_size=2, pipeline_model_parallel_size=3)
+            stage = parallel_state.get_pipeline_model_parallel_rank()
+            if stage < 2:  # the last stage reads its own data and never joins
+                found["members"] = dist.get_process_group_ranks(groups.pipeline_host_group()[0])
+            for cu in rows:
+                if stage == 0:
+                    send_to_middle_stages(cu, b"plan")
+                elif stage == 1:
+                    found.setdefault("received", []).append(receive_from_first_stage())
+            parallel_state.destroy_model_parallel()
+            parallel_state.initialize_model_parallel(1, 3, context_parallel_size=2)  # nothing made after it
+            if stage < 2:
+                with pytest.raises(RuntimeError, match="prepare_pipeline_host_group") as error:
+                    groups.pipeline_host_group()
+                found["unprepared"] = str(error.value)
+        finally:
+            parallel_state.destroy_model_parallel()
+    return {"stage": stage, **found}
+
+
+def test_documents_go_over_a_host_group_of_the_first_and_middle_stages(pool6) -> None:
+    results = pool6.run(run_host_group_rank)
+    for rank, r in enumerate(results):
+        pipeline = [rank % 2, rank % 2 + 2, rank % 2 + 4]  # PP outermost: stage s of column c is rank c + 2s
+        assert r["stage"] == pipeline.index(rank)
+        if r["stage"] < 2:
+            assert r["members"] == pipeline[:2] and "prepare_pipeline_host_group" in r["unprepared"]
+        if r["stage"] == 1:
+            assert r["received"] == [(cu, b"plan") for cu in ([0, 5, 8], [0, 8], [0, 1, 2, 8])]

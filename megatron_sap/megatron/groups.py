@@ -113,6 +113,7 @@ def initialize_sap_parallel(
         hierarchical_context_parallel_sizes=hierarchical,
         **kwargs,
     )
+    prepare_pipeline_host_group()
     return sap_groups_from_parallel_state()
 
 
@@ -148,23 +149,58 @@ def tensor_parallel_host_group() -> Optional[tuple[dist.ProcessGroup, int]]:
 _PIPELINE_TWINS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # id(PP group) -> (it, its host group)
 
 
+def _pipeline_ranks() -> tuple[dist.ProcessGroup, int, list[int], int]:
+    """This rank's pipeline group, the global ranks of its first stage and its middle stages, and of its last."""
+    group = parallel_state.get_pipeline_model_parallel_group()
+    first, last = parallel_state.get_pipeline_model_parallel_first_rank(), parallel_state.get_pipeline_model_parallel_last_rank()
+    return group, first, [r for r in dist.get_process_group_ranks(group) if r not in (first, last)], last
+
+
+def has_middle_stages() -> bool:
+    """Whether Megatron's groups exist with more than two pipeline stages."""
+    return parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 2
+
+
 def pipeline_host_group() -> Optional[tuple[dist.ProcessGroup, int, list[int]]]:
     """A group of this rank's pipeline without its last stage, its first stage's global rank
     and its middle stages' (neither first nor last): how the first stage hands each micro-batch's
-    documents to the stages that read no data. The group is a gloo one (host to host, made at
-    first use by its ranks together; the last stage, which reads its own data, never joins),
-    else the pipeline group itself (where torch cannot make a group of some ranks only). None
-    with fewer than three stages or before Megatron's groups exist."""
-    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_pipeline_model_parallel_world_size() < 3:
+    documents to the stages that read no data. The group is a gloo one made by
+    `prepare_pipeline_host_group` (host to host; the last stage, which reads its own data, is
+    not in it), or the pipeline group itself where its collectives run on the CPU already. None
+    with fewer than three stages or before Megatron's groups exist; RuntimeError where the gloo
+    group was not made (made at the first micro-batch instead, the first stage would wait in it
+    for middle stages that wait for its activations)."""
+    if not has_middle_stages():
         return None
-    group = parallel_state.get_pipeline_model_parallel_group()
-    first, last = parallel_state.get_pipeline_model_parallel_first_rank(), parallel_state.get_pipeline_model_parallel_last_rank()
-    middle = [r for r in dist.get_process_group_ranks(group) if r not in (first, last)]
-    if collective_device(group).type == "cpu" or not _LOCAL_GROUPS:
+    group, first, middle, _ = _pipeline_ranks()
+    if collective_device(group).type == "cpu":
         return group, first, middle
     entry = _PIPELINE_TWINS.get(id(group))
     if entry is None or entry[0] is not group:
-        twin = dist.new_group(sorted([first, *middle]), backend="gloo", timeout=group_timeout(group),
-                              use_local_synchronization=True)
-        entry = _PIPELINE_TWINS[id(group)] = (group, twin)
+        raise RuntimeError(
+            "SAP's pipeline host group was not made after initialize_model_parallel: call "
+            "megatron_sap.megatron.groups.prepare_pipeline_host_group() on every rank right after it (the launcher, "
+            "the fork patch and initialize_sap_parallel do)"
+        )
     return entry[1], first, middle
+
+
+def prepare_pipeline_host_group() -> None:
+    """Make the gloo groups `pipeline_host_group` returns, one per pipeline (its ranks but the
+    last stage's): on every rank of the job together, right after `initialize_model_parallel`
+    (a collective of all ranks: every rank makes every group, in one order, as Megatron makes
+    its own; a group made by its members alone would be named after how many groups each has,
+    which differs between stages). Nothing where there are no middle stages or the pipeline
+    group runs on the CPU."""
+    if not has_middle_stages():
+        return
+    group, first, middle, _ = _pipeline_ranks()
+    if collective_device(group).type == "cpu":
+        return
+    mine = tuple(sorted([first, *middle]))
+    pipelines: list[Optional[tuple[int, ...]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(pipelines, mine)
+    for members in sorted(set(pipelines)):
+        twin = dist.new_group(list(members), backend="gloo", timeout=group_timeout(group))
+        if members == mine:
+            _PIPELINE_TWINS[id(group)] = (group, twin)

@@ -48,7 +48,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from .arguments import add_sap_args, chain_args_providers, sap_settings_from_args
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_packed_seq_params, sap_split_batch
 from .compat import MLA_ROPE_TABLE_REFUSED, mla_keeps_packed_rope_table, packed_get_batch
-from .groups import tensor_parallel_host_group
+from .groups import prepare_pipeline_host_group, tensor_parallel_host_group
 from .loader import PLAN_KEY, PlannedDataset, adopt_loader_plan, host_boundaries, loader_plan_bytes, loader_planning
 from .rope import install_sap_rope
 from .stages import is_middle_stage, receive_from_first_stage, send_to_middle_stages
@@ -202,7 +202,9 @@ def wrap_initialize_model_parallel(initialize: Callable, get_args: Callable[[], 
         if sizes is not None:
             kwargs["hierarchical_context_parallel_sizes"] = sizes
             megatron_args.hierarchical_context_parallel_sizes = sizes
-        return initialize(*args, **kwargs)
+        result = initialize(*args, **kwargs)
+        prepare_pipeline_host_group()
+        return result
 
     return initialize_for_sap
 

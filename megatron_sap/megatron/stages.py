@@ -6,6 +6,7 @@ row's documents on every stage. So the first stage sends each micro-batch's docu
 plan a data loader's worker made for it, to the middle stages of its pipeline as it reads them
 (`send_to_middle_stages`, host to host over `groups.pipeline_host_group`, without waiting), and a
 middle stage receives them when its model runs that micro-batch (`receive_from_first_stage`).
+That group is made right after `initialize_model_parallel` (`groups.prepare_pipeline_host_group`).
 Every stage runs the forward passes of its micro-batches in the order the first stage reads
 them (training and evaluation alike), so the messages need no tag. The last stage reads its own
 data. A receive waits at most the pipeline group's timeout, so a first stage that died or sent
@@ -22,26 +23,22 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron_sap.comm.p2p import collective_device
 
-from .groups import pipeline_host_group
+from .groups import has_middle_stages, pipeline_host_group
 
 _PENDING: list[tuple[dist.Work, torch.Tensor, torch.Tensor]] = []  # sends in flight, with their buffers
 MAX_PENDING = 256  # sends kept in flight at most; beyond, the oldest is waited for
 
 
-def _has_middle_stages() -> bool:
-    return parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 2
-
-
 def is_middle_stage() -> bool:
     """Whether this rank is on a pipeline stage between the first and the last."""
-    return (_has_middle_stages() and not parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    return (has_middle_stages() and not parallel_state.is_pipeline_first_stage(ignore_virtual=True)
             and not parallel_state.is_pipeline_last_stage(ignore_virtual=True))
 
 
 def send_to_middle_stages(documents: Optional[list[int]], plan_bytes: Optional[bytes]) -> None:
     """On a first pipeline stage with middle stages, post this micro-batch's documents (its
     cu_seqlens on the host) and pickled plan to each of them; elsewhere nothing."""
-    if not _has_middle_stages() or not parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+    if not has_middle_stages() or not parallel_state.is_pipeline_first_stage(ignore_virtual=True):
         return
     group, _, middle = pipeline_host_group()
     device = collective_device(group)
