@@ -519,8 +519,9 @@ def batch_split_no_host_syncs() -> dict:
     loader's CPU row moved to the GPU, its documents read from the CPU copy, then split
     (`sap_split_batch`: plan, index copies, slicing), with host syncs turned into errors; a
     row planned here (cached) and one whose plan a data loader's worker made (unpickled and
-    taken from the plan cache); one CP rank (no agreement check: with more, it all-reduces
-    over a gloo group, on the host).
+    taken from the plan cache); and the packed parameters a middle pipeline stage makes from
+    the documents its first stage sent (`sap_packed_seq_params`); one CP rank (no agreement
+    check: with more, it all-reduces over a gloo group, on the host).
     Needs megatron-core: the machine's own, else the newest one `make test-compat` cached in
     .cache/."""
     from types import SimpleNamespace
@@ -536,6 +537,7 @@ def batch_split_no_host_syncs() -> dict:
         if not cached:
             return {"ok": True, "skipped": "megatron-core is not importable on this machine"}
         sys.path.insert(0, str(cached[-1]))
+    from megatron_sap.megatron.batch import sap_packed_seq_params
     from megatron_sap.megatron.hooks import wrap_get_batch_on_this_tp_rank, wrap_get_thd_batch_on_this_cp_rank
     from megatron_sap.megatron.loader import PlannedDataset, loader_planning
     from megatron_sap.planning.plan import DEFAULT_CACHE
@@ -580,6 +582,16 @@ def batch_split_no_host_syncs() -> dict:
     taken = (DEFAULT_CACHE.hits - hits, DEFAULT_CACHE.misses - misses) == (1, 0)
     ok &= taken and params.cu_seqlens_q.tolist() == lengths
     results["planned_by_the_loader"] = {"documents": len(lengths) - 1, "plan_taken_from_the_loader": taken}
+    # A middle pipeline stage: the packed parameters of documents the first stage sent (host values).
+    lengths, _ = row(13)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        params = sap_packed_seq_params(lengths, torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ok &= params.cu_seqlens_q.tolist() == lengths
+    results["middle_pipeline_stage"] = {"documents": len(lengths) - 1}
     return {"ok": bool(ok), **results}
 
 
