@@ -10,8 +10,10 @@ time, at CP 1 and at CP 2 (there through Megatron's data loader, which plans the
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from typing import Iterator
 from unittest import mock
 
 import pytest
@@ -38,6 +40,39 @@ def _flags(cp: int) -> list[str]:
             "--no-gradient-accumulation-fusion").split()
 
 
+def _sample() -> dict:
+    """The packed row: three documents, position ids restarting at each (as GPTDataset gives them
+    with --reset-position-ids)."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (1, ROW + 1), generator=generator)
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(DOCUMENTS, DOCUMENTS[1:])]).unsqueeze(0)
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, ROW), "position_ids": positions}
+
+
+@contextlib.contextmanager
+def _on_cpu() -> Iterator[None]:
+    """The script's GPU calls on the CPU: `.cuda()` a no-op, the CPU as the current device."""
+    with mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self), \
+            mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+        yield
+
+
+def _set_args(flags: list[str], rank: int, world_size: int) -> object:
+    """Megatron-LM's parsed args (with the SAP flags) and timers, as `initialize_megatron` sets them."""
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args
+
+    from megatron_sap.megatron import add_sap_args
+
+    with mock.patch.object(sys, "argv", ["pretrain_gpt.py", *flags]):
+        args = parse_args(add_sap_args)
+    args.rank, args.world_size, args.params_dtype = rank, world_size, torch.float32
+    global_vars.set_args(args)
+    global_vars._GLOBAL_TIMERS = None
+    global_vars._set_timers(args)
+    return args
+
+
 def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None = None) -> dict:
     """(summed loss, loss tokens) of this rank's share of the row at CP 1 (every rank alone) and at
     CP 2, from the script's `forward_step` and loss function; and the summed loss of the
@@ -56,29 +91,17 @@ def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None
         pretrain_gpt = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(pretrain_gpt)
     from megatron.core import mpu
-    from megatron.training import global_vars
-    from megatron.training.arguments import parse_args
 
-    from megatron_sap.megatron import add_sap_args
     from megatron_sap.megatron.demo_train import build_tiny_gpt
     from megatron_sap.megatron.options import reset_sap_options
 
     torch.set_num_threads(1)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (1, ROW + 1), generator=generator)
-    positions = torch.cat([torch.arange(b - a) for a, b in zip(DOCUMENTS, DOCUMENTS[1:])]).unsqueeze(0)
-    sample = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, ROW), "position_ids": positions}
+    sample = _sample()
     losses = {}
-    with mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self), \
-            mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+    with _on_cpu():
         for cp in (1, 2):
-            with mock.patch.object(sys, "argv", ["pretrain_gpt.py", *_flags(cp)]):
-                args = parse_args(add_sap_args)
-            args.rank, args.world_size, args.params_dtype = rank, world_size, torch.float32
+            args = _set_args(_flags(cp), rank, world_size)
             args.create_attention_mask_in_dataloader = True  # Megatron's default; the hooks turn it off
-            global_vars.set_args(args)
-            global_vars._GLOBAL_TIMERS = None
-            global_vars._set_timers(args)
             try:
                 sizes = None if patched_script is None else configure_sap(args)
                 mpu.initialize_model_parallel(1, 1, context_parallel_size=cp, hierarchical_context_parallel_sizes=sizes)
@@ -162,30 +185,18 @@ def run_pipeline_rank(rank: int, world_size: int) -> dict:
     install_training_hooks()
     import pretrain_gpt
     from megatron.core import mpu
-    from megatron.training import global_vars
-    from megatron.training.arguments import parse_args
 
-    from megatron_sap.megatron import add_sap_args
     from megatron_sap.megatron.demo_train import build_tiny_gpt
     from megatron_sap.megatron.options import reset_sap_options
 
     torch.set_num_threads(1)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (1, ROW + 1), generator=generator)
-    positions = torch.cat([torch.arange(b - a) for a, b in zip(DOCUMENTS, DOCUMENTS[1:])]).unsqueeze(0)
-    sample = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, ROW), "position_ids": positions}
+    sample = _sample()
     losses = {}
-    with mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self), \
-            mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+    with _on_cpu():
         for tp, cp in PIPELINE_LAYOUTS:
             flags = [*_flags(cp), "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", "3"]
             flags[flags.index("--num-layers") + 1] = "3"
-            with mock.patch.object(sys, "argv", ["pretrain_gpt.py", *flags]):
-                args = parse_args(add_sap_args)
-            args.rank, args.world_size, args.params_dtype = rank, world_size, torch.float32
-            global_vars.set_args(args)
-            global_vars._GLOBAL_TIMERS = None
-            global_vars._set_timers(args)
+            _set_args(flags, rank, world_size)
             try:
                 mpu.initialize_model_parallel(tp, 3, context_parallel_size=cp)
                 model = build_tiny_gpt(num_layers=3)
