@@ -162,3 +162,42 @@ def test_documents_go_over_a_host_group_of_the_first_and_middle_stages(pool6) ->
             assert r["members"] == pipeline[:2] and "prepare_pipeline_host_group" in r["unprepared"]
         if r["stage"] == 1:
             assert r["received"] == [(cu, b"plan") for cu in ([0, 5, 8], [0, 8], [0, 1, 2, 8])]
+
+
+def run_silent_first_stage_rank(rank: int, world_size: int) -> dict:
+    """A first stage that sends nothing: the middle stage's receive fails within its group's
+    timeout (here 3 s) instead of waiting for ever."""
+    import datetime
+    import time
+    from unittest import mock
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_sap.megatron import groups, initialize_sap_parallel
+    from megatron_sap.megatron.stages import receive_from_first_stage
+
+    found: dict = {}
+    with mock.patch.object(groups, "collective_device", lambda group: torch.device("cuda")):
+        try:
+            initialize_sap_parallel(inner_size=1, outer_size=2, pipeline_model_parallel_size=3)
+            stage = parallel_state.get_pipeline_model_parallel_rank()
+            pipeline = parallel_state.get_pipeline_model_parallel_group()
+            for column in (0, 1):  # the host groups again, with a short timeout (made by every rank, in one order)
+                short = dist.new_group([column, column + 2], backend="gloo", timeout=datetime.timedelta(seconds=3))
+                if rank % 2 == column:
+                    groups._PIPELINE_TWINS[id(pipeline)] = (pipeline, short)
+            if stage == 1:
+                start = time.monotonic()
+                with pytest.raises(RuntimeError):
+                    receive_from_first_stage()
+                found["waited_s"] = time.monotonic() - start
+        finally:
+            parallel_state.destroy_model_parallel()
+    return found
+
+
+def test_a_first_stage_that_sends_nothing_fails_the_middle_one(pool6) -> None:
+    results = pool6.run(run_silent_first_stage_rank)
+    waits = [r["waited_s"] for r in results if "waited_s" in r]
+    assert len(waits) == 2 and all(2.5 <= w <= 60 for w in waits)
