@@ -149,11 +149,11 @@ def tensor_parallel_host_group() -> Optional[tuple[dist.ProcessGroup, int]]:
 _PIPELINE_TWINS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # id(PP group) -> (it, its host group)
 
 
-def _pipeline_ranks() -> tuple[dist.ProcessGroup, int, list[int], int]:
-    """This rank's pipeline group, the global ranks of its first stage and its middle stages, and of its last."""
+def _pipeline_ranks() -> tuple[dist.ProcessGroup, int, list[int]]:
+    """This rank's pipeline group and the global ranks of its first stage and of its middle stages."""
     group = parallel_state.get_pipeline_model_parallel_group()
     first, last = parallel_state.get_pipeline_model_parallel_first_rank(), parallel_state.get_pipeline_model_parallel_last_rank()
-    return group, first, [r for r in dist.get_process_group_ranks(group) if r not in (first, last)], last
+    return group, first, [r for r in dist.get_process_group_ranks(group) if r not in (first, last)]
 
 
 def has_middle_stages() -> bool:
@@ -172,7 +172,7 @@ def pipeline_host_group() -> Optional[tuple[dist.ProcessGroup, int, list[int]]]:
     for middle stages that wait for its activations)."""
     if not has_middle_stages():
         return None
-    group, first, middle, _ = _pipeline_ranks()
+    group, first, middle = _pipeline_ranks()
     if collective_device(group).type == "cpu":
         return group, first, middle
     entry = _PIPELINE_TWINS.get(id(group))
@@ -194,7 +194,7 @@ def prepare_pipeline_host_group() -> None:
     group runs on the CPU."""
     if not has_middle_stages():
         return
-    group, first, middle, _ = _pipeline_ranks()
+    group, first, middle = _pipeline_ranks()
     if collective_device(group).type == "cpu":
         return
     mine = tuple(sorted([first, *middle]))
