@@ -605,7 +605,6 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
     [
         (dict(context_parallel_size=2, mtp_num_layers=1), "multi-token prediction"),
         (dict(hybrid_context_parallel=True), "hybrid-context-parallel"),
-        (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), "virtual"),
         (dict(reset_attention_mask=True, reset_position_ids=False), "add --reset-position-ids"),
         (dict(context_parallel_size=1, reset_attention_mask=True), "add --reset-position-ids"),
         (dict(micro_batch_size=2), "use --micro-batch-size 1 \\(got 2\\)"),
@@ -635,21 +634,25 @@ def test_settings_sap_would_get_wrong_are_refused(settings: dict, match: str) ->
         (dict(context_parallel_size=1, mtp_num_layers=1), "legacy", "before Megatron-LM core_v0.16"),
         (dict(sft=True, tensor_model_parallel_size=2), "packed", "--sft needs TP 1 \\(got TP=2\\)"),
         (dict(multi_latent_attention=True), "mla", "megatron-core 0.14 or later for multi-latent attention"),
+        (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), "chunks",
+         "virtual \\(interleaved\\) pipeline .* from Megatron-LM core_v0.15"),
     ],
-    ids=["mtp-cp1", "sft-tp2", "mla-cp2"],
+    ids=["mtp-cp1", "sft-tp2", "mla-cp2", "vpp"],
 )
 def test_release_specific_settings_are_refused_where_they_would_fail(settings: dict, refused: str, match: str) -> None:
     """Refused on the releases where they go wrong (see docs/megatron.md), accepted elsewhere:
     MTP at CP 1 before core_v0.16 (the hooks pack every row; those MTP layers refuse packed
     rows), SFT at TP > 1 on core_v0.16 (its broadcasts), MLA under CP on megatron-core 0.13 (its
-    rotary table). `make test` runs the 0.16.1 side, `make test-compat` the others."""
-    from megatron_sap.megatron.compat import mla_keeps_packed_rope_table, packed_get_batch
+    rotary table), a virtual pipeline before core_v0.15 (every chunk of the first and last stages
+    reads its own batch). `make test` runs the 0.16.1 side, `make test-compat` the others."""
+    from megatron_sap.megatron.compat import chunk_aware_get_batch, mla_keeps_packed_rope_table, packed_get_batch
     from megatron_sap.megatron.hooks import configure_sap
 
     args = _parse("--context-parallel-size 2 --cp-comm-type sap")
     for name, value in settings.items():
         setattr(args, name, value)
-    expected = {"legacy": not packed_get_batch(), "packed": packed_get_batch(), "mla": not mla_keeps_packed_rope_table()}
+    expected = {"legacy": not packed_get_batch(), "packed": packed_get_batch(), "mla": not mla_keeps_packed_rope_table(),
+                "chunks": not chunk_aware_get_batch()}
     if expected[refused]:
         with pytest.raises(ValueError, match=match):
             configure_sap(args)

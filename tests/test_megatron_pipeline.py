@@ -3,7 +3,7 @@
 Six gloo ranks run Megatron-Core's GPTModel as three pipeline stages (one layer each; the
 embedding on the first, the output layer on the last) at CP 1 and at CP 2, the activations passed
 by hand from stage to stage. The first stage splits the packed row and sends its documents to the
-middle stage (`stages.send_to_middle_stages`); the middle stage's model is called as
+middle stage (`stages.send_documents`); the middle stage's model is called as
 `pretrain_gpt.py` calls it there, with no tokens and no packed parameters, and takes them from the
 hooked `GPTModel.forward`. Changing one document's tokens must change no other document's
 per-token losses (without the hook the middle stage attends across documents, and they change),
@@ -32,13 +32,13 @@ def _run_stages(model, row: dict, cu: list[int], hooked_middle: bool):
 
     from megatron_sap.megatron import resolve_groups, sap_split_batch
     from megatron_sap.megatron.plans import plan_for
-    from megatron_sap.megatron.stages import send_to_middle_stages
+    from megatron_sap.megatron.stages import send_documents
 
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     if first:
         local, params = sap_split_batch(row, cu)
-        send_to_middle_stages(cu, None)  # as the hooked get_batch_on_this_tp_rank does
+        send_documents(cu, None)  # as the hooked get_batch_on_this_tp_rank does
         hidden = model(local["tokens"], local["position_ids"], None, packed_seq_params=params)
         dist.send(hidden.detach().contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
         return None
@@ -127,7 +127,7 @@ def run_host_group_rank(rank: int, world_size: int) -> dict:
     from megatron.core import parallel_state
 
     from megatron_sap.megatron import groups, initialize_sap_parallel
-    from megatron_sap.megatron.stages import receive_from_first_stage, send_to_middle_stages
+    from megatron_sap.megatron.stages import documents_for, send_documents
 
     rows = [[0, 5, 8], [0, 8], [0, 1, 2, 8]]
     found: dict = {}
@@ -139,9 +139,9 @@ def run_host_group_rank(rank: int, world_size: int) -> dict:
                 found["members"] = dist.get_process_group_ranks(groups.pipeline_host_group()[0])
             for cu in rows:
                 if stage == 0:
-                    send_to_middle_stages(cu, b"plan")
+                    send_documents(cu, b"plan")
                 elif stage == 1:
-                    found.setdefault("received", []).append(receive_from_first_stage())
+                    found.setdefault("received", []).append(documents_for(None))
             parallel_state.destroy_model_parallel()
             parallel_state.initialize_model_parallel(1, 3, context_parallel_size=2)  # nothing made after it
             if stage < 2:
@@ -175,7 +175,7 @@ def run_silent_first_stage_rank(rank: int, world_size: int) -> dict:
     from megatron.core import parallel_state
 
     from megatron_sap.megatron import groups, initialize_sap_parallel
-    from megatron_sap.megatron.stages import receive_from_first_stage
+    from megatron_sap.megatron.stages import documents_for
 
     found: dict = {}
     with mock.patch.object(groups, "collective_device", lambda group: torch.device("cuda")):
@@ -190,7 +190,7 @@ def run_silent_first_stage_rank(rank: int, world_size: int) -> dict:
             if stage == 1:
                 start = time.monotonic()
                 with pytest.raises(RuntimeError):
-                    receive_from_first_stage()
+                    documents_for(None)
                 found["waited_s"] = time.monotonic() - start
         finally:
             parallel_state.destroy_model_parallel()
@@ -201,3 +201,105 @@ def test_a_first_stage_that_sends_nothing_fails_the_middle_one(pool6) -> None:
     results = pool6.run(run_silent_first_stage_rank)
     waits = [r["waited_s"] for r in results if "waited_s" in r]
     assert len(waits) == 2 and all(2.5 <= w <= 60 for w in waits)
+
+
+def _run_interleaved(models: list, rows: list[tuple[dict, list[int]]]) -> list:
+    """The micro-batches `rows` (row, cu_seqlens) through a virtual pipeline of this rank's model
+    chunks, in the order Megatron's interleaved schedule runs forward passes with as many
+    micro-batches as stages: all of them through chunk 0, then chunk 1 (each chunk takes its
+    micro-batches in order; a chunk of a later stage takes a micro-batch after an earlier chunk
+    of its stage took the next ones). On the last stage, for each row, (global position of each
+    local token, its loss)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_sap.megatron import resolve_groups, sap_split_batch
+    from megatron_sap.megatron.plans import plan_for
+    from megatron_sap.megatron.stages import send_documents
+
+    stage, stages = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
+    losses, sends = [], []
+    for chunk, model in enumerate(models):
+        for row, cu in rows:
+            if stage == 0 and chunk == 0:  # what the hooked get_batch does there: split, documents to the others
+                local, params = sap_split_batch(row, cu)
+                send_documents(cu, None)
+                output = model(local["tokens"], local["position_ids"], None, packed_seq_params=params)
+            else:
+                received = torch.empty(cu[-1] // cp, 1, HIDDEN)
+                dist.recv(received, parallel_state.get_pipeline_model_parallel_prev_rank())
+                model.set_input_tensor(received)
+                if stage == stages - 1 and chunk == len(models) - 1:
+                    local, params = sap_split_batch({"labels": row["labels"], "loss_mask": row["loss_mask"]}, cu)
+                    per_token = model(None, None, None, labels=local["labels"], packed_seq_params=params)
+                    groups = resolve_groups(None)
+                    indices = plan_for(torch.tensor(cu, dtype=torch.int32), groups).local_indices(
+                        0 if groups is None else groups.cp_rank)
+                    losses.append((indices, per_token.detach()[0]))
+                    continue
+                output = model(None, None, None)  # a chunk get_batch gives nothing
+            output = output.detach().contiguous()
+            sends.append((dist.isend(output, parallel_state.get_pipeline_model_parallel_next_rank()), output))
+    for work, _ in sends:
+        work.wait()
+    return losses
+
+
+def run_interleaved_rank(rank: int, world_size: int) -> dict:
+    """Three stages of two model chunks each (a virtual pipeline), at CP 1 and CP 2: the last
+    stage's per-token losses of the row, of the row with its first document changed, and of a
+    row of other documents, after them and alone."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_sap.megatron import initialize_sap_parallel
+    from megatron_sap.megatron.demo_train import build_tiny_gpt, packed_batch, stdlib_documents
+    from megatron_sap.megatron.hooks import wrap_gpt_forward
+
+    torch.set_num_threads(1)
+    tokens, cu = stdlib_documents(DOC_LENGTHS)
+    row = packed_batch(tokens, cu)
+    changed = dict(row, tokens=row["tokens"].clone())
+    changed["tokens"][0, : cu[1]] = (changed["tokens"][0, : cu[1]] + 7) % 256
+    other = [0, *cu[2:]]  # a row of other documents after them: each micro-batch must take its own
+    args = SimpleNamespace(cp_comm_type="sap")
+    original = GPTModel.forward
+    GPTModel.forward = wrap_gpt_forward(original, get_args=lambda: args)
+    results = {}
+    try:
+        for cp in (1, 2):
+            initialize_sap_parallel(inner_size=1, outer_size=cp, pipeline_model_parallel_size=3,
+                                    virtual_pipeline_model_parallel_size=2)
+            try:
+                models = [build_tiny_gpt(num_layers=6, vp_stage=chunk) for chunk in (0, 1)]
+                with torch.no_grad():
+                    found = _run_interleaved(models, [(row, cu), (changed, cu), (packed_batch(tokens, other), other)])
+                    alone = _run_interleaved(models, [(packed_batch(tokens, other), other)])
+                results[f"cp{cp}"] = found + alone if found else [None] * 4
+            finally:
+                parallel_state.destroy_model_parallel()
+    finally:
+        GPTModel.forward = original
+    return {"results": results, "cu": cu}
+
+
+def test_virtual_pipeline_chunks_keep_documents_apart(pool6) -> None:
+    """Every model chunk but the first stage's first and the last stage's last gets nothing from
+    `get_batch`; through the hook they take each micro-batch's documents (the middle stage two
+    chunks per message, the first stage its second chunk from its own copy)."""
+    from megatron_sap.megatron.compat import chunk_aware_get_batch
+
+    if not chunk_aware_get_batch():
+        pytest.skip("virtual pipelines are refused before core_v0.15")
+    results = pool6.run(run_interleaved_rank)
+    first_document = results[0]["cu"][1]
+    for name in ("cp1", "cp2"):
+        row, changed = _global_losses(results, name, 0), _global_losses(results, name, 1)
+        assert not row.isnan().any() and not changed.isnan().any()
+        assert not torch.equal(row[:first_document], changed[:first_document])
+        assert torch.equal(row[first_document:], changed[first_document:]), name
+        assert torch.equal(_global_losses(results, name, 2), _global_losses(results, name, 3)), name
+    torch.testing.assert_close(_global_losses(results, "cp2", 0), _global_losses(results, "cp1", 0), rtol=1e-5, atol=1e-5)

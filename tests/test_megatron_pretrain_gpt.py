@@ -169,16 +169,39 @@ def test_patched_pretrain_gpt_gives_cp1s_loss(patched_pool2, tmp_path) -> None:
 
 
 pool6 = make_pool_fixture(6, timeout=600)
-PIPELINE_LAYOUTS = ((1, 1), (1, 2), (2, 1))  # (TP, CP) beside three pipeline stages, on six ranks
+# (TP, CP, model chunks per stage) beside three pipeline stages, on six ranks; two chunks: a virtual pipeline
+PIPELINE_LAYOUTS = ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 2), (1, 2, 2))
+
+
+def _pass_on(output: torch.Tensor, chunk: int, chunks: int) -> bool:
+    """Send this chunk's output to the next (the next stage's same chunk, or after the last stage
+    the first stage's next chunk), unless it is the last chunk of the last stage; whether it did."""
+    import torch.distributed as dist
+    from megatron.core import mpu
+
+    if mpu.is_pipeline_last_stage(ignore_virtual=True) and chunk == chunks - 1:
+        return False
+    dist.send(output.contiguous(), mpu.get_pipeline_model_parallel_next_rank())
+    return True
+
+
+def _take_input(model, tokens: int, chunk: int) -> None:
+    """The previous chunk's output as this chunk's input (none for the first stage's first chunk)."""
+    import torch.distributed as dist
+    from megatron.core import mpu
+
+    if not (mpu.is_pipeline_first_stage(ignore_virtual=True) and chunk == 0):
+        hidden = torch.empty(tokens, 1, 64)
+        dist.recv(hidden, mpu.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
 
 
 def run_pipeline_rank(rank: int, world_size: int) -> dict:
     """The row's summed loss and loss tokens through three pipeline stages of the script's
-    `forward_step` (the activations passed by hand, forward only), per (TP, CP) of
-    `PIPELINE_LAYOUTS`, on the last stage's ranks. The middle stage reads no data: its documents
-    come from the first stage through the hooks."""
-    import torch.distributed as dist
-
+    `forward_step` (the activations passed by hand, forward only), per layout of
+    `PIPELINE_LAYOUTS` the release runs, on the last stage's ranks. Only the first stage's first
+    chunk and the last stage's last read data: the others' documents come from the first stage
+    through the hooks."""
     sys.path.insert(0, MEGATRON_LM)
     from megatron_sap.megatron.hooks import install_training_hooks
 
@@ -186,6 +209,7 @@ def run_pipeline_rank(rank: int, world_size: int) -> dict:
     import pretrain_gpt
     from megatron.core import mpu
 
+    from megatron_sap.megatron.compat import chunk_aware_get_batch
     from megatron_sap.megatron.demo_train import build_tiny_gpt
     from megatron_sap.megatron.options import reset_sap_options
 
@@ -193,73 +217,78 @@ def run_pipeline_rank(rank: int, world_size: int) -> dict:
     sample = _sample()
     losses = {}
     with _on_cpu():
-        for tp, cp in PIPELINE_LAYOUTS:
+        for tp, cp, chunks in PIPELINE_LAYOUTS:
+            if chunks > 1 and not chunk_aware_get_batch():
+                continue  # refused before core_v0.15
             flags = [*_flags(cp), "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", "3"]
-            flags[flags.index("--num-layers") + 1] = "3"
+            flags[flags.index("--num-layers") + 1] = str(3 * chunks)
+            if chunks > 1:
+                flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
             _set_args(flags, rank, world_size)
             try:
-                mpu.initialize_model_parallel(tp, 3, context_parallel_size=cp)
-                model = build_tiny_gpt(num_layers=3)
+                mpu.initialize_model_parallel(tp, 3, chunks if chunks > 1 else None, context_parallel_size=cp)
+                models = [build_tiny_gpt(num_layers=3 * chunks, vp_stage=c if chunks > 1 else None) for c in range(chunks)]
                 first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
-                data = iter([dict(sample)]) if first or last else None
-                if not first:
-                    hidden = torch.empty(ROW // cp, 1, 64)
-                    dist.recv(hidden, mpu.get_pipeline_model_parallel_prev_rank())
-                    model.set_input_tensor(hidden)
-                with torch.no_grad():
-                    output, loss_func = pretrain_gpt.forward_step(data, model)
-                if not last:
-                    dist.send(output.contiguous(), mpu.get_pipeline_model_parallel_next_rank())
-                else:
-                    loss, count = loss_func(output)[:2]
-                    losses[(tp, cp)] = (float(loss), int(count))
-                if cp == 1:  # the documents one at a time, unpacked, through the same stages
-                    documents = _stage_by_stage(model, sample, first, last)
+                for chunk, model in enumerate(models):
+                    reads = (first and chunk == 0) or (last and chunk == chunks - 1)
+                    _take_input(model, ROW // cp, chunk)
+                    with torch.no_grad():
+                        output, loss_func = pretrain_gpt.forward_step(iter([dict(sample)]) if reads else None, model)
+                    if not _pass_on(output, chunk, chunks):
+                        loss, count = loss_func(output)[:2]
+                        losses[(tp, cp, chunks)] = (float(loss), int(count))
+                if cp == 1:  # the documents one at a time, unpacked, through the same chunks
+                    documents = _documents_one_at_a_time(models, sample)
                     if last:
-                        losses[("documents", tp)] = documents
+                        losses[("documents", tp, chunks)] = documents
             finally:
                 mpu.destroy_model_parallel()
                 reset_sap_options()
     return losses
 
 
-def _stage_by_stage(model, sample: dict, first: bool, last: bool) -> float:
-    """The summed loss of the row's documents run one at a time through this rank's stage, the
-    model called directly (each a single sequence: no packed parameters anywhere)."""
-    import torch.distributed as dist
+def _documents_one_at_a_time(models: list, sample: dict) -> float:
+    """The summed loss of the row's documents run one at a time through this rank's model
+    chunks, each called directly (a single sequence: no packed parameters anywhere); on the
+    last stage, else 0."""
     from megatron.core import mpu
 
-    forward = type(model).forward.__wrapped__  # Megatron's own, without the hooks
+    forward = type(models[0]).forward.__wrapped__  # Megatron's own, without the hooks
+    first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
     total = 0.0
     with torch.no_grad():
         for a, b in zip(DOCUMENTS, DOCUMENTS[1:]):
-            if first:
-                output = forward(model, sample["tokens"][:, a:b], sample["position_ids"][:, a:b], None)
-            else:
-                hidden = torch.empty(b - a, 1, 64)
-                dist.recv(hidden, mpu.get_pipeline_model_parallel_prev_rank())
-                model.set_input_tensor(hidden)
-                output = forward(model, None, None, None, labels=sample["labels"][:, a:b] if last else None)
-            if last:
-                total += float(output.sum())
-            else:
-                dist.send(output.contiguous(), mpu.get_pipeline_model_parallel_next_rank())
+            for chunk, model in enumerate(models):
+                _take_input(model, b - a, chunk)
+                if first and chunk == 0:
+                    output = forward(model, sample["tokens"][:, a:b], sample["position_ids"][:, a:b], None)
+                else:
+                    labels = sample["labels"][:, a:b] if last and chunk == len(models) - 1 else None
+                    output = forward(model, None, None, None, labels=labels)
+                if not _pass_on(output, chunk, len(models)):
+                    total += float(output.sum())
     return total
 
 
 def test_pretrain_gpt_through_three_pipeline_stages(pool6) -> None:
-    """Megatron-LM's `get_batch` gives the middle stage nothing and the last stage's second TP
-    rank no tokens; through the hooks they keep the documents apart all the same. At CP 1 the
-    packed row's loss is that of its documents run one at a time through the same stages (at TP 1
+    """Megatron-LM's `get_batch` gives the middle stage (and with a virtual pipeline every chunk
+    but the first stage's first and the last stage's last) nothing, and the last stage's second
+    TP rank no tokens; through the hooks they keep the documents apart all the same. At CP 1 the
+    packed row's loss is that of its documents run one at a time through the same chunks (at TP 1
     and TP 2, whose weights releases before core_v0.16 initialise otherwise); at CP 2 the ranks'
-    shares add up to TP 1's."""
+    shares add up to CP 1's."""
+    from megatron_sap.megatron.compat import chunk_aware_get_batch
+
     results = pool6.run(run_pipeline_rank)
-    for tp in (1, 2):  # the whole row on each rank of the last stage: two data-parallel replicas at TP 1, two TP ranks
-        packed = [r[(tp, 1)] for r in results if (tp, 1) in r]
-        documents = [r[("documents", tp)] for r in results if ("documents", tp) in r]
-        assert len(packed) == len(documents) == 2 and all(count == ROW for _, count in packed)
-        assert all(abs(loss - d) <= 1e-5 * abs(d) for (loss, _), d in zip(packed, documents)), (packed, documents)
-    reference = next(r[("documents", 1)] for r in results if ("documents", 1) in r)
-    shares = [r[(1, 2)] for r in results if (1, 2) in r]  # CP 2: each CP rank its share, TP 1's weights
-    assert len(shares) == 2 and sum(count for _, count in shares) == ROW
-    assert abs(sum(loss for loss, _ in shares) - reference) <= 1e-5 * abs(reference)
+    layouts = [layout for layout in PIPELINE_LAYOUTS if layout[2] == 1 or chunk_aware_get_batch()]
+    for tp, cp, chunks in layouts:
+        if cp == 1:  # the whole row on each rank of the last stage: two data-parallel replicas at TP 1, two TP ranks
+            packed = [r[(tp, 1, chunks)] for r in results if (tp, 1, chunks) in r]
+            documents = [r[("documents", tp, chunks)] for r in results if ("documents", tp, chunks) in r]
+            assert len(packed) == len(documents) == 2 and all(count == ROW for _, count in packed)
+            assert all(abs(loss - d) <= 1e-5 * abs(d) for (loss, _), d in zip(packed, documents)), (packed, documents)
+        else:  # each CP rank its share, TP 1's weights
+            reference = next(r[("documents", 1, chunks)] for r in results if ("documents", 1, chunks) in r)
+            shares = [r[(tp, cp, chunks)] for r in results if (tp, cp, chunks) in r]
+            assert len(shares) == 2 and sum(count for _, count in shares) == ROW
+            assert abs(sum(loss for loss, _ in shares) - reference) <= 1e-5 * abs(reference)

@@ -24,6 +24,14 @@ def mla_keeps_packed_rope_table() -> bool:
     return megatron_core_version() >= (0, 14)
 
 
+def chunk_aware_get_batch() -> bool:
+    """Whether Megatron-LM's `pretrain_gpt.get_batch` gives a virtual pipeline's batch to the first
+    stage's first model chunk and the last stage's last only (core_v0.15 on, with `vp_stage`);
+    before, every chunk on those stages reads its own, which the documents' hand-over (one
+    message per micro-batch) does not follow."""
+    return megatron_core_version() >= (0, 15)
+
+
 MLA_ROPE_TABLE_REFUSED = (
     "SAP with context parallelism needs megatron-core 0.14 or later for multi-latent attention: 0.13 cuts the "
     "rotary table to Megatron's own CP layout, which SAP's per-document positions overrun"

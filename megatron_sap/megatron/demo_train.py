@@ -65,13 +65,13 @@ def packed_batch(tokens: Tensor, cu_seqlens: list[int]) -> dict[str, Tensor]:
     }
 
 
-def build_tiny_gpt(seed: int = 1234, num_layers: int = 2) -> torch.nn.Module:
+def build_tiny_gpt(seed: int = 1234, num_layers: int = 2, vp_stage: Optional[int] = None) -> torch.nn.Module:
     """A 2-layer fp32 GPT (RoPE, GQA 4:2, SwiGLU, RMSNorm) with SAP core attention, built on CPU.
 
     Needs Megatron's parallel state initialized (e.g. by `initialize_sap_parallel`); the config
     carries its CP size and `cp_comm_type="sap"` as Megatron-LM's would. Under pipeline
     parallelism it is this rank's stage: its share of the layers, the embedding on the first
-    stage and the output layer on the last.
+    stage and the output layer on the last; with a virtual pipeline, its model chunk `vp_stage`.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -80,6 +80,8 @@ def build_tiny_gpt(seed: int = 1234, num_layers: int = 2) -> torch.nn.Module:
     from megatron_sap.megatron import get_gpt_layer_sap_spec, make_rotary_cpu_safe
 
     stages = parallel_state.get_pipeline_model_parallel_world_size()
+    whole_stage = vp_stage is None  # no virtual pipeline: the rank's stage is one chunk
+    chunk = {"ignore_virtual": True} if whole_stage else {"ignore_virtual": False, "vp_stage": vp_stage}
     config = TransformerConfig(
         num_layers=num_layers,
         hidden_size=64,
@@ -100,6 +102,7 @@ def build_tiny_gpt(seed: int = 1234, num_layers: int = 2) -> torch.nn.Module:
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
         cp_comm_type="sap",
         pipeline_model_parallel_size=stages,
+        virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         pipeline_dtype=torch.float32 if stages > 1 else None,
     )
     torch.manual_seed(seed)
@@ -109,8 +112,9 @@ def build_tiny_gpt(seed: int = 1234, num_layers: int = 2) -> torch.nn.Module:
         vocab_size=VOCAB_SIZE,
         max_sequence_length=4096,
         position_embedding_type="rope",
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        pre_process=parallel_state.is_pipeline_first_stage(**chunk),
+        post_process=parallel_state.is_pipeline_last_stage(**chunk),
+        **({} if whole_stage else {"vp_stage": vp_stage}),
     )
     make_rotary_cpu_safe(model.rotary_pos_emb)
     return model

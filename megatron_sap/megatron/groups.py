@@ -150,31 +150,39 @@ _PIPELINE_TWINS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # 
 
 
 def _pipeline_ranks() -> tuple[dist.ProcessGroup, int, list[int]]:
-    """This rank's pipeline group and the global ranks of its first stage and of its middle stages."""
+    """This rank's pipeline group, the global rank of its first stage and those of the stages
+    that receive documents from it (`receives_documents`)."""
     group = parallel_state.get_pipeline_model_parallel_group()
     first, last = parallel_state.get_pipeline_model_parallel_first_rank(), parallel_state.get_pipeline_model_parallel_last_rank()
-    return group, first, [r for r in dist.get_process_group_ranks(group) if r not in (first, last)]
+    virtual = (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
+    return group, first, [r for r in dist.get_process_group_ranks(group) if r != first and (virtual or r != last)]
 
 
-def has_middle_stages() -> bool:
-    """Whether Megatron's groups exist with more than two pipeline stages."""
-    return parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 2
+def documents_cross_stages() -> bool:
+    """Whether some rank's model chunk is given no batch by `pretrain_gpt.get_batch`, and so
+    needs the first stage's documents: with more than two pipeline stages (the middle ones),
+    or a virtual pipeline (every chunk but the first stage's first and the last stage's last)."""
+    return parallel_state.model_parallel_is_initialized() and (
+        parallel_state.get_pipeline_model_parallel_world_size() > 2
+        or (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
+    )
 
 
 def pipeline_host_group() -> Optional[tuple[dist.ProcessGroup, int, list[int]]]:
-    """A group of this rank's pipeline without its last stage, its first stage's global rank
-    and its middle stages' (neither first nor last): how the first stage hands each micro-batch's
-    documents to the stages that read no data. The group is a gloo one made by
-    `prepare_pipeline_host_group` (host to host; the last stage, which reads its own data, is
-    not in it), or the pipeline group itself where its collectives run on the CPU already. None
-    with fewer than three stages or before Megatron's groups exist; RuntimeError where the gloo
+    """A group of this rank's pipeline, its first stage's global rank, and the global ranks of
+    the stages that receive documents from it (the middle ones; with a virtual pipeline, all
+    but the first): how the first stage hands each micro-batch's documents to the model chunks
+    that read no data. The group is a gloo one of those ranks made by
+    `prepare_pipeline_host_group` (host to host), or the pipeline group itself where its
+    collectives run on the CPU already. None where no documents cross stages
+    (`documents_cross_stages`) or before Megatron's groups exist; RuntimeError where the gloo
     group was not made (made at the first micro-batch instead, the first stage would wait in it
-    for middle stages that wait for its activations)."""
-    if not has_middle_stages():
+    for stages that wait for its activations)."""
+    if not documents_cross_stages():
         return None
-    group, first, middle = _pipeline_ranks()
+    group, first, receivers = _pipeline_ranks()
     if collective_device(group).type == "cpu":
-        return group, first, middle
+        return group, first, receivers
     entry = _PIPELINE_TWINS.get(id(group))
     if entry is None or entry[0] is not group:
         raise RuntimeError(
@@ -182,22 +190,21 @@ def pipeline_host_group() -> Optional[tuple[dist.ProcessGroup, int, list[int]]]:
             "megatron_sap.megatron.groups.prepare_pipeline_host_group() on every rank right after it (the launcher, "
             "the fork patch and initialize_sap_parallel do)"
         )
-    return entry[1], first, middle
+    return entry[1], first, receivers
 
 
 def prepare_pipeline_host_group() -> None:
-    """Make the gloo groups `pipeline_host_group` returns, one per pipeline (its ranks but the
-    last stage's): on every rank of the job together, right after `initialize_model_parallel`
-    (a collective of all ranks: every rank makes every group, in one order, as Megatron makes
-    its own; a group made by its members alone would be named after how many groups each has,
-    which differs between stages). Nothing where there are no middle stages or the pipeline
-    group runs on the CPU."""
-    if not has_middle_stages():
+    """Make the gloo groups `pipeline_host_group` returns, one per pipeline: on every rank of
+    the job together, right after `initialize_model_parallel` (a collective of all ranks: every
+    rank makes every group, in one order, as Megatron makes its own; a group made by its
+    members alone would be named after how many groups each has, which differs between
+    stages). Nothing where no documents cross stages or the pipeline group runs on the CPU."""
+    if not documents_cross_stages():
         return
-    group, first, middle = _pipeline_ranks()
+    group, first, receivers = _pipeline_ranks()
     if collective_device(group).type == "cpu":
         return
-    mine = tuple(sorted([first, *middle]))
+    mine = tuple(sorted([first, *receivers]))
     pipelines: list[Optional[tuple[int, ...]]] = [None] * dist.get_world_size()
     dist.all_gather_object(pipelines, mine)
     for members in sorted(set(pipelines)):

@@ -14,7 +14,8 @@
   source), each micro-batch's documents (and the plan a loader worker made) are read from the
   data loader's host copy and sent to the other TP ranks host to host, so that the split plans,
   or finds the plan, without reading boundaries back from the GPU (`host_boundaries`); on the
-  first pipeline stage they also go to the middle stages (`stages.send_to_middle_stages`).
+  first pipeline stage they also go to the stages whose model chunks read no data
+  (`stages.send_documents`).
 * core_v0.16, whose `pretrain_gpt.get_batch` has a packed (THD) path:
   `megatron.training.utils.get_batch_on_this_tp_rank` makes an unpacked micro-batch a packed
   one (documents from `--reset-position-ids` restarts, else the whole row) so that `get_batch`
@@ -23,8 +24,9 @@
 * core_v0.13 to v0.15, whose `get_batch` has none: `megatron.training.utils.get_batch_on_this_cp_rank`
   becomes `sap_split_batch` over the same documents.
 * `GPTModel.forward`, called without packed parameters: it takes those of the batch the SAP
-  split made (core_v0.13 to v0.15, whose script passes none), and on a middle pipeline stage,
-  which `get_batch` gives nothing, those of the documents the first stage sends.
+  split made (core_v0.13 to v0.15, whose script passes none), and in a model chunk that
+  `get_batch` gives nothing (middle pipeline stages, virtual pipeline chunks), those of the
+  documents the first stage sends.
 * `get_gpt_heterogeneous_layer_spec` (in megatron-core, before `pretrain_gpt.py` or Megatron-LM's
   `gpt_builders` binds it by name): heterogeneous specs name their core attention directly,
   bypassing the providers, so it is swapped afterwards.
@@ -47,11 +49,11 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from .arguments import add_sap_args, chain_args_providers, sap_settings_from_args
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_packed_seq_params, sap_split_batch
-from .compat import MLA_ROPE_TABLE_REFUSED, mla_keeps_packed_rope_table, packed_get_batch
+from .compat import MLA_ROPE_TABLE_REFUSED, chunk_aware_get_batch, mla_keeps_packed_rope_table, packed_get_batch
 from .groups import prepare_pipeline_host_group, tensor_parallel_host_group
 from .loader import PLAN_KEY, PlannedDataset, adopt_loader_plan, host_boundaries, loader_plan_bytes, loader_planning
 from .rope import install_sap_rope
-from .stages import is_middle_stage, receive_from_first_stage, send_to_middle_stages
+from .stages import documents_for, reads_no_data, send_documents
 from .specs import swap_core_attention, use_sap_core_attention
 
 _INSTALLED = False
@@ -100,7 +102,7 @@ def configure_sap(args: Any) -> Optional[list[int]]:
     _refuse_unsupported(args)
     use_sap_core_attention()
     install_sap_rope()
-    install_gpt_forward_hook()  # the fork patch leaves GPTModel as it is: middle pipeline stages need it
+    install_gpt_forward_hook()  # the fork patch leaves GPTModel as it is: chunks that read no data need it
     # SAP attends within documents by cu_seqlens and drops any mask: do not build an S x S one per
     # sample (64 GiB at 128K tokens) in the data loader, nor broadcast it over TP.
     if getattr(args, "create_attention_mask_in_dataloader", False):
@@ -151,10 +153,11 @@ def _refuse_unsupported(args: Any) -> None:
         )
     if getattr(args, "hybrid_context_parallel", False):
         raise ValueError("SAP replaces context parallelism; it cannot run with --hybrid-context-parallel")
-    if pp > 1 and getattr(args, "virtual_pipeline_model_parallel_size", None):
+    if pp > 1 and getattr(args, "virtual_pipeline_model_parallel_size", None) and not chunk_aware_get_batch():
         raise ValueError(
-            "SAP does not support a virtual (interleaved) pipeline (--num-layers-per-virtual-pipeline-stage / "
-            "--num-virtual-stages-per-pipeline-rank): its middle model chunks get no packed-sequence parameters"
+            "SAP supports a virtual (interleaved) pipeline (--num-layers-per-virtual-pipeline-stage / "
+            "--num-virtual-stages-per-pipeline-rank) from Megatron-LM core_v0.15: before, get_batch gives every model "
+            "chunk of the first and last stages a batch of its own"
         )
     if getattr(args, "sft", False) and tp > 1 and packed_get_batch():
         raise ValueError(
@@ -325,7 +328,7 @@ def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], A
         if recorder is not None:
             found = (host_boundaries(recorder.item, reset), loader_plan_bytes(recorder.item))
         documents, plan_bytes = _share_with_tp_ranks(found, host_group)
-        send_to_middle_stages(documents, plan_bytes)
+        send_documents(documents, plan_bytes)
         adopt_loader_plan(plan_bytes, documents)
         if pack:
             batch = pack_unpacked_batch(batch, reset, documents)
@@ -433,8 +436,9 @@ def wrap_gpt_forward(forward: Callable, get_args: Callable[[], Any] = _megatron_
     """`GPTModel.forward` that, called with SAP on and no `packed_seq_params`, takes the
     micro-batch's: those of the batch the SAP split made (`wrap_get_batch_on_this_cp_rank`:
     `pretrain_gpt.py` before core_v0.16 calls the model without them), found by its tokens or
-    labels; on a middle pipeline stage, which gets neither, those of the documents its first
-    stage sends (`stages.receive_from_first_stage`). A function wrapped already is returned as
+    labels; in a model chunk that reads no data (`stages.reads_no_data`: a middle pipeline stage,
+    a virtual pipeline chunk), those of the documents its first stage sends
+    (`stages.documents_for`). A function wrapped already is returned as
     it is."""
     if getattr(forward, "_sap_hook", False):
         return forward
@@ -461,11 +465,13 @@ def _micro_batch_params(arguments: dict[str, Any], get_args: Callable[[], Any]) 
         if isinstance(value, torch.Tensor):
             params = _SPLIT_PARAMS.get(value)
             return params if params is not None and sap_requested(get_args()) else None
-    if not is_middle_stage() or not sap_requested(get_args()):
+    model = arguments["self"]
+    chunk = getattr(model, "vp_stage", None)
+    if not reads_no_data(chunk) or not sap_requested(get_args()):
         return None
-    documents, plan_bytes = receive_from_first_stage()
+    documents, plan_bytes = documents_for(chunk)
     adopt_loader_plan(plan_bytes, documents)
-    parameter = next(arguments["self"].parameters(), None)
+    parameter = next(model.parameters(), None)
     return sap_packed_seq_params(documents, torch.device("cpu") if parameter is None else parameter.device)
 
 
