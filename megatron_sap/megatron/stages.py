@@ -19,6 +19,7 @@ fails the others instead of hanging them.
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -35,12 +36,15 @@ MAX_PENDING = 256  # sends kept in flight at most; beyond, the oldest is waited 
 Documents = tuple[list[int], Optional[bytes]]  # a micro-batch's cu_seqlens (on the host) and pickled plan
 
 
+@dataclass
 class _Inbox:
     """One rank's documents of the micro-batches its chunks that read no data have not all
     taken yet: `held[i]` is micro-batch `first + i`; `taken[chunk]` counts what a chunk took."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group, self.held, self.first, self.taken = group, [], 0, {}
+    group: dist.ProcessGroup  # the pipeline group it is for
+    held: list[Documents] = field(default_factory=list)
+    first: int = 0
+    taken: dict[int, int] = field(default_factory=dict)
 
 
 _INBOXES: dict[int, _Inbox] = {}  # id(pipeline group) -> its inbox on this rank
@@ -103,7 +107,7 @@ def documents_for(chunk: Optional[int]) -> Documents:
         inbox.held.append(_receive())
     documents, plan_bytes = inbox.held[index - inbox.first]
     # Drop what every chunk of this rank that reads no data has taken.
-    needing = [c for c in range(_chunks()) if reads_no_data(c if _chunks() > 1 else None)]
+    needing = [c for c in range(_chunks()) if reads_no_data(c)]
     done = min(inbox.taken.get(c, 0) for c in needing)
     del inbox.held[: max(done - inbox.first, 0)]
     inbox.first = max(inbox.first, done)
