@@ -118,11 +118,9 @@ def test_middle_pipeline_stages_keep_documents_apart(pool6) -> None:
 
 
 def run_host_group_rank(rank: int, world_size: int) -> dict:
-    """With the pipeline group's collectives on a GPU (faked: its device reported as CUDA), the
-    documents go over a gloo group of the first and middle stages made after the groups; asked
-    for when it was not made, it raises."""
-    from unittest import mock
-
+    """The documents go over a gloo group of the first and middle stages made after the groups
+    (not the pipeline group, whose activations would meet them); asked for when it was not
+    made, it raises."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -131,25 +129,26 @@ def run_host_group_rank(rank: int, world_size: int) -> dict:
 
     rows = [[0, 5, 8], [0, 8], [0, 1, 2, 8]]
     found: dict = {}
-    with mock.patch.object(groups, "collective_device", lambda group: torch.device("cuda")):
-        try:
-            initialize_sap_parallel(inner_size=1, outer_size=2, pipeline_model_parallel_size=3)
-            stage = parallel_state.get_pipeline_model_parallel_rank()
-            if stage < 2:  # the last stage reads its own data and never joins
-                found["members"] = dist.get_process_group_ranks(groups.pipeline_host_group()[0])
-            for cu in rows:
-                if stage == 0:
-                    send_documents(cu, b"plan")
-                elif stage == 1:
-                    found.setdefault("received", []).append(documents_for(None))
-            parallel_state.destroy_model_parallel()
-            parallel_state.initialize_model_parallel(1, 3, context_parallel_size=2)  # nothing made after it
-            if stage < 2:
-                with pytest.raises(RuntimeError, match="prepare_pipeline_host_group") as error:
-                    groups.pipeline_host_group()
-                found["unprepared"] = str(error.value)
-        finally:
-            parallel_state.destroy_model_parallel()
+    try:
+        initialize_sap_parallel(inner_size=1, outer_size=2, pipeline_model_parallel_size=3)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        if stage < 2:  # the last stage reads its own data and never joins
+            host = groups.pipeline_host_group()[0]
+            found["members"] = dist.get_process_group_ranks(host)
+            found["own group"] = host is not parallel_state.get_pipeline_model_parallel_group()
+        for cu in rows:
+            if stage == 0:
+                send_documents(cu, b"plan")
+            elif stage == 1:
+                found.setdefault("received", []).append(documents_for(None))
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(1, 3, context_parallel_size=2)  # nothing made after it
+        if stage < 2:
+            with pytest.raises(RuntimeError, match="prepare_pipeline_host_group") as error:
+                groups.pipeline_host_group()
+            found["unprepared"] = str(error.value)
+    finally:
+        parallel_state.destroy_model_parallel()
     return {"stage": stage, **found}
 
 
@@ -159,7 +158,7 @@ def test_documents_go_over_a_host_group_of_the_first_and_middle_stages(pool6) ->
         pipeline = [rank % 2, rank % 2 + 2, rank % 2 + 4]  # PP outermost: stage s of column c is rank c + 2s
         assert r["stage"] == pipeline.index(rank)
         if r["stage"] < 2:
-            assert r["members"] == pipeline[:2] and "prepare_pipeline_host_group" in r["unprepared"]
+            assert r["members"] == pipeline[:2] and r["own group"] and "prepare_pipeline_host_group" in r["unprepared"]
         if r["stage"] == 1:
             assert r["received"] == [(cu, b"plan") for cu in ([0, 5, 8], [0, 8], [0, 1, 2, 8])]
 
@@ -169,7 +168,6 @@ def run_silent_first_stage_rank(rank: int, world_size: int) -> dict:
     timeout (here 3 s) instead of waiting for ever."""
     import datetime
     import time
-    from unittest import mock
 
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -178,22 +176,21 @@ def run_silent_first_stage_rank(rank: int, world_size: int) -> dict:
     from megatron_sap.megatron.stages import documents_for
 
     found: dict = {}
-    with mock.patch.object(groups, "collective_device", lambda group: torch.device("cuda")):
-        try:
-            initialize_sap_parallel(inner_size=1, outer_size=2, pipeline_model_parallel_size=3)
-            stage = parallel_state.get_pipeline_model_parallel_rank()
-            pipeline = parallel_state.get_pipeline_model_parallel_group()
-            for column in (0, 1):  # the host groups again, with a short timeout (made by every rank, in one order)
-                short = dist.new_group([column, column + 2], backend="gloo", timeout=datetime.timedelta(seconds=3))
-                if rank % 2 == column:
-                    groups._PIPELINE_TWINS[id(pipeline)] = (pipeline, short)
-            if stage == 1:
-                start = time.monotonic()
-                with pytest.raises(RuntimeError):
-                    documents_for(None)
-                found["waited_s"] = time.monotonic() - start
-        finally:
-            parallel_state.destroy_model_parallel()
+    try:
+        initialize_sap_parallel(inner_size=1, outer_size=2, pipeline_model_parallel_size=3)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        pipeline = parallel_state.get_pipeline_model_parallel_group()
+        for column in (0, 1):  # the host groups again, with a short timeout (made by every rank, in one order)
+            short = dist.new_group([column, column + 2], backend="gloo", timeout=datetime.timedelta(seconds=3))
+            if rank % 2 == column:
+                groups._PIPELINE_TWINS[id(pipeline)] = (pipeline, short)
+        if stage == 1:
+            start = time.monotonic()
+            with pytest.raises(RuntimeError):
+                documents_for(None)
+            found["waited_s"] = time.monotonic() - start
+    finally:
+        parallel_state.destroy_model_parallel()
     return found
 
 

@@ -40,12 +40,12 @@ def _flags(cp: int) -> list[str]:
             "--no-gradient-accumulation-fusion").split()
 
 
-def _sample() -> dict:
-    """The packed row: three documents, position ids restarting at each (as GPTDataset gives them
-    with --reset-position-ids)."""
+def _sample(documents: tuple[int, ...] = DOCUMENTS) -> dict:
+    """The packed row: three documents (`documents`: their cu_seqlens), position ids restarting
+    at each (as GPTDataset gives them with --reset-position-ids)."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (1, ROW + 1), generator=generator)
-    positions = torch.cat([torch.arange(b - a) for a, b in zip(DOCUMENTS, DOCUMENTS[1:])]).unsqueeze(0)
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(documents, documents[1:])]).unsqueeze(0)
     return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, ROW), "position_ids": positions}
 
 
@@ -247,7 +247,7 @@ def run_pipeline_rank(rank: int, world_size: int) -> dict:
     return losses
 
 
-def _documents_one_at_a_time(models: list, sample: dict) -> float:
+def _documents_one_at_a_time(models: list, sample: dict, documents: tuple[int, ...] = DOCUMENTS) -> float:
     """The summed loss of the row's documents run one at a time through this rank's model
     chunks, each called directly (a single sequence: no packed parameters anywhere); on the
     last stage, else 0."""
@@ -257,7 +257,7 @@ def _documents_one_at_a_time(models: list, sample: dict) -> float:
     first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
     total = 0.0
     with torch.no_grad():
-        for a, b in zip(DOCUMENTS, DOCUMENTS[1:]):
+        for a, b in zip(documents, documents[1:]):
             for chunk, model in enumerate(models):
                 _take_input(model, b - a, chunk)
                 if first and chunk == 0:
@@ -292,3 +292,91 @@ def test_pretrain_gpt_through_three_pipeline_stages(pool6) -> None:
             shares = [r[(tp, cp, chunks)] for r in results if (tp, cp, chunks) in r]
             assert len(shares) == 2 and sum(count for _, count in shares) == ROW
             assert abs(sum(loss for loss, _ in shares) - reference) <= 1e-5 * abs(reference)
+
+
+OTHER_DOCUMENTS = (0, 9, 50, ROW)
+
+
+@contextlib.contextmanager
+def _schedule_on_cpu() -> Iterator[None]:
+    """Megatron-Core's pipeline schedules on the CPU: the tensors they put on "cuda" on the CPU,
+    their device syncs no-ops."""
+    def on_cpu(make):
+        def made(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return make(*args, **kwargs)
+        return made
+
+    with mock.patch.object(torch, "zeros", on_cpu(torch.zeros)), mock.patch.object(torch, "empty", on_cpu(torch.empty)), \
+            mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None):
+        yield
+
+
+def run_interleaved_schedule_rank(rank: int, world_size: int) -> dict:
+    """Megatron-Core's interleaved pipeline schedule itself (forward only) over three stages of
+    two model chunks, the script's `forward_step`, three micro-batches (the row, a row of other
+    documents, the row again), at CP 1 and CP 2: each micro-batch's summed loss on the last
+    stage's ranks, and at CP 1 the documents' run one at a time through the same chunks."""
+    sys.path.insert(0, MEGATRON_LM)
+    from megatron_sap.megatron.hooks import install_training_hooks
+
+    install_training_hooks()
+    import pretrain_gpt
+    from megatron.core import mpu
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_sap.megatron.demo_train import build_tiny_gpt
+    from megatron_sap.megatron.options import reset_sap_options
+
+    torch.set_num_threads(1)
+    layouts = (DOCUMENTS, OTHER_DOCUMENTS, DOCUMENTS)
+    rows = [_sample(documents) for documents in layouts]
+    found: dict = {}
+    with _on_cpu():
+        for cp in (1, 2):
+            flags = [*_flags(cp), "--pipeline-model-parallel-size", "3", "--num-layers-per-virtual-pipeline-stage", "1"]
+            flags[flags.index("--num-layers") + 1] = "6"
+            _set_args(flags, rank, world_size)
+            try:
+                mpu.initialize_model_parallel(1, 3, 2, context_parallel_size=cp)
+                models = [build_tiny_gpt(num_layers=6, vp_stage=chunk) for chunk in (0, 1)]
+                data = [iter([dict(row) for row in rows]) for _ in models]  # one iterator per chunk, as Megatron-LM's
+                with torch.no_grad(), _schedule_on_cpu():
+                    losses = get_forward_backward_func()(
+                        forward_step_func=pretrain_gpt.forward_step, data_iterator=data, model=models,
+                        num_microbatches=len(rows), seq_length=ROW, micro_batch_size=1, forward_only=True)
+                if losses:
+                    found[cp] = [float(loss["lm loss"][0]) for loss in losses]
+                if cp == 1:
+                    references = [_documents_one_at_a_time(models, row, documents) for row, documents in zip(rows, layouts)]
+                    if mpu.is_pipeline_last_stage(ignore_virtual=True):
+                        found["documents"] = references
+            finally:
+                mpu.destroy_model_parallel()
+                reset_sap_options()
+    return found
+
+
+def test_interleaved_schedule_through_the_hooks(pool6) -> None:
+    """The real interleaved schedule runs each rank's chunks in its own order (several
+    micro-batches through chunk 0 before chunk 1); every micro-batch's loss is its documents'
+    one at a time, at CP 1 and summed over the CP ranks at CP 2."""
+    from megatron_sap.megatron.compat import chunk_aware_get_batch
+
+    if not chunk_aware_get_batch():
+        pytest.skip("virtual pipelines are refused before core_v0.15")
+    results = pool6.run(run_interleaved_schedule_rank)
+    references = [r["documents"] for r in results if "documents" in r]
+    assert len(references) == 2 and references[0] == references[1]
+    reference = references[0]
+    assert reference[0] == reference[2] and reference[0] != reference[1]
+    for cp in (1, 2):
+        per_rank = [r[cp] for r in results if cp in r]
+        assert len(per_rank) == 2
+        if cp == 1:  # two data-parallel replicas, the whole row each
+            for losses in per_rank:
+                assert all(abs(loss - ref) <= 1e-5 * abs(ref) for loss, ref in zip(losses, reference)), (losses, reference)
+        else:  # each CP rank its share
+            sums = [a + b for a, b in zip(*per_rank)]
+            assert all(abs(total - ref) <= 1e-5 * abs(ref) for total, ref in zip(sums, reference)), (sums, reference)

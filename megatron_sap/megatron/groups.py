@@ -173,16 +173,14 @@ def pipeline_host_group() -> Optional[tuple[dist.ProcessGroup, int, list[int]]]:
     the stages that receive documents from it (the middle ones; with a virtual pipeline, all
     but the first): how the first stage hands each micro-batch's documents to the model chunks
     that read no data. The group is a gloo one of those ranks made by
-    `prepare_pipeline_host_group` (host to host), or the pipeline group itself where its
-    collectives run on the CPU already. None where no documents cross stages
-    (`documents_cross_stages`) or before Megatron's groups exist; RuntimeError where the gloo
-    group was not made (made at the first micro-batch instead, the first stage would wait in it
-    for stages that wait for its activations)."""
+    `prepare_pipeline_host_group` (host to host, and apart from the pipeline group, whose
+    point-to-point messages of activations on gloo would otherwise meet these). None where no
+    documents cross stages (`documents_cross_stages`) or before Megatron's groups exist;
+    RuntimeError where the gloo group was not made (made at the first micro-batch instead, the
+    first stage would wait in it for stages that wait for its activations)."""
     if not documents_cross_stages():
         return None
     group, first, receivers = _pipeline_ranks()
-    if collective_device(group).type == "cpu":
-        return group, first, receivers
     entry = _PIPELINE_TWINS.get(id(group))
     if entry is None or entry[0] is not group:
         raise RuntimeError(
@@ -198,12 +196,10 @@ def prepare_pipeline_host_group() -> None:
     the job together, right after `initialize_model_parallel` (a collective of all ranks: every
     rank makes every group, in one order, as Megatron makes its own; a group made by its
     members alone would be named after how many groups each has, which differs between
-    stages). Nothing where no documents cross stages or the pipeline group runs on the CPU."""
+    stages). Nothing where no documents cross stages."""
     if not documents_cross_stages():
         return
     group, first, receivers = _pipeline_ranks()
-    if collective_device(group).type == "cpu":
-        return
     mine = tuple(sorted([first, *receivers]))
     pipelines: list[Optional[tuple[int, ...]]] = [None] * dist.get_world_size()
     dist.all_gather_object(pipelines, mine)
