@@ -126,7 +126,10 @@ def host_twin(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A gloo group of `group`'s ranks, for small collectives of host values that should not
     wait for the GPU (`group` itself where its collectives run on the CPU already, or where
     torch cannot make a group of some ranks only), with its timeout. Made at first use, by the
-    group's ranks together, and again for a group rebuilt since."""
+    group's ranks together, and again for a group rebuilt since. Torch names a group its ranks
+    make alone after how many groups each has made: this holds for the TP and CP groups, whose
+    ranks share a pipeline stage and so have made the same groups (not for a pipeline's ranks:
+    `prepare_pipeline_host_group`)."""
     if collective_device(group).type == "cpu" or not _LOCAL_GROUPS:
         return group
     entry = _HOST_TWINS.get(id(group))
