@@ -24,14 +24,38 @@ DOC_LENGTHS = (301, 17, 64, 95, 1, 34)  # 512 tokens
 HIDDEN = 64  # build_tiny_gpt's
 
 
+def _rows() -> tuple[torch.Tensor, list[int], dict, dict]:
+    """Tokens and cu_seqlens of the packed row of real documents, the row, and the row with its
+    first document's tokens changed."""
+    from megatron_sap.megatron.demo_train import packed_batch, stdlib_documents
+
+    tokens, cu = stdlib_documents(DOC_LENGTHS)
+    row = packed_batch(tokens, cu)
+    changed = dict(row, tokens=row["tokens"].clone())
+    changed["tokens"][0, : cu[1]] = (changed["tokens"][0, : cu[1]] + 7) % 256
+    return tokens, cu, row, changed
+
+
+def _last_stage_losses(model, row: dict, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last stage's split of `row` (labels and loss mask) through `model`: (global position of
+    each local token, its loss)."""
+    from megatron_sap.megatron import resolve_groups, sap_split_batch
+    from megatron_sap.megatron.plans import plan_for
+
+    local, params = sap_split_batch({"labels": row["labels"], "loss_mask": row["loss_mask"]}, cu)
+    per_token = model(None, None, None, labels=local["labels"], packed_seq_params=params)
+    groups = resolve_groups(None)
+    indices = plan_for(torch.tensor(cu, dtype=torch.int32), groups).local_indices(0 if groups is None else groups.cp_rank)
+    return indices, per_token.detach()[0]
+
+
 def _run_stages(model, row: dict, cu: list[int], hooked_middle: bool):
     """This rank's stage of one forward pass of `row`; on the last stage (global position of each
     local token, its loss), elsewhere None."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_sap.megatron import resolve_groups, sap_split_batch
-    from megatron_sap.megatron.plans import plan_for
+    from megatron_sap.megatron import sap_split_batch
     from megatron_sap.megatron.stages import send_documents
 
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
@@ -51,11 +75,7 @@ def _run_stages(model, row: dict, cu: list[int], hooked_middle: bool):
         hidden = forward(model, None, None, None)  # pretrain_gpt.py's call on a middle stage
         dist.send(hidden.detach().contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
         return None
-    local, params = sap_split_batch({"labels": row["labels"], "loss_mask": row["loss_mask"]}, cu)
-    per_token = model(None, None, None, labels=local["labels"], packed_seq_params=params)
-    groups = resolve_groups(None)
-    indices = plan_for(torch.tensor(cu, dtype=torch.int32), groups).local_indices(0 if groups is None else groups.cp_rank)
-    return indices, per_token.detach()[0]
+    return _last_stage_losses(model, row, cu)
 
 
 def run_pipeline_rank(rank: int, world_size: int) -> dict:
@@ -67,14 +87,11 @@ def run_pipeline_rank(rank: int, world_size: int) -> dict:
     from megatron.core.models.gpt import GPTModel
 
     from megatron_sap.megatron import initialize_sap_parallel
-    from megatron_sap.megatron.demo_train import build_tiny_gpt, packed_batch, stdlib_documents
+    from megatron_sap.megatron.demo_train import build_tiny_gpt
     from megatron_sap.megatron.hooks import wrap_gpt_forward
 
     torch.set_num_threads(1)
-    tokens, cu = stdlib_documents(DOC_LENGTHS)
-    row = packed_batch(tokens, cu)
-    changed = dict(row, tokens=row["tokens"].clone())
-    changed["tokens"][0, : cu[1]] = (changed["tokens"][0, : cu[1]] + 7) % 256
+    tokens, cu, row, changed = _rows()
     args = SimpleNamespace(cp_comm_type="sap")
     original = GPTModel.forward
     GPTModel.forward = wrap_gpt_forward(original, get_args=lambda: args)
@@ -210,8 +227,7 @@ def _run_interleaved(models: list, rows: list[tuple[dict, list[int]]]) -> list:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_sap.megatron import resolve_groups, sap_split_batch
-    from megatron_sap.megatron.plans import plan_for
+    from megatron_sap.megatron import sap_split_batch
     from megatron_sap.megatron.stages import send_documents
 
     stage, stages = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size()
@@ -228,12 +244,7 @@ def _run_interleaved(models: list, rows: list[tuple[dict, list[int]]]) -> list:
                 dist.recv(received, parallel_state.get_pipeline_model_parallel_prev_rank())
                 model.set_input_tensor(received)
                 if stage == stages - 1 and chunk == len(models) - 1:
-                    local, params = sap_split_batch({"labels": row["labels"], "loss_mask": row["loss_mask"]}, cu)
-                    per_token = model(None, None, None, labels=local["labels"], packed_seq_params=params)
-                    groups = resolve_groups(None)
-                    indices = plan_for(torch.tensor(cu, dtype=torch.int32), groups).local_indices(
-                        0 if groups is None else groups.cp_rank)
-                    losses.append((indices, per_token.detach()[0]))
+                    losses.append(_last_stage_losses(model, row, cu))
                     continue
                 output = model(None, None, None)  # a chunk get_batch gives nothing
             output = output.detach().contiguous()
@@ -253,14 +264,11 @@ def run_interleaved_rank(rank: int, world_size: int) -> dict:
     from megatron.core.models.gpt import GPTModel
 
     from megatron_sap.megatron import initialize_sap_parallel
-    from megatron_sap.megatron.demo_train import build_tiny_gpt, packed_batch, stdlib_documents
+    from megatron_sap.megatron.demo_train import build_tiny_gpt, packed_batch
     from megatron_sap.megatron.hooks import wrap_gpt_forward
 
     torch.set_num_threads(1)
-    tokens, cu = stdlib_documents(DOC_LENGTHS)
-    row = packed_batch(tokens, cu)
-    changed = dict(row, tokens=row["tokens"].clone())
-    changed["tokens"][0, : cu[1]] = (changed["tokens"][0, : cu[1]] + 7) % 256
+    tokens, cu, row, changed = _rows()
     other = [0, *cu[2:]]  # a row of other documents after them: each micro-batch must take its own
     args = SimpleNamespace(cp_comm_type="sap")
     original = GPTModel.forward

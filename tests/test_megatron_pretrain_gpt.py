@@ -73,6 +73,17 @@ def _set_args(flags: list[str], rank: int, world_size: int) -> object:
     return args
 
 
+def _hooked_pretrain_gpt():
+    """The checkout's `pretrain_gpt` module, imported with the SAP training hooks installed."""
+    sys.path.insert(0, MEGATRON_LM)
+    from megatron_sap.megatron.hooks import install_training_hooks
+
+    install_training_hooks()
+    import pretrain_gpt
+
+    return pretrain_gpt
+
+
 def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None = None) -> dict:
     """(summed loss, loss tokens) of this rank's share of the row at CP 1 (every rank alone) and at
     CP 2, from the script's `forward_step` and loss function; and the summed loss of the
@@ -202,11 +213,7 @@ def run_pipeline_rank(rank: int, world_size: int) -> dict:
     `PIPELINE_LAYOUTS` the release runs, on the last stage's ranks. Only the first stage's first
     chunk and the last stage's last read data: the others' documents come from the first stage
     through the hooks."""
-    sys.path.insert(0, MEGATRON_LM)
-    from megatron_sap.megatron.hooks import install_training_hooks
-
-    install_training_hooks()
-    import pretrain_gpt
+    pretrain_gpt = _hooked_pretrain_gpt()
     from megatron.core import mpu
 
     from megatron_sap.megatron.compat import chunk_aware_get_batch
@@ -318,11 +325,7 @@ def run_interleaved_schedule_rank(rank: int, world_size: int) -> dict:
     two model chunks, the script's `forward_step`, three micro-batches (the row, a row of other
     documents, the row again), at CP 1 and CP 2: each micro-batch's summed loss on the last
     stage's ranks, and at CP 1 the documents' run one at a time through the same chunks."""
-    sys.path.insert(0, MEGATRON_LM)
-    from megatron_sap.megatron.hooks import install_training_hooks
-
-    install_training_hooks()
-    import pretrain_gpt
+    pretrain_gpt = _hooked_pretrain_gpt()
     from megatron.core import mpu
     from megatron.core.pipeline_parallel import get_forward_backward_func
 

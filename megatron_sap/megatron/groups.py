@@ -154,7 +154,8 @@ _PIPELINE_TWINS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # 
 
 def _pipeline_ranks() -> tuple[dist.ProcessGroup, int, list[int]]:
     """This rank's pipeline group, the global rank of its first stage and those of the stages
-    that receive documents from it (`receives_documents`)."""
+    that receive documents from it: the middle ones, and with a virtual pipeline the last too
+    (its chunks but the last read no data)."""
     group = parallel_state.get_pipeline_model_parallel_group()
     first, last = parallel_state.get_pipeline_model_parallel_first_rank(), parallel_state.get_pipeline_model_parallel_last_rank()
     virtual = (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
