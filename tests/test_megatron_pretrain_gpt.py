@@ -383,3 +383,127 @@ def test_interleaved_schedule_through_the_hooks(pool6) -> None:
         else:  # each CP rank its share
             sums = [a + b for a, b in zip(*per_rank)]
             assert all(abs(total - ref) <= 1e-5 * abs(ref) for total, ref in zip(sums, reference)), (sums, reference)
+
+
+def _grads(models: list) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, by chunk and name (zeros where it has none)."""
+    return {f"{chunk}.{name}": (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+            for chunk, model in enumerate(models) for name, p in model.named_parameters()}
+
+
+def _documents_backward_one_at_a_time(models: list, rows: list[dict], layouts: list[tuple[int, ...]]) -> None:
+    """Backpropagate the summed loss of every row's documents, each run alone through this rank's
+    model chunks (activations and their gradients passed by hand), into the parameters' grads."""
+    import torch.distributed as dist
+    from megatron.core import mpu
+
+    forward = type(models[0]).forward.__wrapped__  # Megatron's own, without the hooks
+    first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
+    chunks = len(models)
+    for row, documents in zip(rows, layouts):
+        for a, b in zip(documents, documents[1:]):
+            inputs, outputs = [], []
+            for chunk, model in enumerate(models):
+                hidden = None
+                if not (first and chunk == 0):
+                    hidden = torch.empty(b - a, 1, 64)
+                    dist.recv(hidden, mpu.get_pipeline_model_parallel_prev_rank())
+                    hidden.requires_grad_()
+                    model.set_input_tensor(hidden)
+                if first and chunk == 0:
+                    output = forward(model, row["tokens"][:, a:b], row["position_ids"][:, a:b], None)
+                else:
+                    labels = row["labels"][:, a:b] if last and chunk == chunks - 1 else None
+                    output = forward(model, None, None, None, labels=labels)
+                _pass_on(output.detach(), chunk, chunks)
+                inputs.append(hidden)
+                outputs.append(output)
+            for chunk in reversed(range(chunks)):
+                if last and chunk == chunks - 1:
+                    outputs[chunk].sum().backward()
+                else:
+                    grad = torch.empty_like(outputs[chunk])
+                    dist.recv(grad, mpu.get_pipeline_model_parallel_next_rank())
+                    outputs[chunk].backward(grad)
+                if inputs[chunk] is not None:
+                    dist.send(inputs[chunk].grad.contiguous(), mpu.get_pipeline_model_parallel_prev_rank())
+
+
+def run_schedule_backward_rank(rank: int, world_size: int) -> dict:
+    """Megatron-Core's pipeline schedule forward and backward over three stages (one model chunk
+    each, or two in the interleaved schedule from core_v0.15), three micro-batches of two document
+    layouts, the script's `forward_step`, summed per-token loss, per layout of `PIPELINE_LAYOUTS`:
+    this rank's pipeline stage and parameter gradients, and at CP 1 the gradients of the
+    documents run one at a time through the same chunks."""
+    pretrain_gpt = _hooked_pretrain_gpt()
+    from megatron.core import mpu
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_sap.megatron.compat import chunk_aware_get_batch
+    from megatron_sap.megatron.demo_train import build_tiny_gpt
+    from megatron_sap.megatron.options import reset_sap_options
+
+    torch.set_num_threads(1)
+    layouts = [DOCUMENTS, OTHER_DOCUMENTS, DOCUMENTS]
+    rows = [_sample(documents) for documents in layouts]
+    found: dict = {}
+    with _on_cpu():
+        for tp, cp, chunks in PIPELINE_LAYOUTS:
+            if chunks > 1 and not chunk_aware_get_batch():
+                continue  # refused before core_v0.15
+            flags = [*_flags(cp), "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", "3"]
+            flags[flags.index("--num-layers") + 1] = str(3 * chunks)
+            if chunks > 1:
+                flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
+            _set_args(flags, rank, world_size)
+            try:
+                mpu.initialize_model_parallel(tp, 3, chunks if chunks > 1 else None, context_parallel_size=cp)
+                models = [build_tiny_gpt(num_layers=3 * chunks, vp_stage=c if chunks > 1 else None) for c in range(chunks)]
+                for model in models:
+                    model.config.calculate_per_token_loss = True  # as Megatron-LM sets it from the flag
+                data = [iter([dict(row) for row in rows]) for _ in models]  # one iterator per chunk, as Megatron-LM's
+                with _schedule_on_cpu():
+                    get_forward_backward_func()(
+                        forward_step_func=pretrain_gpt.forward_step, data_iterator=data, model=models,
+                        num_microbatches=len(rows), seq_length=ROW, micro_batch_size=1, forward_only=False)
+                stage = mpu.get_pipeline_model_parallel_rank()
+                found[(tp, cp, chunks)] = (stage, _grads(models))
+                if cp == 1:
+                    for model in models:
+                        model.zero_grad(set_to_none=True)
+                    _documents_backward_one_at_a_time(models, rows, layouts)
+                    found[("documents", tp, chunks)] = _grads(models)
+            finally:
+                mpu.destroy_model_parallel()
+                reset_sap_options()
+    return found
+
+
+def _differ(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> list[str]:
+    """The parameters whose gradients differ from the reference's by more than float32 noise."""
+    assert grads.keys() == reference.keys()
+    return [name for name, g in grads.items()
+            if not torch.allclose(g, reference[name], rtol=1e-4, atol=1e-5 * float(reference[name].abs().max()) + 1e-7)]
+
+
+def test_pipeline_schedules_backward_through_the_hooks(pool6) -> None:
+    """Training steps through Megatron-Core's own pipeline schedules (three stages, and two chunks
+    per stage interleaved from core_v0.15): at CP 1, at TP 1 and TP 2, every parameter's gradient
+    equals that of the documents run one at a time through the same chunks; at CP 2 the two CP
+    ranks' gradients add up to CP 1's, on every stage."""
+    from megatron_sap.megatron.compat import chunk_aware_get_batch
+
+    results = pool6.run(run_schedule_backward_rank)
+    for tp, cp, chunks in [layout for layout in PIPELINE_LAYOUTS if layout[2] == 1 or chunk_aware_get_batch()]:
+        found = [r[(tp, cp, chunks)] for r in results]
+        assert sorted(stage for stage, _ in found) == [0, 0, 1, 1, 2, 2]
+        if cp == 1:
+            for r, (_, grads) in zip(results, found):
+                assert any(float(g.abs().max()) > 0 for g in grads.values())
+                assert not _differ(grads, r[("documents", tp, chunks)]), (tp, chunks, _differ(grads, r[("documents", tp, chunks)]))
+            continue
+        whole = {stage: grads for stage, grads in (r[(1, 1, chunks)] for r in results)}
+        for stage in range(3):
+            shares = [grads for s, grads in found if s == stage]
+            summed = {name: shares[0][name] + shares[1][name] for name in shares[0]}
+            assert not _differ(summed, whole[stage]), (chunks, stage, _differ(summed, whole[stage]))
