@@ -5,9 +5,9 @@ RMSNorm, 2 layers, fp32, CPU) runs a packed row of real documents (byte-tokenise
 stdlib sources, one of them a single token) once with CP=1 and plain varlen attention, and once
 on 4 gloo ranks with SAP (1x4 and 2x2). Per-token losses, the all-reduced gradients of every
 parameter, and the parameters after three Adam steps must agree to float32 tolerance. With
-tensor parallelism 2 beside SAP (CP 2), the loss curve must match CP=1. Megatron-LM's pre-0.16
-flow through the hooks, multi-latent attention and mixture-of-experts MLPs give CP=1's per-token
-losses and gradients at CP 4.
+tensor parallelism 2 beside SAP (CP 2), with and without sequence parallelism, the loss curve
+must match CP=1. Megatron-LM's pre-0.16 flow through the hooks, multi-latent attention and
+mixture-of-experts MLPs give CP=1's per-token losses and gradients at CP 4.
 """
 from __future__ import annotations
 
@@ -120,6 +120,34 @@ def test_gpt_tp2_with_sap_trains_like_cp1(pool4, inner: int, outer: int) -> None
     for reference, tp_reference, sap in pool4.run(run_tp_rank, inner, outer):
         torch.testing.assert_close(torch.tensor(sap), torch.tensor(tp_reference), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(sap), torch.tensor(reference), rtol=2e-3, atol=1e-6)
+
+
+def run_sequence_parallel_rank(rank: int, world_size: int, inner: int, outer: int) -> tuple[list[float], list[float]]:
+    """Loss curves: TP=2 without CP or sequence parallelism, then TP=2 with sequence parallelism and
+    SAP over CP = inner*outer."""
+    import contextlib
+    from unittest import mock
+
+    from megatron.core import tensor_parallel
+
+    from megatron_sap.megatron.demo_train import train_sap
+
+    torch.set_num_threads(1)
+    reference = train_sap(1, 1, STEPS, tensor_parallel=2)
+    no_cuda_rng = mock.Mock(fork=lambda *a, **k: contextlib.nullcontext())  # dropout is off; CUDA RNG states need a GPU
+    # The sequence-parallel gathers allocate on the current CUDA device: the CPU here.
+    with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
+            mock.patch.object(tensor_parallel, "get_cuda_rng_tracker", lambda: no_cuda_rng):
+        return reference, train_sap(inner, outer, STEPS, tensor_parallel=2, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("inner,outer", [(2, 1), (1, 2)], ids=["tp2-sp-2x1", "tp2-sp-1x2"])
+def test_gpt_sequence_parallel_with_sap_trains_like_cp1(pool4, inner: int, outer: int) -> None:
+    """`--sequence-parallel` beside SAP: the activations outside attention split over the TP ranks
+    along each CP rank's share of the row; the loss curve is TP=2's without CP or sequence
+    parallelism (the norms' gradients summed over the TP group, as Megatron does)."""
+    for tp_reference, sap in pool4.run(run_sequence_parallel_rank, inner, outer):
+        torch.testing.assert_close(torch.tensor(sap), torch.tensor(tp_reference), rtol=1e-5, atol=1e-6)
 
 
 def _one_step(layouts, build_model) -> dict:

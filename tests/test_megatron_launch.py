@@ -608,6 +608,8 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
         (dict(reset_attention_mask=True, reset_position_ids=False), "add --reset-position-ids"),
         (dict(context_parallel_size=1, reset_attention_mask=True), "add --reset-position-ids"),
         (dict(micro_batch_size=2), "use --micro-batch-size 1 \\(got 2\\)"),
+        (dict(tensor_model_parallel_size=2, sequence_parallel=True, seq_length=4098),
+         "--sequence-parallel needs --seq-length divisible by CP x TP = 2 x 2 \\(got 4098\\)"),
         (dict(attention_dropout=0.1), "no attention dropout.*--attention-dropout 0"),
         (dict(overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
         (dict(context_parallel_size=1, overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),

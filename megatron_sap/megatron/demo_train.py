@@ -65,13 +65,16 @@ def packed_batch(tokens: Tensor, cu_seqlens: list[int]) -> dict[str, Tensor]:
     }
 
 
-def build_tiny_gpt(seed: int = 1234, num_layers: int = 2, vp_stage: Optional[int] = None) -> torch.nn.Module:
+def build_tiny_gpt(seed: int = 1234, num_layers: int = 2, vp_stage: Optional[int] = None,
+                   sequence_parallel: bool = False) -> torch.nn.Module:
     """A 2-layer fp32 GPT (RoPE, GQA 4:2, SwiGLU, RMSNorm) with SAP core attention, built on CPU.
 
     Needs Megatron's parallel state initialized (e.g. by `initialize_sap_parallel`); the config
     carries its CP size and `cp_comm_type="sap"` as Megatron-LM's would. Under pipeline
     parallelism it is this rank's stage: its share of the layers, the embedding on the first
     stage and the output layer on the last; with a virtual pipeline, its model chunk `vp_stage`.
+    `sequence_parallel` (with TP > 1, as `--sequence-parallel`) splits the activations outside
+    attention and the MLP over the TP ranks along the sequence.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -104,11 +107,16 @@ def build_tiny_gpt(seed: int = 1234, num_layers: int = 2, vp_stage: Optional[int
         pipeline_model_parallel_size=stages,
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         pipeline_dtype=torch.float32 if stages > 1 else None,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        sequence_parallel=sequence_parallel,
     )
+    spec = get_gpt_layer_sap_spec(normalization="RMSNorm")
+    if sequence_parallel:
+        spec = _with_sequence_parallel_norms(spec, num_layers // (stages * (config.virtual_pipeline_model_parallel_size or 1)))
     torch.manual_seed(seed)
     model = GPTModel(
         config,
-        get_gpt_layer_sap_spec(normalization="RMSNorm"),
+        spec,
         vocab_size=VOCAB_SIZE,
         max_sequence_length=4096,
         position_embedding_type="rope",
@@ -120,12 +128,38 @@ def build_tiny_gpt(seed: int = 1234, num_layers: int = 2, vp_stage: Optional[int
     return model
 
 
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm built from Megatron's norm arguments, its weight marked `sequence_parallel`
+    (each TP rank sees only its share of the sequence, so the gradient is summed over the TP
+    group) as Transformer Engine's and Apex's norms mark theirs: Megatron's local spec refuses
+    sequence parallelism with torch's own norm, and those two are not on a CPU machine."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _with_sequence_parallel_norms(layer_spec, layers: int):
+    """The block of `layers` layers of `layer_spec` with `SequenceParallelRMSNorm` for every norm."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=SequenceParallelRMSNorm)
+
+
 def reduce_gradients(model: torch.nn.Module) -> None:
-    """All-reduce the gradients as DDP does: summed over data-parallel-with-CP and divided by the
+    """All-reduce the gradients as DDP and Megatron's `finalize_model_grads` do: the weights that
+    see only their TP rank's share of the sequence (norms under sequence parallelism) summed over
+    the TP group, then every gradient summed over data-parallel-with-CP and divided by the
     data-parallel size (the sum over CP ranks completes the packed row's gradient, the division
     averages replicas)."""
     from megatron.core import parallel_state
 
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        for param in model.parameters():
+            if getattr(param, "sequence_parallel", False):
+                dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if group.size() > 1:
         replicas = parallel_state.get_data_parallel_world_size()
@@ -152,11 +186,12 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     return per_token.detach(), float(mean)
 
 
-def train_sap(inner: int, outer: int, steps: int, lr: float = 3e-3, tensor_parallel: int = 1) -> list[float]:
+def train_sap(inner: int, outer: int, steps: int, lr: float = 3e-3, tensor_parallel: int = 1,
+              sequence_parallel: bool = False) -> list[float]:
     """Train the tiny GPT with SAP (CP = inner*outer) in an initialized process group; return the loss curve.
 
     World size must be a multiple of tensor_parallel*inner*outer (the rest is data parallelism,
-    every replica training on the same packed row).
+    every replica training on the same packed row); `sequence_parallel` as in `build_tiny_gpt`.
     """
     from megatron.core import parallel_state
 
@@ -164,7 +199,7 @@ def train_sap(inner: int, outer: int, steps: int, lr: float = 3e-3, tensor_paral
 
     initialize_sap_parallel(inner_size=inner, outer_size=outer, tensor_model_parallel_size=tensor_parallel)
     try:
-        model = build_tiny_gpt()
+        model = build_tiny_gpt(sequence_parallel=sequence_parallel)
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
         tokens, cu = stdlib_documents()
         batch = packed_batch(tokens, cu)

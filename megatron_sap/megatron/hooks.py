@@ -166,6 +166,12 @@ def _refuse_unsupported(args: Any) -> None:
             "receive, so they would hang or read wrong boundaries; pretraining data with --reset-position-ids works "
             "at any TP"
         )
+    seq_length = getattr(args, "seq_length", None)
+    if cp > 1 and tp > 1 and getattr(args, "sequence_parallel", False) and seq_length and seq_length % (cp * tp):
+        raise ValueError(
+            f"SAP with --sequence-parallel needs --seq-length divisible by CP x TP = {cp} x {tp} (got {seq_length}): "
+            "each CP rank's share of the row is split evenly over its TP ranks"
+        )
     if getattr(args, "attention_dropout", 0.0):
         raise ValueError(
             f"SAP attention has no attention dropout; set attention_dropout=0 (--attention-dropout 0), got "
