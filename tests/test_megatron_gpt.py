@@ -6,8 +6,9 @@ stdlib sources, one of them a single token) once with CP=1 and plain varlen atte
 on 4 gloo ranks with SAP (1x4 and 2x2). Per-token losses, the all-reduced gradients of every
 parameter, and the parameters after three Adam steps must agree to float32 tolerance. With
 tensor parallelism 2 beside SAP (CP 2), with and without sequence parallelism, the loss curve
-must match CP=1. Megatron-LM's pre-0.16 flow through the hooks, multi-latent attention and
-mixture-of-experts MLPs give CP=1's per-token losses and gradients at CP 4.
+must match CP=1. SAP with selective or full activation recomputation trains like CP=1.
+Megatron-LM's pre-0.16 flow through the hooks, multi-latent attention and mixture-of-experts
+MLPs give CP=1's per-token losses and gradients at CP 4.
 """
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ LR = 1e-3
 DOC_LENGTHS = (301, 17, 64, 95, 1, 34)  # 512 tokens: long, short, one-token documents
 
 
-def _train(steps: int, batch: dict, cu: list[int], initial: dict | None) -> dict:
-    """Build the tiny GPT (weights from `initial` if given), train `steps` Adam steps, record the first step."""
+def _train(steps: int, batch: dict, cu: list[int], initial: dict | None, **config_fields) -> dict:
+    """Build the tiny GPT (weights from `initial` if given; `config_fields` to its config), train
+    `steps` Adam steps, record the first step."""
     from megatron_sap.megatron.demo_train import build_tiny_gpt, train_step
 
-    model = build_tiny_gpt()
+    model = build_tiny_gpt(**config_fields)
     if initial is not None:
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -47,8 +49,9 @@ def _train(steps: int, batch: dict, cu: list[int], initial: dict | None) -> dict
     return record
 
 
-def run_rank(rank: int, world_size: int, inner: int, outer: int) -> dict:
-    """CP=1 reference (every rank alone, data-parallel replicas), then SAP with CP = inner*outer."""
+def run_rank(rank: int, world_size: int, inner: int, outer: int, **config_fields) -> dict:
+    """CP=1 reference (every rank alone, data-parallel replicas), then SAP with CP = inner*outer
+    (with `config_fields` in its model's config)."""
     from megatron.core import parallel_state
 
     from megatron_sap.megatron.demo_train import packed_batch, stdlib_documents
@@ -65,7 +68,7 @@ def run_rank(rank: int, world_size: int, inner: int, outer: int) -> dict:
         parallel_state.destroy_model_parallel()
 
         groups = initialize_sap_parallel(inner_size=inner, outer_size=outer)
-        sap = _train(STEPS, batch, cu, reference["initial"])
+        sap = _train(STEPS, batch, cu, reference["initial"], **config_fields)
         indices = plan_for(torch.tensor(cu, dtype=torch.int32), resolve_groups(None)).local_indices(groups.cp_rank)
         layout = (groups.inner_size, groups.outer_size)
     finally:
@@ -75,7 +78,54 @@ def run_rank(rank: int, world_size: int, inner: int, outer: int) -> dict:
 
 @pytest.mark.parametrize("inner,outer", [(1, 4), (2, 2), (4, 1)], ids=["1x4", "2x2", "4x1"])
 def test_gpt_sap_cp4_equals_cp1(pool4, inner: int, outer: int) -> None:
-    results = pool4.run(run_rank, inner, outer)
+    _assert_sap_trains_like_cp1(pool4.run(run_rank, inner, outer), inner, outer)
+
+
+def run_recompute_rank(rank: int, world_size: int, inner: int, outer: int, granularity: str) -> dict:
+    """`run_rank` with SAP's model recomputing activations in backward: the core attention
+    (selective, Megatron's default module) or every layer (full, one layer per checkpoint).
+    Megatron's checkpoint saves and restores the CUDA RNG states; on the CPU they are stand-ins
+    (dropout is off)."""
+    import contextlib
+    from unittest import mock
+
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    from megatron_sap.megatron import SAPDotProductAttention
+
+    fields = {"recompute_granularity": granularity}
+    if granularity == "full":
+        fields.update(recompute_method="uniform", recompute_num_layers=1)
+    no_cuda_rng = mock.Mock(get_states=dict, set_states=lambda states: None,
+                            fork=lambda *a, **k: contextlib.nullcontext())
+    forward = SAPDotProductAttention.forward
+    without_grad = []  # attention forwards whose activations a checkpoint drops (recomputed in backward)
+
+    def counted(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            without_grad.append(1)
+        return forward(self, *args, **kwargs)
+
+    with mock.patch.object(megatron_random, "_get_cuda_rng_state", lambda *a, **k: None), \
+            mock.patch.object(megatron_random, "_set_cuda_rng_state", lambda *a, **k: None), \
+            mock.patch.object(megatron_random, "get_cuda_rng_tracker", lambda: no_cuda_rng), \
+            mock.patch.object(SAPDotProductAttention, "forward", counted):
+        found = run_rank(rank, world_size, inner, outer, **fields)
+    return {**found, "checkpointed": len(without_grad)}
+
+
+@pytest.mark.parametrize("granularity", ["selective", "full"])
+def test_gpt_sap_with_activation_recomputation_equals_cp1(pool4, granularity: str) -> None:
+    """`--recompute-granularity selective` / `full`: in backward each checkpointed core attention
+    (or layer) runs SAP's forward again, transfers included, before its backward; losses,
+    gradients and trained weights are CP=1's without recomputation."""
+    results = pool4.run(run_recompute_rank, 2, 2, granularity)
+    assert all(r["checkpointed"] == STEPS * 2 for r in results)  # both layers' attention, every step
+    _assert_sap_trains_like_cp1(results, 2, 2)
+
+
+def _assert_sap_trains_like_cp1(results: list[dict], inner: int, outer: int) -> None:
+    """Every rank's per-token losses in place, losses, gradients and trained weights equal CP=1's."""
     assert all(r["layout"] == (inner, outer) for r in results)
     reference = results[0]["reference"]
     total = results[0]["total"]

@@ -17,7 +17,7 @@ import socket
 import sysconfig
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ def packed_batch(tokens: Tensor, cu_seqlens: list[int]) -> dict[str, Tensor]:
 
 
 def build_tiny_gpt(seed: int = 1234, num_layers: int = 2, vp_stage: Optional[int] = None,
-                   sequence_parallel: bool = False) -> torch.nn.Module:
+                   sequence_parallel: bool = False, **config_fields: Any) -> torch.nn.Module:
     """A 2-layer fp32 GPT (RoPE, GQA 4:2, SwiGLU, RMSNorm) with SAP core attention, built on CPU.
 
     Needs Megatron's parallel state initialized (e.g. by `initialize_sap_parallel`); the config
@@ -74,7 +74,8 @@ def build_tiny_gpt(seed: int = 1234, num_layers: int = 2, vp_stage: Optional[int
     parallelism it is this rank's stage: its share of the layers, the embedding on the first
     stage and the output layer on the last; with a virtual pipeline, its model chunk `vp_stage`.
     `sequence_parallel` (with TP > 1, as `--sequence-parallel`) splits the activations outside
-    attention and the MLP over the TP ranks along the sequence.
+    attention and the MLP over the TP ranks along the sequence. `config_fields` set further
+    `TransformerConfig` fields (e.g. activation recomputation).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -109,6 +110,7 @@ def build_tiny_gpt(seed: int = 1234, num_layers: int = 2, vp_stage: Optional[int
         pipeline_dtype=torch.float32 if stages > 1 else None,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         sequence_parallel=sequence_parallel,
+        **config_fields,
     )
     spec = get_gpt_layer_sap_spec(normalization="RMSNorm")
     if sequence_parallel:
