@@ -207,6 +207,36 @@ def _take_input(model, tokens: int, chunk: int) -> None:
         model.set_input_tensor(hidden)
 
 
+def _release_layouts() -> list[tuple[int, int, int]]:
+    """The (TP, CP, chunks per stage) of `PIPELINE_LAYOUTS` this release runs (virtual pipelines
+    from core_v0.15)."""
+    from megatron_sap.megatron.compat import chunk_aware_get_batch
+
+    return [layout for layout in PIPELINE_LAYOUTS if layout[2] == 1 or chunk_aware_get_batch()]
+
+
+@contextlib.contextmanager
+def _pipeline_chunks(rank: int, world_size: int, tp: int, cp: int, chunks: int) -> Iterator[list]:
+    """Megatron-LM's args and parallel state for three pipeline stages of `chunks` model chunks
+    at this TP and CP, and this rank's chunks of the tiny GPT; torn down after."""
+    from megatron.core import mpu
+
+    from megatron_sap.megatron.demo_train import build_tiny_gpt
+    from megatron_sap.megatron.options import reset_sap_options
+
+    flags = [*_flags(cp), "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", "3"]
+    flags[flags.index("--num-layers") + 1] = str(3 * chunks)
+    if chunks > 1:
+        flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
+    _set_args(flags, rank, world_size)
+    try:
+        mpu.initialize_model_parallel(tp, 3, chunks if chunks > 1 else None, context_parallel_size=cp)
+        yield [build_tiny_gpt(num_layers=3 * chunks, vp_stage=c if chunks > 1 else None) for c in range(chunks)]
+    finally:
+        mpu.destroy_model_parallel()
+        reset_sap_options()
+
+
 def run_pipeline_rank(rank: int, world_size: int) -> dict:
     """The row's summed loss and loss tokens through three pipeline stages of the script's
     `forward_step` (the activations passed by hand, forward only), per layout of
@@ -216,25 +246,12 @@ def run_pipeline_rank(rank: int, world_size: int) -> dict:
     pretrain_gpt = _hooked_pretrain_gpt()
     from megatron.core import mpu
 
-    from megatron_sap.megatron.compat import chunk_aware_get_batch
-    from megatron_sap.megatron.demo_train import build_tiny_gpt
-    from megatron_sap.megatron.options import reset_sap_options
-
     torch.set_num_threads(1)
     sample = _sample()
     losses = {}
     with _on_cpu():
-        for tp, cp, chunks in PIPELINE_LAYOUTS:
-            if chunks > 1 and not chunk_aware_get_batch():
-                continue  # refused before core_v0.15
-            flags = [*_flags(cp), "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", "3"]
-            flags[flags.index("--num-layers") + 1] = str(3 * chunks)
-            if chunks > 1:
-                flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
-            _set_args(flags, rank, world_size)
-            try:
-                mpu.initialize_model_parallel(tp, 3, chunks if chunks > 1 else None, context_parallel_size=cp)
-                models = [build_tiny_gpt(num_layers=3 * chunks, vp_stage=c if chunks > 1 else None) for c in range(chunks)]
+        for tp, cp, chunks in _release_layouts():
+            with _pipeline_chunks(rank, world_size, tp, cp, chunks) as models:
                 first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
                 for chunk, model in enumerate(models):
                     reads = (first and chunk == 0) or (last and chunk == chunks - 1)
@@ -248,9 +265,6 @@ def run_pipeline_rank(rank: int, world_size: int) -> dict:
                     documents = _documents_one_at_a_time(models, sample)
                     if last:
                         losses[("documents", tp, chunks)] = documents
-            finally:
-                mpu.destroy_model_parallel()
-                reset_sap_options()
     return losses
 
 
@@ -284,11 +298,8 @@ def test_pretrain_gpt_through_three_pipeline_stages(pool6) -> None:
     packed row's loss is that of its documents run one at a time through the same chunks (at TP 1
     and TP 2, whose weights releases before core_v0.16 initialise otherwise); at CP 2 the ranks'
     shares add up to CP 1's."""
-    from megatron_sap.megatron.compat import chunk_aware_get_batch
-
     results = pool6.run(run_pipeline_rank)
-    layouts = [layout for layout in PIPELINE_LAYOUTS if layout[2] == 1 or chunk_aware_get_batch()]
-    for tp, cp, chunks in layouts:
+    for tp, cp, chunks in _release_layouts():
         if cp == 1:  # the whole row on each rank of the last stage: two data-parallel replicas at TP 1, two TP ranks
             packed = [r[(tp, 1, chunks)] for r in results if (tp, 1, chunks) in r]
             documents = [r[("documents", tp, chunks)] for r in results if ("documents", tp, chunks) in r]
@@ -439,26 +450,13 @@ def run_schedule_backward_rank(rank: int, world_size: int) -> dict:
     from megatron.core import mpu
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_sap.megatron.compat import chunk_aware_get_batch
-    from megatron_sap.megatron.demo_train import build_tiny_gpt
-    from megatron_sap.megatron.options import reset_sap_options
-
     torch.set_num_threads(1)
     layouts = [DOCUMENTS, OTHER_DOCUMENTS, DOCUMENTS]
     rows = [_sample(documents) for documents in layouts]
     found: dict = {}
     with _on_cpu():
-        for tp, cp, chunks in PIPELINE_LAYOUTS:
-            if chunks > 1 and not chunk_aware_get_batch():
-                continue  # refused before core_v0.15
-            flags = [*_flags(cp), "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", "3"]
-            flags[flags.index("--num-layers") + 1] = str(3 * chunks)
-            if chunks > 1:
-                flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
-            _set_args(flags, rank, world_size)
-            try:
-                mpu.initialize_model_parallel(tp, 3, chunks if chunks > 1 else None, context_parallel_size=cp)
-                models = [build_tiny_gpt(num_layers=3 * chunks, vp_stage=c if chunks > 1 else None) for c in range(chunks)]
+        for tp, cp, chunks in _release_layouts():
+            with _pipeline_chunks(rank, world_size, tp, cp, chunks) as models:
                 for model in models:
                     model.config.calculate_per_token_loss = True  # as Megatron-LM sets it from the flag
                 data = [iter([dict(row) for row in rows]) for _ in models]  # one iterator per chunk, as Megatron-LM's
@@ -466,16 +464,12 @@ def run_schedule_backward_rank(rank: int, world_size: int) -> dict:
                     get_forward_backward_func()(
                         forward_step_func=pretrain_gpt.forward_step, data_iterator=data, model=models,
                         num_microbatches=len(rows), seq_length=ROW, micro_batch_size=1, forward_only=False)
-                stage = mpu.get_pipeline_model_parallel_rank()
-                found[(tp, cp, chunks)] = (stage, _grads(models))
+                found[(tp, cp, chunks)] = (mpu.get_pipeline_model_parallel_rank(), _grads(models))
                 if cp == 1:
                     for model in models:
                         model.zero_grad(set_to_none=True)
                     _documents_backward_one_at_a_time(models, rows, layouts)
                     found[("documents", tp, chunks)] = _grads(models)
-            finally:
-                mpu.destroy_model_parallel()
-                reset_sap_options()
     return found
 
 
@@ -491,10 +485,8 @@ def test_pipeline_schedules_backward_through_the_hooks(pool6) -> None:
     per stage interleaved from core_v0.15): at CP 1, at TP 1 and TP 2, every parameter's gradient
     equals that of the documents run one at a time through the same chunks; at CP 2 the two CP
     ranks' gradients add up to CP 1's, on every stage."""
-    from megatron_sap.megatron.compat import chunk_aware_get_batch
-
     results = pool6.run(run_schedule_backward_rank)
-    for tp, cp, chunks in [layout for layout in PIPELINE_LAYOUTS if layout[2] == 1 or chunk_aware_get_batch()]:
+    for tp, cp, chunks in _release_layouts():
         found = [r[(tp, cp, chunks)] for r in results]
         assert sorted(stage for stage, _ in found) == [0, 0, 1, 1, 2, 2]
         if cp == 1:
