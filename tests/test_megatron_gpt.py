@@ -6,7 +6,8 @@ stdlib sources, one of them a single token) once with CP=1 and plain varlen atte
 on 4 gloo ranks with SAP (1x4 and 2x2). Per-token losses, the all-reduced gradients of every
 parameter, and the parameters after three Adam steps must agree to float32 tolerance. With
 tensor parallelism 2 beside SAP (CP 2), with and without sequence parallelism, the loss curve
-must match CP=1. SAP with selective or full activation recomputation trains like CP=1.
+must match CP=1. SAP with selective or full activation recomputation trains like CP=1, and
+Megatron-Core's own DDP and `finalize_model_grads` reduce SAP's gradients to CP=1's.
 Megatron-LM's pre-0.16 flow through the hooks, multi-latent attention and mixture-of-experts
 MLPs give CP=1's per-token losses and gradients at CP 4.
 """
@@ -150,6 +151,56 @@ def _assert_sap_trains_like_cp1(results: list[dict], inner: int, outer: int) -> 
     # Training moved the weights, so the final comparison is not vacuous.
     moved = max((reference["final"][n] - reference["initial"][n]).abs().max() for n in reference["final"])
     assert moved > LR
+
+
+def run_megatron_ddp_rank(rank: int, world_size: int, inner: int, outer: int, distributed_optimizer: bool) -> dict:
+    """One step's gradients as Megatron-LM reduces them: the model wrapped in Megatron-Core's
+    `DistributedDataParallel`, the summed per-token loss (`--calculate-per-token-loss`) and
+    `finalize_model_grads` with the rank's loss tokens, at CP=1 (four data-parallel replicas)
+    and with SAP at CP = inner*outer. Returns this rank's share of the reduced gradient buffers
+    (with the distributed optimizer each rank holds only its shard; else the shards of the
+    whole buffer). DDP allocates its buffers on the current CUDA device: the CPU here."""
+    from unittest import mock
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from megatron_sap.megatron import initialize_sap_parallel, sap_split_batch
+    from megatron_sap.megatron.demo_train import build_tiny_gpt, packed_batch, stdlib_documents
+
+    torch.set_num_threads(1)
+    tokens, cu = stdlib_documents(DOC_LENGTHS)
+    batch = packed_batch(tokens, cu)
+    shards = {}
+    with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+        for name, (u, r) in (("reference", (1, 1)), ("sap", (inner, outer))):
+            initialize_sap_parallel(inner_size=u, outer_size=r)
+            try:
+                module = build_tiny_gpt(calculate_per_token_loss=True)
+                model = DistributedDataParallel(
+                    module.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer), module)
+                local, params = sap_split_batch(batch, cu)
+                per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
+                                  packed_seq_params=params)
+                (per_token * local["loss_mask"]).sum().backward()
+                finalize_model_grads([model], local["loss_mask"].sum())
+                group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+                shards[name] = torch.cat([bucket.grad_data.chunk(group.size())[group.rank()]
+                                          for buffer in model.buffers for bucket in buffer.buckets])
+            finally:
+                parallel_state.destroy_model_parallel()
+    return shards
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["ddp", "distributed-optimizer"])
+def test_gpt_sap_gradients_through_megatron_ddp_equal_cp1(pool4, distributed_optimizer: bool) -> None:
+    """Megatron's own gradient reduction completes SAP's: `DistributedDataParallel` sums every
+    rank's gradients over data-parallel-with-CP (all-reduced, or reduce-scattered for the
+    distributed optimizer) and `finalize_model_grads` divides by the loss tokens summed there.
+    SAP 2x2 gives CP=1's reduced gradients, shard by shard."""
+    for r in pool4.run(run_megatron_ddp_rank, 2, 2, distributed_optimizer):
+        assert float(r["reference"].abs().max()) > 0
+        torch.testing.assert_close(r["sap"], r["reference"], rtol=1e-4, atol=1e-6 * float(r["reference"].abs().max()))
 
 
 def run_tp_rank(rank: int, world_size: int, inner: int, outer: int) -> tuple[list[float], list[float], list[float]]:
