@@ -9,9 +9,11 @@ tensor parallelism 2 beside SAP (CP 2), with and without sequence parallelism, t
 must match CP=1. SAP with selective or full activation recomputation trains like CP=1, and
 Megatron-Core's own DDP and `finalize_model_grads` reduce SAP's gradients to CP=1's.
 Megatron-LM's pre-0.16 flow through the hooks, multi-latent attention and mixture-of-experts
-MLPs give CP=1's per-token losses and gradients at CP 4.
+MLPs (also with expert parallelism) give CP=1's per-token losses and gradients at CP 4.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -396,9 +398,10 @@ def test_gpt_with_mla_at_cp4_equals_cp1(pool4) -> None:
     _assert_one_step_equal(pool4.run(run_mla_rank, "rope"))
 
 
-def _moe_gpt():
+def _moe_gpt(**config_fields):
     """The tiny GPT with mixture-of-experts MLPs: 4 experts, top-2 routing, dropless, the
-    all-gather dispatcher, a load-balancing loss (its expert counts all-reduced over TP x CP)."""
+    all-gather dispatcher, a load-balancing loss (its expert counts all-reduced over TP x CP);
+    `config_fields` override the config's."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -413,7 +416,9 @@ def _moe_gpt():
         num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_token_dispatcher_type="allgather",
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1,
         context_parallel_size=parallel_state.get_context_parallel_world_size(), cp_comm_type="sap",
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
     )
+    config = dataclasses.replace(config, **config_fields) if config_fields else config
     torch.manual_seed(1234)
     model = GPTModel(config, get_gpt_layer_sap_spec(normalization="RMSNorm", num_experts=4, moe_grouped_gemm=False),
                      vocab_size=256, max_sequence_length=4096, position_embedding_type="rope")
@@ -432,6 +437,68 @@ def run_moe_rank(rank: int, world_size: int, inner: int, outer: int) -> dict:
     with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
             mock.patch.object(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None), create=True):
         return _one_step([("reference", 1, 1, _split_and_run), ("sap", inner, outer, _split_and_run)], _moe_gpt)
+
+
+def run_moe_ddp_rank(rank: int, world_size: int, expert_parallel: int, aux_loss_coeff: float) -> dict:
+    """Every parameter's reduced gradient (`main_grad`) after one step as Megatron-LM takes it
+    (Megatron-Core's DDP, the summed per-token loss, `finalize_model_grads` with the loss
+    tokens) of the mixture-of-experts GPT with `expert_parallel` expert-parallel ranks, at CP=1
+    and with SAP 2x2. The router's weight and Megatron's DDP buffers go to the current CUDA
+    device: the CPU here."""
+    from unittest import mock
+
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from megatron_sap.megatron import initialize_sap_parallel, sap_split_batch
+    from megatron_sap.megatron.demo_train import packed_batch, stdlib_documents
+
+    torch.set_num_threads(1)
+    tokens, cu = stdlib_documents(DOC_LENGTHS)
+    batch = packed_batch(tokens, cu)
+    grads = {}
+    with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
+            mock.patch.object(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None), create=True):
+        for name, (u, r) in (("reference", (1, 1)), ("sap", (2, 2))):
+            initialize_sap_parallel(inner_size=u, outer_size=r, expert_model_parallel_size=expert_parallel)
+            try:
+                module = _moe_gpt(moe_aux_loss_coeff=aux_loss_coeff, calculate_per_token_loss=True)
+                model = DistributedDataParallel(module.config, DistributedDataParallelConfig(), module)
+                local, params = sap_split_batch(batch, cu)
+                per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
+                                  packed_seq_params=params)
+                (per_token * local["loss_mask"]).sum().backward()
+                finalize_model_grads([model], local["loss_mask"].sum())
+                grads[name] = {n: p.main_grad.clone() for n, p in module.named_parameters()}
+            finally:
+                parallel_state.destroy_model_parallel()
+    return grads
+
+
+def test_gpt_with_moe_and_expert_parallelism_through_megatron_ddp_equals_cp1(pool4) -> None:
+    """Experts split over two expert-parallel ranks beside SAP 2x2: each rank's experts and the
+    rest of the model, reduced by Megatron's DDP (experts over their expert-data-parallel group),
+    get CP=1's gradients. (The load-balancing loss is off here: see the next test.)"""
+    for r in pool4.run(run_moe_ddp_rank, 2, 0.0):
+        assert any(".experts." in name for name in r["sap"])
+        for name, grad in r["reference"].items():
+            torch.testing.assert_close(r["sap"][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_moe_load_balancing_gradient_under_per_token_loss_is_one_cp_th_of_cp1s(pool4) -> None:
+    """Megatron's own scaling, not SAP's, measured so that docs/megatron.md can say it: with
+    `--calculate-per-token-loss` the router scales its load-balancing loss by the rank's local
+    tokens (T / CP under CP) while `finalize_model_grads` divides by the tokens summed over
+    data-parallel-with-CP (T), so at CP 4 that loss's share of the router's gradient is a
+    quarter of CP=1's, the rest of the gradient unchanged. Any CP method splits tokens so."""
+    name = "decoder.layers.0.mlp.router.weight"
+    with_loss, without = pool4.run(run_moe_ddp_rank, 1, 0.1), pool4.run(run_moe_ddp_rank, 1, 0.0)
+    for a, b in zip(with_loss, without):
+        torch.testing.assert_close(b["sap"][name], b["reference"][name], rtol=1e-4, atol=1e-6)
+        reference_part, sap_part = a["reference"][name] - b["reference"][name], a["sap"][name] - b["sap"][name]
+        assert float(reference_part.abs().max()) > 0
+        torch.testing.assert_close(sap_part, reference_part / 4, rtol=1e-3, atol=1e-4 * float(reference_part.abs().max()))
 
 
 @pytest.mark.parametrize("inner,outer", [(1, 4), (2, 2)], ids=["1x4", "2x2"])
