@@ -12,6 +12,7 @@ import itertools
 import os
 import subprocess
 import sys
+import warnings
 from types import SimpleNamespace
 from unittest import mock
 
@@ -205,6 +206,20 @@ def test_pretrain_wrapper_chains_the_script_provider(how: str) -> None:
         args = wrapped(None, None, None, None)
     assert args.sap_inner_size == 2
     assert hasattr(args, "export_te_mcore_model") == (how != "none")
+
+
+@pytest.mark.parametrize("coefficient", [0.01, [0.0, 0.01]], ids=["one", "per-type"])
+def test_moe_load_balancing_under_per_token_loss_warns_of_its_cp_weight(coefficient) -> None:
+    from megatron_sap.megatron.hooks import configure_sap
+
+    args = _parse("--context-parallel-size 4 --cp-comm-type sap")
+    args.calculate_per_token_loss, args.num_experts, args.moe_aux_loss_coeff = True, 8, coefficient
+    with pytest.warns(UserWarning, match="multiply --moe-aux-loss-coeff by 4"):
+        configure_sap(args)
+    args.moe_aux_loss_coeff = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        configure_sap(args)
 
 
 def test_initialize_hook_lays_out_cp_and_switches_specs() -> None:

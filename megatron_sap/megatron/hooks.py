@@ -118,7 +118,19 @@ def configure_sap(args: Any) -> Optional[list[int]]:
             "SAP gives CP ranks equal token counts but not equal loss-token counts: add "
             "--calculate-per-token-loss for a loss and gradients identical to CP=1"
         )
+    elif getattr(args, "num_experts", None) and _nonzero(getattr(args, "moe_aux_loss_coeff", 0.0)):
+        warnings.warn(
+            f"with --calculate-per-token-loss Megatron scales the MoE load-balancing loss by each rank's tokens and "
+            f"divides the gradients by all CP ranks' tokens, so under CP {args.context_parallel_size} that loss weighs "
+            f"1/{args.context_parallel_size} of what it weighs at CP 1 (with any CP method): multiply "
+            f"--moe-aux-loss-coeff by {args.context_parallel_size} to keep CP 1's balance"
+        )
     return [settings.inner_size, settings.outer_size]
+
+
+def _nonzero(coefficients: Any) -> bool:
+    """Whether a coefficient flag (one number or one per loss type) has a nonzero entry."""
+    return any(coefficients) if isinstance(coefficients, (list, tuple)) else bool(coefficients)
 
 
 def _refuse_unsupported(args: Any) -> None:
