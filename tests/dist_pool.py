@@ -76,15 +76,20 @@ class WorkerPool:
     """`world_size` worker processes joined in one gloo process group, serving jobs.
 
     `timeout` (seconds) is both the default job timeout and the gloo timeout of the workers'
-    default group; `start_timeout` bounds how long starting the workers may take.
+    default group; `start_timeout` bounds how long starting the workers may take. With
+    `destroy_job_groups`, the process groups a job makes are destroyed once every rank has
+    finished it: for jobs that set up their groups afresh each time (Megatron's
+    `initialize_model_parallel`), not for modules that keep groups from one job to the next.
     """
 
-    def __init__(self, world_size: int, timeout: float = 60.0, start_timeout: float = 120.0) -> None:
+    def __init__(self, world_size: int, timeout: float = 60.0, start_timeout: float = 120.0,
+                 destroy_job_groups: bool = False) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.timeout = timeout
         self.start_timeout = start_timeout
+        self.destroy_job_groups = destroy_job_groups
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
         self._tmpdir = tempfile.mkdtemp(prefix="dist_pool_")
@@ -149,7 +154,7 @@ class WorkerPool:
             lifeline_r, lifeline_w = self._ctx.Pipe(duplex=False)
             process = self._ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, store_path, self.timeout, child_conn, lifeline_r),
+                args=(rank, self.world_size, store_path, self.timeout, self.destroy_job_groups, child_conn, lifeline_r),
                 name=f"dist_pool-rank{rank}",
                 daemon=True,
             )
@@ -239,7 +244,7 @@ class WorkerPool:
             os.remove(store_path)
 
 
-def make_pool_fixture(world_size: int, timeout: float = 60.0) -> Any:
+def make_pool_fixture(world_size: int, timeout: float = 60.0, destroy_job_groups: bool = False) -> Any:
     """A module-scoped pytest fixture yielding a WorkerPool; assign it to a module-level name.
 
     Example: `pool4 = make_pool_fixture(4)`, then tests take a `pool4` argument.
@@ -247,7 +252,7 @@ def make_pool_fixture(world_size: int, timeout: float = 60.0) -> Any:
 
     @pytest.fixture(scope="module")
     def pool() -> Iterator[WorkerPool]:
-        with WorkerPool(world_size, timeout=timeout) as started:
+        with WorkerPool(world_size, timeout=timeout, destroy_job_groups=destroy_job_groups) as started:
             yield started
 
     return pool
@@ -289,7 +294,8 @@ def _exit_with_parent(lifeline: Connection) -> None:
 
 
 def _worker_main(
-    rank: int, world_size: int, store_path: str, timeout_s: float, conn: Connection, lifeline: Connection
+    rank: int, world_size: int, store_path: str, timeout_s: float, destroy_job_groups: bool, conn: Connection,
+    lifeline: Connection,
 ) -> None:
     """Join the gloo group, report readiness, then run jobs until the parent kills us or dies."""
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -316,12 +322,35 @@ def _worker_main(
             job_id, job = pickle.loads(conn.recv_bytes())
         except EOFError:
             return
+        groups_before = _process_groups() if destroy_job_groups else None
         try:
             fn, args, kwargs = pickle.loads(job)
             reply = (job_id, True, pickle.dumps(fn(rank, world_size, *args, **kwargs)))
+            if groups_before is not None:
+                _destroy_groups_made_since(groups_before)
         except BaseException as exc:  # pytest.fail and sys.exit raise BaseExceptions; report them too
             reply = (job_id, False, _failure_report(exc))
         conn.send_bytes(pickle.dumps(reply))
+
+
+def _process_groups() -> set:
+    """The process groups torch holds now (it keeps every group until it is destroyed)."""
+    from torch.distributed import distributed_c10d
+
+    return set(distributed_c10d._world.pg_map)
+
+
+def _destroy_groups_made_since(before: set) -> None:
+    """Destroy the groups a job made (Megatron's `destroy_model_parallel` only forgets its own),
+    once every rank is done with them: torch keeps every group, each gloo one with about three
+    threads, until it is destroyed; a module of Megatron jobs would gather thousands and crawl."""
+    import torch.distributed as dist
+
+    made = [group for group in _process_groups() - before if group is not dist.group.WORLD]
+    if made:
+        dist.barrier()
+        for group in made:
+            dist.destroy_process_group(group)
 
 
 def _failure_report(exc: BaseException) -> tuple[str, str]:

@@ -22,7 +22,7 @@ from dist_pool import make_pool_fixture
 
 pytest.importorskip("megatron.core")
 
-pool4 = make_pool_fixture(4, timeout=300)
+pool4 = make_pool_fixture(4, timeout=300, destroy_job_groups=True)
 
 STEPS = 3
 LR = 1e-3

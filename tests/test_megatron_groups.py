@@ -7,7 +7,7 @@ from dist_pool import make_pool_fixture
 
 pytest.importorskip("megatron.core")
 
-pool4 = make_pool_fixture(4, timeout=180)
+pool4 = make_pool_fixture(4, timeout=180, destroy_job_groups=True)
 
 
 def _ranks(group) -> tuple[int, ...]:

@@ -216,10 +216,12 @@ def test_moe_load_balancing_under_per_token_loss_warns_of_its_cp_weight(coeffici
     args.calculate_per_token_loss, args.num_experts, args.moe_aux_loss_coeff = True, 8, coefficient
     with pytest.warns(UserWarning, match="multiply --moe-aux-loss-coeff by 4"):
         configure_sap(args)
-    args.moe_aux_loss_coeff = 0.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        configure_sap(args)
+    for settings in (dict(moe_aux_loss_coeff=0.0), dict(moe_aux_loss_coeff=coefficient, moe_router_load_balancing_type="none")):
+        for name, value in settings.items():
+            setattr(args, name, value)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            configure_sap(args)
 
 
 def test_initialize_hook_lays_out_cp_and_switches_specs() -> None:

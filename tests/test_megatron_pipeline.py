@@ -18,7 +18,7 @@ from dist_pool import make_pool_fixture
 
 pytest.importorskip("megatron.core")
 
-pool6 = make_pool_fixture(6, timeout=300)
+pool6 = make_pool_fixture(6, timeout=300, destroy_job_groups=True)
 
 DOC_LENGTHS = (301, 17, 64, 95, 1, 34)  # 512 tokens
 HIDDEN = 64  # build_tiny_gpt's

@@ -25,7 +25,7 @@ pytest.importorskip("megatron.core")
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = pytest.mark.skipif(not MEGATRON_LM, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to v0.16)")
 
-pool2 = make_pool_fixture(2, timeout=300)
+pool2 = make_pool_fixture(2, timeout=300, destroy_job_groups=True)
 
 ROW = 64
 DOCUMENTS = (0, 20, 27, ROW)
@@ -159,7 +159,7 @@ def test_pretrain_gpt_through_the_hooks_gives_cp1s_loss(pool2) -> None:
     assert all(r["cache"] == (1, 0) for r in results)  # at CP 2 the split took the plan the loader made
 
 
-patched_pool2 = make_pool_fixture(2, timeout=300)  # fresh workers: no hooks installed there
+patched_pool2 = make_pool_fixture(2, timeout=300, destroy_job_groups=True)  # fresh workers: no hooks installed there
 
 
 def test_patched_pretrain_gpt_gives_cp1s_loss(patched_pool2, tmp_path) -> None:
@@ -179,7 +179,7 @@ def test_patched_pretrain_gpt_gives_cp1s_loss(patched_pool2, tmp_path) -> None:
     _assert_cp1s_loss(patched_pool2.run(run_pretrain_gpt_rank, str(tmp_path / "pretrain_gpt.py")))
 
 
-pool6 = make_pool_fixture(6, timeout=600)
+pool6 = make_pool_fixture(6, timeout=600, destroy_job_groups=True)
 # (TP, CP, model chunks per stage) beside three pipeline stages, on six ranks; two chunks: a virtual pipeline
 PIPELINE_LAYOUTS = ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 2), (1, 2, 2))
 

@@ -28,13 +28,17 @@ def _current_hcp(cp_group: dist.ProcessGroup, hcp: Optional[Sequence[Any]]) -> O
     megatron-core 0.16.1's `destroy_model_parallel` does not reset the hierarchical CP groups and a
     later `initialize_model_parallel` without hierarchical sizes leaves them in place, so stale
     groups of an earlier initialization can still be returned. Groups whose ranks are not all in
-    the CP group, or whose sizes do not multiply to its size, are such leftovers.
+    the CP group, or whose sizes do not multiply to its size, are such leftovers, and so are
+    groups torch no longer knows (destroyed since).
     """
     if not hcp:
         return None
     cp_ranks = set(dist.get_process_group_ranks(cp_group))
     sizes = [group.size() for group in hcp]
-    members = [set(dist.get_process_group_ranks(group)) for group in hcp]
+    try:
+        members = [set(dist.get_process_group_ranks(group)) for group in hcp]
+    except KeyError:  # torch forgets a group once it is destroyed
+        return None
     if math.prod(sizes) != len(cp_ranks) or any(not ranks <= cp_ranks for ranks in members):
         return None
     return hcp

@@ -118,7 +118,7 @@ def configure_sap(args: Any) -> Optional[list[int]]:
             "SAP gives CP ranks equal token counts but not equal loss-token counts: add "
             "--calculate-per-token-loss for a loss and gradients identical to CP=1"
         )
-    elif getattr(args, "num_experts", None) and _nonzero(getattr(args, "moe_aux_loss_coeff", 0.0)):
+    elif getattr(args, "num_experts", None) and _balances_load(args):
         warnings.warn(
             f"with --calculate-per-token-loss Megatron scales the MoE load-balancing loss by each rank's tokens and "
             f"divides the gradients by all CP ranks' tokens, so under CP {args.context_parallel_size} that loss weighs "
@@ -128,9 +128,13 @@ def configure_sap(args: Any) -> Optional[list[int]]:
     return [settings.inner_size, settings.outer_size]
 
 
-def _nonzero(coefficients: Any) -> bool:
-    """Whether a coefficient flag (one number or one per loss type) has a nonzero entry."""
-    return any(coefficients) if isinstance(coefficients, (list, tuple)) else bool(coefficients)
+def _balances_load(args: Any) -> bool:
+    """Whether the MoE router has a load-balancing loss: a type other than "none" with a nonzero
+    coefficient (each flag one value, or one per loss type)."""
+    as_list = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]  # noqa: E731
+    types = as_list(getattr(args, "moe_router_load_balancing_type", "aux_loss"))
+    coefficients = as_list(getattr(args, "moe_aux_loss_coeff", 0.0))
+    return any(t != "none" for t in types) and any(coefficients)
 
 
 def _refuse_unsupported(args: Any) -> None:
