@@ -14,6 +14,7 @@ MLPs (also with expert parallelism) give CP=1's per-token losses and gradients a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -155,42 +156,57 @@ def _assert_sap_trains_like_cp1(results: list[dict], inner: int, outer: int) -> 
     assert moved > LR
 
 
-def run_megatron_ddp_rank(rank: int, world_size: int, inner: int, outer: int, distributed_optimizer: bool) -> dict:
-    """One step's gradients as Megatron-LM reduces them: the model wrapped in Megatron-Core's
-    `DistributedDataParallel`, the summed per-token loss (`--calculate-per-token-loss`) and
-    `finalize_model_grads` with the rank's loss tokens, at CP=1 (four data-parallel replicas)
-    and with SAP at CP = inner*outer. Returns this rank's share of the reduced gradient buffers
-    (with the distributed optimizer each rank holds only its shard; else the shards of the
-    whole buffer). DDP allocates its buffers on the current CUDA device: the CPU here."""
+def _megatron_ddp_steps(build_model, sap_layout: tuple[int, int], use_distributed_optimizer: bool = False,
+                        **parallel) -> Iterator[tuple[str, object, torch.nn.Module]]:
+    """One step as Megatron-LM takes it, at CP=1 ("reference", the other ranks data-parallel
+    replicas) and then with SAP at `sap_layout` (inner, outer): `build_model()` wrapped in
+    Megatron-Core's `DistributedDataParallel`, the summed per-token loss
+    (`--calculate-per-token-loss`) backpropagated and `finalize_model_grads` called with the
+    rank's loss tokens. Yields (name, DDP model, model) before the parallel state (with
+    `parallel`'s extra sizes) is torn down. DDP allocates its buffers on the current CUDA device:
+    the CPU here."""
     from unittest import mock
 
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from megatron_sap.megatron import initialize_sap_parallel, sap_split_batch
-    from megatron_sap.megatron.demo_train import build_tiny_gpt, packed_batch, stdlib_documents
+    from megatron_sap.megatron.demo_train import packed_batch, stdlib_documents
 
     torch.set_num_threads(1)
     tokens, cu = stdlib_documents(DOC_LENGTHS)
     batch = packed_batch(tokens, cu)
-    shards = {}
     with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
-        for name, (u, r) in (("reference", (1, 1)), ("sap", (inner, outer))):
-            initialize_sap_parallel(inner_size=u, outer_size=r)
+        for name, (inner, outer) in (("reference", (1, 1)), ("sap", sap_layout)):
+            initialize_sap_parallel(inner_size=inner, outer_size=outer, **parallel)
             try:
-                module = build_tiny_gpt(calculate_per_token_loss=True)
-                model = DistributedDataParallel(
-                    module.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer), module)
+                module = build_model()
+                ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer)
+                model = DistributedDataParallel(module.config, ddp_config, module)
                 local, params = sap_split_batch(batch, cu)
                 per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
                                   packed_seq_params=params)
                 (per_token * local["loss_mask"]).sum().backward()
                 finalize_model_grads([model], local["loss_mask"].sum())
-                group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-                shards[name] = torch.cat([bucket.grad_data.chunk(group.size())[group.rank()]
-                                          for buffer in model.buffers for bucket in buffer.buckets])
+                yield name, model, module
             finally:
                 parallel_state.destroy_model_parallel()
+
+
+def run_megatron_ddp_rank(rank: int, world_size: int, inner: int, outer: int, distributed_optimizer: bool) -> dict:
+    """`_megatron_ddp_steps` of the tiny GPT: this rank's share of the reduced gradient buffers
+    (with the distributed optimizer each rank holds only its shard; else the shards of the
+    whole buffer)."""
+    from megatron.core import parallel_state
+
+    from megatron_sap.megatron.demo_train import build_tiny_gpt
+
+    shards = {}
+    for name, model, _ in _megatron_ddp_steps(lambda: build_tiny_gpt(calculate_per_token_loss=True), (inner, outer),
+                                              distributed_optimizer):
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        shards[name] = torch.cat([bucket.grad_data.chunk(group.size())[group.rank()]
+                                  for buffer in model.buffers for bucket in buffer.buckets])
     return shards
 
 
@@ -440,39 +456,20 @@ def run_moe_rank(rank: int, world_size: int, inner: int, outer: int) -> dict:
 
 
 def run_moe_ddp_rank(rank: int, world_size: int, expert_parallel: int, aux_loss_coeff: float) -> dict:
-    """Every parameter's reduced gradient (`main_grad`) after one step as Megatron-LM takes it
-    (Megatron-Core's DDP, the summed per-token loss, `finalize_model_grads` with the loss
-    tokens) of the mixture-of-experts GPT with `expert_parallel` expert-parallel ranks, at CP=1
-    and with SAP 2x2. The router's weight and Megatron's DDP buffers go to the current CUDA
-    device: the CPU here."""
+    """`_megatron_ddp_steps` of the mixture-of-experts GPT with `expert_parallel` expert-parallel
+    ranks, SAP at 2x2: every parameter's reduced gradient (`main_grad`). The router's weight also
+    goes to the current CUDA device, and megatron-core 0.16 reads an unbound `te_general_gemm`
+    without Transformer Engine (None is its own fallback)."""
     from unittest import mock
 
     import megatron.core.transformer.moe.moe_utils as moe_utils
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    from megatron_sap.megatron import initialize_sap_parallel, sap_split_batch
-    from megatron_sap.megatron.demo_train import packed_batch, stdlib_documents
-
-    torch.set_num_threads(1)
-    tokens, cu = stdlib_documents(DOC_LENGTHS)
-    batch = packed_batch(tokens, cu)
     grads = {}
-    with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
-            mock.patch.object(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None), create=True):
-        for name, (u, r) in (("reference", (1, 1)), ("sap", (2, 2))):
-            initialize_sap_parallel(inner_size=u, outer_size=r, expert_model_parallel_size=expert_parallel)
-            try:
-                module = _moe_gpt(moe_aux_loss_coeff=aux_loss_coeff, calculate_per_token_loss=True)
-                model = DistributedDataParallel(module.config, DistributedDataParallelConfig(), module)
-                local, params = sap_split_batch(batch, cu)
-                per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
-                                  packed_seq_params=params)
-                (per_token * local["loss_mask"]).sum().backward()
-                finalize_model_grads([model], local["loss_mask"].sum())
-                grads[name] = {n: p.main_grad.clone() for n, p in module.named_parameters()}
-            finally:
-                parallel_state.destroy_model_parallel()
+    with mock.patch.object(moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None), create=True):
+        steps = _megatron_ddp_steps(lambda: _moe_gpt(moe_aux_loss_coeff=aux_loss_coeff, calculate_per_token_loss=True),
+                                    (2, 2), expert_model_parallel_size=expert_parallel)
+        for name, _, module in steps:
+            grads[name] = {n: p.main_grad.clone() for n, p in module.named_parameters()}
     return grads
 
 

@@ -196,15 +196,32 @@ def _pass_on(output: torch.Tensor, chunk: int, chunks: int) -> bool:
     return True
 
 
-def _take_input(model, tokens: int, chunk: int) -> None:
-    """The previous chunk's output as this chunk's input (none for the first stage's first chunk)."""
+def _take_input(model, tokens: int, chunk: int, requires_grad: bool = False) -> torch.Tensor | None:
+    """The previous chunk's output as this chunk's input, returned (none for the first stage's
+    first chunk); with `requires_grad`, for its gradient to go back."""
     import torch.distributed as dist
     from megatron.core import mpu
 
-    if not (mpu.is_pipeline_first_stage(ignore_virtual=True) and chunk == 0):
-        hidden = torch.empty(tokens, 1, 64)
-        dist.recv(hidden, mpu.get_pipeline_model_parallel_prev_rank())
-        model.set_input_tensor(hidden)
+    if mpu.is_pipeline_first_stage(ignore_virtual=True) and chunk == 0:
+        return None
+    hidden = torch.empty(tokens, 1, 64)
+    dist.recv(hidden, mpu.get_pipeline_model_parallel_prev_rank())
+    hidden.requires_grad_(requires_grad)
+    model.set_input_tensor(hidden)
+    return hidden
+
+
+def _document_forward(models: list, chunk: int, row: dict, a: int, b: int) -> torch.Tensor:
+    """Model chunk `chunk`'s output for the row's tokens a:b run alone, by Megatron's own forward
+    without the hooks (a single sequence: no packed parameters anywhere): the tokens on the first
+    stage's first chunk, the labels on the last stage's last, its input set before."""
+    from megatron.core import mpu
+
+    forward = type(models[0]).forward.__wrapped__
+    if mpu.is_pipeline_first_stage(ignore_virtual=True) and chunk == 0:
+        return forward(models[chunk], row["tokens"][:, a:b], row["position_ids"][:, a:b], None)
+    last = mpu.is_pipeline_last_stage(ignore_virtual=True) and chunk == len(models) - 1
+    return forward(models[chunk], None, None, None, labels=row["labels"][:, a:b] if last else None)
 
 
 def _release_layouts() -> list[tuple[int, int, int]]:
@@ -272,20 +289,12 @@ def _documents_one_at_a_time(models: list, sample: dict, documents: tuple[int, .
     """The summed loss of the row's documents run one at a time through this rank's model
     chunks, each called directly (a single sequence: no packed parameters anywhere); on the
     last stage, else 0."""
-    from megatron.core import mpu
-
-    forward = type(models[0]).forward.__wrapped__  # Megatron's own, without the hooks
-    first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
     total = 0.0
     with torch.no_grad():
         for a, b in zip(documents, documents[1:]):
             for chunk, model in enumerate(models):
                 _take_input(model, b - a, chunk)
-                if first and chunk == 0:
-                    output = forward(model, sample["tokens"][:, a:b], sample["position_ids"][:, a:b], None)
-                else:
-                    labels = sample["labels"][:, a:b] if last and chunk == len(models) - 1 else None
-                    output = forward(model, None, None, None, labels=labels)
+                output = _document_forward(models, chunk, sample, a, b)
                 if not _pass_on(output, chunk, len(models)):
                     total += float(output.sum())
     return total
@@ -408,27 +417,15 @@ def _documents_backward_one_at_a_time(models: list, rows: list[dict], layouts: l
     import torch.distributed as dist
     from megatron.core import mpu
 
-    forward = type(models[0]).forward.__wrapped__  # Megatron's own, without the hooks
-    first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
+    last = mpu.is_pipeline_last_stage(ignore_virtual=True)
     chunks = len(models)
     for row, documents in zip(rows, layouts):
         for a, b in zip(documents, documents[1:]):
             inputs, outputs = [], []
             for chunk, model in enumerate(models):
-                hidden = None
-                if not (first and chunk == 0):
-                    hidden = torch.empty(b - a, 1, 64)
-                    dist.recv(hidden, mpu.get_pipeline_model_parallel_prev_rank())
-                    hidden.requires_grad_()
-                    model.set_input_tensor(hidden)
-                if first and chunk == 0:
-                    output = forward(model, row["tokens"][:, a:b], row["position_ids"][:, a:b], None)
-                else:
-                    labels = row["labels"][:, a:b] if last and chunk == chunks - 1 else None
-                    output = forward(model, None, None, None, labels=labels)
-                _pass_on(output.detach(), chunk, chunks)
-                inputs.append(hidden)
-                outputs.append(output)
+                inputs.append(_take_input(model, b - a, chunk, requires_grad=True))
+                outputs.append(_document_forward(models, chunk, row, a, b))
+                _pass_on(outputs[-1].detach(), chunk, chunks)
             for chunk in reversed(range(chunks)):
                 if last and chunk == chunks - 1:
                     outputs[chunk].sum().backward()
