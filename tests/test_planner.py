@@ -18,7 +18,7 @@ import megatron_sap as sap
 from megatron_sap.plan import main as plan_cli
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
 from megatron_sap.planning.evaluate import evaluate, rank_work, ulysses_cost, whole_documents_s
-from megatron_sap.planning.candidates import candidates
+from megatron_sap.planning.candidates import FILL_MIN_RANKS, candidates
 from megatron_sap.planning.cuts import Cut, _chunks, split_cut, split_need, tile_pairs, whole_pairs
 from megatron_sap.planning.greedy import greedy, heaviest_first
 from megatron_sap.planning.layouts import BALANCED, DEALT, balanced_order, contiguous, dealt_order, whole_packing
@@ -411,6 +411,38 @@ def test_documents_that_fill_ranks_split_at_token_level():
     plan = sap.plan_sequences([0, 4000, 8000], outer_size=8, cache=None)
     assert plan.strategy.startswith("greedy") and plan.stats()["imbalance"] < 1.01
     assert all(len(record.ranks) == 4 for record in plan.placement.records)
+
+
+def test_fill_cuts_the_last_documents_through_consecutive_rooms():
+    """A fill pass puts a document that fits on one rank, where no rank has room for it
+    whole, through the rooms in consecutive chunks, starting where the last fill ended:
+    every chunk but the last takes its rank's whole room, so each fill leaves at most one
+    rank part-filled and the row's last documents are cut in a chain, once each."""
+    model = CostModel.preset("h100")  # one node; the documents are under a tile, so all cost alike
+    lengths = [70, 70, 70, 70, 40, 40, 40]
+    starts = np.cumsum([0] + lengths[:-1]).tolist()
+    placement = greedy(starts, lengths, 4, 100, model, 0.0, split="zigzag", fill=True)
+    assert placement.strategy == "greedy(slack=0, zigzag, fill)"
+    whole = [record.ranks for record in placement.records if record.doc < 4]
+    assert sorted(whole) == [(0,), (1,), (2,), (3,)]
+    filled = {record.doc: (record.ranks, record.cut.sizes) for record in placement.records if record.doc >= 4}
+    assert filled == {4: ((0, 1), (30, 10)), 5: ((1, 2), (20, 20)), 6: ((2, 3), (10, 30))}
+    # Without fill, the same pass cuts them by load: more ranks per document.
+    plain = greedy(starts, lengths, 4, 100, model, 0.0, split="zigzag")
+    assert sum(len(r.ranks) for r in plain.records if r.doc >= 4) > 6
+
+
+def test_fill_passes_are_weighed_from_many_outer_ranks():
+    """Fill passes are candidates only where the row is cut over FILL_MIN_RANKS outer ranks
+    or more (small rooms, many last documents to cut); the other candidates are the same
+    with them or without."""
+    cu = realistic_cu_seqlens(32 * 1024, 1)
+    lengths = np.diff(cu).tolist()
+    model = CostModel.preset("h100")
+    for outer in (FILL_MIN_RANKS // 2, FILL_MIN_RANKS):
+        names = list(build_all(candidates(cu[:-1], lengths, outer, cu[-1] // outer, model, DEFAULT_SLACKS, 1)))
+        fill = [n for n in names if n.endswith(", fill)")]
+        assert fill == ([f"greedy(slack={s:g}, zigzag, fill)" for s in DEFAULT_SLACKS] if outer >= FILL_MIN_RANKS else [])
 
 
 def layer_time_from(tiles: list[int], local: list[int], traffic: np.ndarray, capacity: int, inner: int, model: CostModel) -> np.ndarray:
@@ -921,11 +953,11 @@ def pinned_batch(name: str) -> list[int]:
 
 PINNED = {
     ('one-and-ones', 16, 4): '5e9d47a14ce305db',
-    ('ones', 64, 1): 'bc9e244415f90312',
-    ('realistic:131072:20', 64, 1): '82c760464c8e3439',
-    ('realistic:131072:3', 64, 1): '87f7158809206dc4',
-    ('realistic:131072:4', 32, 2): '7c332520a4b07f36',
-    ('realistic:131072:6', 64, 1): 'c60e74e4cec448ca',
+    ('ones', 64, 1): '1b963f95140923e2',
+    ('realistic:131072:20', 64, 1): '041405d73b9d26c7',
+    ('realistic:131072:3', 64, 1): '494ef009c3e06985',
+    ('realistic:131072:4', 32, 2): '3ea0b6cca2279b50',
+    ('realistic:131072:6', 64, 1): 'd1d4e5bae6635208',
     ('realistic:131072:7', 16, 4): '468004f4925a44bf',
     ('realistic:16384:0', 8, 1): '64a466691e290e70',
     ('realistic:16384:1', 4, 2): '95aa5c7bddcb0bc1',

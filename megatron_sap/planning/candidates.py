@@ -7,6 +7,10 @@ from .layouts import BALANCED, DEALT, ContiguousBuild, WholeBuild, ZigzagBuild, 
 from .placement import Build
 from .tally import Tally
 
+# From this many outer ranks the greedy passes are weighed with `fill` too: rooms are small
+# there, and the last documents' cuts by load scatter over many ranks (docs/planner.md).
+FILL_MIN_RANKS = 32
+
 
 def candidates(
     doc_starts: list[int],
@@ -23,18 +27,23 @@ def candidates(
     rank's share over as many ranks as it can (balance when one document dominates the
     work, worth its traffic where links are fast); then the zigzag, contiguous and
     whole layouts, and the contiguous layouts of the documents in `balanced_order` and
-    in `dealt_order` (where every document fits on one rank). The greedy passes start as
-    one build."""
+    in `dealt_order` (where every document fits on one rank); then, over FILL_MIN_RANKS
+    outer ranks or more, the zigzag greedy passes again with `fill` (the row's last
+    documents cut through the rooms left in a chain, once each). The greedy passes start
+    as one build."""
     passes = GreedyPasses(doc_starts, lengths, num_ranks, capacity, model, inner_size)
     members = [
-        (greedy_name(s, split), 2 * i + j, s, split, False)
+        (greedy_name(s, split), 2 * i + j, s, split, False, False)
         for i, s in enumerate(slacks)
         for j, split in enumerate(("contiguous", "zigzag"))
     ]
     builds: list[Build] = []
+    if num_ranks >= FILL_MIN_RANKS:
+        members += [(greedy_name(s, "zigzag", fill=True), 2 * len(slacks) + 6 + i, s, "zigzag", False, True)
+                    for i, s in enumerate(slacks)]
     if num_ranks > 1:
         spread_slack = min(slacks, default=0.0)
-        members.append((greedy_name(spread_slack, "zigzag", spread=True), 2 * len(slacks), spread_slack, "zigzag", True))
+        members.append((greedy_name(spread_slack, "zigzag", spread=True), 2 * len(slacks), spread_slack, "zigzag", True, False))
         builds.append(ZigzagBuild(2 * len(slacks) + 1, doc_starts, lengths, passes.cost, capacity,
                                    Tally(num_ranks, inner_size, model)))
         builds.append(ContiguousBuild(2 * len(slacks) + 2, doc_starts, lengths, passes.cost, capacity,

@@ -7,8 +7,10 @@ head-to-tail (rank i holds chunks i and 2k-1-i) so causal work balances, or as k
 consecutive chunks (the ``contiguous`` split); chunks are whole kernel tiles where the
 document has enough, token-level where the ranks' room is not whole tiles. What no
 longer fits whole is cut over the ranks with the most room. With `spread`, a document
-heavier than one rank's share of the work goes over as many ranks as it can. Ranks of
-one node are preferred for a split.
+heavier than one rank's share of the work goes over as many ranks as it can; with
+`fill`, a document that fits on one rank but finds no rank with room for it whole goes
+through the rooms left in consecutive chunks, each fill starting where the last ended.
+Ranks of one node are preferred for a split.
 
 The passes at every slack and split mode run as one build while they place documents
 alike, and part where they choose differently (`GreedyBuild.step`).
@@ -42,30 +44,34 @@ def greedy(
     inner_size: int = 1,
     split: str = "zigzag",
     spread: bool = False,
+    fill: bool = False,
 ) -> Placement:
     """Sequence-aware placement: keep documents whole, split the ones that would
     overload a rank over as few ranks as possible, preferring ranks of one node
     (see the module docstring). Outer rank r is on node `model.node_of(r * inner_size)`;
     `split` is how a document is cut over k ranks (see `split_cut`); with `spread`, a
     document heavier than one rank's share of the work is split as wide as the ranks'
-    room and chunks of at least one tile allow, instead of over the fewest ranks."""
+    room and chunks of at least one tile allow, instead of over the fewest ranks; with
+    `fill`, a document that fits on one rank where none has room for it whole is cut
+    through the rooms (`_DocChoices.fill`) instead of weighed by load."""
     passes = GreedyPasses(doc_starts, lengths, num_ranks, capacity, model, inner_size)
-    (placement,) = build_all([passes.build([(greedy_name(slack, split, spread), 0, slack, split, spread)])]).values()
+    (placement,) = build_all([passes.build([(greedy_name(slack, split, spread, fill), 0, slack, split, spread, fill)])]).values()
     return placement
 
 
-def greedy_name(slack: float, split: str, spread: bool = False) -> str:
-    return f"greedy(slack={slack:g}, {split}{', spread' if spread else ''})"
+def greedy_name(slack: float, split: str, spread: bool = False, fill: bool = False) -> str:
+    return f"greedy(slack={slack:g}, {split}{', spread' if spread else ''}{', fill' if fill else ''})"
 
 
 class _Member(NamedTuple):
-    """One greedy pass: its candidate name and index, its load slack, split and spread mode."""
+    """One greedy pass: its candidate name and index, its load slack, split, spread and fill mode."""
 
     name: str
     index: int
     slack: float
     split: str
     spread: bool
+    fill: bool
 
 
 class GreedyPasses:
@@ -98,19 +104,21 @@ class GreedyPasses:
         self.share = self.total / num_ranks
         self.order = heaviest_first(lengths, self.cost)
 
-    def build(self, members: Sequence[tuple[str, int, float, str, bool]]) -> Build:
-        """The passes (name, index, slack, split, spread), built together while they
+    def build(self, members: Sequence[tuple[str, int, float, str, bool, bool]]) -> Build:
+        """The passes (name, index, slack, split, spread, fill), built together while they
         place documents alike."""
         tally = Tally(self.R, self.inner_size, self.model)
-        return GreedyBuild(self, tuple(_Member(*m) for m in members), tally, [self.capacity] * self.R, [], 0)
+        return GreedyBuild(self, tuple(_Member(*m) for m in members), tally, [self.capacity] * self.R, [], 0, None)
 
-    def choose(self, doc: _DocChoices, slack: float, split: str, spread: bool) -> tuple[tuple[int, ...], Cut]:
+    def choose(self, doc: _DocChoices, slack: float, split: str, spread: bool, fill: bool) -> tuple[tuple[int, ...], Cut]:
         """Where a pass at `slack` puts the document: (rank of each slot, cut). What does
         not depend on the slack is worked out once per document in `doc`."""
         n, c, load = doc.n, doc.c, doc.load
+        whole = doc.whole_rank
+        if fill and whole is None and n <= self.capacity:
+            return doc.fill()
         limit = (1.0 + slack) * self.share
         options: list[tuple[int, int, list[int], Cut | None]] = []  # (peak, k, ranks heaviest slot first, cut); k = 1: whole
-        whole = doc.whole_rank
         if whole is not None:
             if load[whole] + c <= limit:
                 return (whole,), split_cut(n, 1, "contiguous", self.tile)
@@ -143,14 +151,15 @@ class GreedyPasses:
 
 class _DocChoices:
     """What passes in one state weigh for document `d`: worked out when first asked,
-    and kept for the other passes when `shared`."""
+    and kept for the other passes when `shared`. `spill` is the rank the state's last
+    fill left part-filled (see `fill`)."""
 
-    __slots__ = ("greedy", "d", "load", "room", "n", "c", "by_load", "whole_rank", "shared",
-                 "_sorted_loads", "_roomy", "_rooms", "_widest", "_splits", "_slots", "_fragments")
+    __slots__ = ("greedy", "d", "load", "room", "n", "c", "by_load", "whole_rank", "shared", "spill",
+                 "_sorted_loads", "_roomy", "_rooms", "_widest", "_splits", "_slots", "_fragments", "filled")
 
     def __init__(self, greedy: GreedyPasses, d: int, load: list[int], room: list[int], by_load: list[int],
-                 whole_rank: int | None, shared: bool):
-        self.greedy, self.d, self.load, self.room, self.shared = greedy, d, load, room, shared
+                 whole_rank: int | None, shared: bool, spill: int | None):
+        self.greedy, self.d, self.load, self.room, self.shared, self.spill = greedy, d, load, room, shared, spill
         self.n, self.c = greedy.lengths[d], greedy.cost[d]
         self.by_load, self.whole_rank = by_load, whole_rank  # see `GreedyBuild.step`
         self._sorted_loads: list[int] | None = None
@@ -160,6 +169,7 @@ class _DocChoices:
         self._splits: dict[tuple[int, str], tuple | None] = {}
         self._slots: dict[tuple[int, int], tuple[tuple[int, ...], Cut]] = {}
         self._fragments: tuple[tuple[int, ...], Cut] | None = None
+        self.filled: tuple[tuple[int, ...], Cut] | None = None
 
     @property
     def sorted_loads(self) -> list[int]:
@@ -253,6 +263,30 @@ class _DocChoices:
             self._slots[key] = found
         return found
 
+    def fill(self) -> tuple[tuple[int, ...], Cut]:
+        """A document that fits on one rank, where no rank has room for it whole: in
+        consecutive chunks through the ranks with room, starting where the last fill
+        ended (`spill`), then its node's least-loaded ranks, then the others'. Each fill
+        crosses only the rooms it fills up and leaves at most one rank part-filled, so a
+        row's last documents fill the room left with few cuts, each between two ranks,
+        instead of each cut over several ranks by load (many small messages)."""
+        if self.filled is None:
+            room, spill, node = self.room, self.spill, self.greedy.node_index
+            order = self.roomy
+            if spill is not None and room[spill]:
+                home = node[spill]
+                order = [spill] + [r for r in order if node[r] == home and r != spill] + [r for r in order if node[r] != home]
+            offset, ranks, chunks = 0, [], []
+            for r in order:
+                take = min(room[r], self.n - offset)
+                ranks.append(r)
+                chunks.append(take)
+                offset += take
+                if offset == self.n:
+                    break
+            self.filled = (tuple(ranks), Cut(chunks, False, self.greedy.tile))
+        return self.filled
+
     def fragments(self) -> tuple[tuple[int, ...], Cut]:
         """Fragmented room: the document cut over the ranks with the most room."""
         if self._fragments is None:
@@ -276,8 +310,9 @@ class GreedyBuild(Build):
     """Greedy passes that have placed every document alike so far."""
 
     def __init__(self, greedy: GreedyPasses, members: tuple[_Member, ...], tally: Tally,
-                 room: list[int], records: list[Record], position: int):
+                 room: list[int], records: list[Record], position: int, spill: int | None):
         self.greedy, self.tally, self.room, self.records, self.position = greedy, tally, room, records, position
+        self.spill = spill  # the rank the last fill left part-filled (`_DocChoices.fill`)
         self._join(members)
 
     def _join(self, members: tuple[_Member, ...]) -> None:
@@ -300,30 +335,33 @@ class GreedyBuild(Build):
             # limit, and the split and spread modes change only how a document is split.
             self._place(d, ((whole,), split_cut(n, 1, "contiguous", g.tile)))
             return [self]
-        doc = _DocChoices(g, d, load, room, by_load, whole, shared=len(self.members) > 1)
+        doc = _DocChoices(g, d, load, room, by_load, whole, len(self.members) > 1, self.spill)
         if len(self.members) == 1:
             m = self.members[0]
-            self._place(d, g.choose(doc, m.slack, m.split, m.spread))
+            choice = g.choose(doc, m.slack, m.split, m.spread, m.fill)
+            self._place(d, choice, filled=choice is doc.filled)
             return [self]
         groups: dict[tuple, tuple[tuple[tuple[int, ...], Cut], list[_Member]]] = {}
         for m in self.members:
-            choice = g.choose(doc, m.slack, m.split, m.spread)
+            choice = g.choose(doc, m.slack, m.split, m.spread, m.fill)
             groups.setdefault((choice[0], id(choice[1])), (choice, []))[1].append(m)
         parted = [self] + [self._copy() for _ in range(len(groups) - 1)]
         for build, (choice, members) in zip(parted, groups.values()):
             if len(groups) > 1:
                 build._join(tuple(members))  # before placing: a finished placement takes the first name
-            build._place(d, choice)
+            build._place(d, choice, filled=choice is doc.filled)
         return parted
 
     def _copy(self) -> GreedyBuild:
-        return GreedyBuild(self.greedy, self.members, self.tally.copy(), self.room[:], self.records[:], self.position)
+        return GreedyBuild(self.greedy, self.members, self.tally.copy(), self.room[:], self.records[:], self.position, self.spill)
 
-    def _place(self, d: int, choice: tuple[tuple[int, ...], Cut]) -> None:
+    def _place(self, d: int, choice: tuple[tuple[int, ...], Cut], filled: bool = False) -> None:
         g, room = self.greedy, self.room
         ranks, cut = choice
         for r, size in zip(ranks, cut.sizes):
             room[r] -= size
+        if filled:
+            self.spill = ranks[-1] if room[ranks[-1]] else None
         self.tally.add(ranks, cut)
         self.floor_s = self.tally.floor_s
         self.records.append(Record(d, g.starts[d], ranks, cut))

@@ -447,8 +447,9 @@ def plan_sequences(
 
     Every rank holds exactly T / P tokens. Candidate placements (sequence-aware greedy
     at several load slacks and two split modes, a spread greedy pass, zigzag over all
-    ranks, contiguous, every document whole, and contiguous slices of the documents in
-    two balancing orders) are evaluated with the cost model; the one
+    ranks, contiguous, every document whole, contiguous slices of the documents in two
+    balancing orders, and over 32 outer ranks or more the greedy passes that fill the
+    last rooms in a chain) are evaluated with the cost model; the one
     with the lowest modelled forward+backward layer time wins (within 1%, the one that
     moves fewer bytes). The search stops at the first candidate within 1% or 10 us of
     the lower bound (every document computed whole, spread evenly, no communication but
