@@ -271,39 +271,35 @@ class _DocChoices:
         row's last documents fill the room left with few cuts, each between two ranks,
         instead of each cut over several ranks by load (many small messages)."""
         if self.filled is None:
-            room, spill, node = self.room, self.spill, self.greedy.node_index
-            order = self.roomy
-            if spill is not None and room[spill]:
+            order, spill = self.roomy, self.spill
+            if spill is not None and self.room[spill]:
+                node = self.greedy.node_index
                 home = node[spill]
                 order = [spill] + [r for r in order if node[r] == home and r != spill] + [r for r in order if node[r] != home]
-            offset, ranks, chunks = 0, [], []
-            for r in order:
-                take = min(room[r], self.n - offset)
-                ranks.append(r)
-                chunks.append(take)
-                offset += take
-                if offset == self.n:
-                    break
-            self.filled = (tuple(ranks), Cut(chunks, False, self.greedy.tile))
+            self.filled = self._through(order)
         return self.filled
 
     def fragments(self) -> tuple[tuple[int, ...], Cut]:
         """Fragmented room: the document cut over the ranks with the most room."""
         if self._fragments is None:
-            offset, ranks, chunks = 0, [], []
-            room = self.room
             # The most room first; among equal rooms the least loaded (by_load's order, which
             # the stable sort keeps).
-            for r in sorted(self.roomy, key=room.__getitem__, reverse=True):
-                if offset == self.n:
-                    break
-                take = min(room[r], self.n - offset)
-                if take > 0:
-                    ranks.append(r)
-                    chunks.append(take)
-                    offset += take
-            self._fragments = (tuple(ranks), Cut(chunks, False, self.greedy.tile))
+            self._fragments = self._through(sorted(self.roomy, key=self.room.__getitem__, reverse=True))
         return self._fragments
+
+    def _through(self, order: list[int]) -> tuple[tuple[int, ...], Cut]:
+        """The document in consecutive chunks through the rooms of the ranks in `order`
+        (each with room), each chunk as much as its rank has room for."""
+        room, n = self.room, self.n
+        offset, ranks, chunks = 0, [], []
+        for r in order:
+            take = min(room[r], n - offset)
+            ranks.append(r)
+            chunks.append(take)
+            offset += take
+            if offset == n:
+                break
+        return tuple(ranks), Cut(chunks, False, self.greedy.tile)
 
 
 class GreedyBuild(Build):
