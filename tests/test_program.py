@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import megatron_sap as sap
 from megatron_sap.planning import CostModel, KernelCall, RankProgram, compile_all
 from megatron_sap.planning.evaluate import evaluate
-from megatron_sap.planning.candidates import candidates
+from megatron_sap.planning.candidates import FILL_MIN_RANKS, candidates
 from megatron_sap.planning.placement import build_all
 from megatron_sap.planning.plan import DEFAULT_SLACKS
 from megatron_sap.planning.program import exchange_round
@@ -169,6 +169,22 @@ def test_every_candidate_compiles_correctly(seed):
         evaluation = evaluate(placement, 1, model)
         check_programs(sap.Plan(tuple(cu), outer, 1, model, placement, evaluation, {}))
         assert [p.rank for p in compile_all(placement)] == list(range(outer))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_fill_candidates_compile_correctly(seed):
+    """The fill passes' placements (weighed from FILL_MIN_RANKS outer ranks), whose last
+    documents are cut through the rooms left, compile to correct programs too."""
+    rng = np.random.default_rng(seed)
+    outer = FILL_MIN_RANKS
+    total = 48 * outer
+    cu = [0, *np.sort(rng.integers(0, total, size=40)).tolist(), total]
+    model = CostModel.preset("h100")
+    placements = build_all(candidates(cu[:-1], np.diff(cu).tolist(), outer, total // outer, model, DEFAULT_SLACKS))
+    filled = [p for name, p in placements.items() if name.endswith(", fill)")]
+    assert any(p.ranks != placements[p.strategy.replace(", fill", "")].ranks for p in filled)  # fills happened
+    for placement in filled:
+        check_programs(sap.Plan(tuple(cu), outer, 1, model, placement, evaluate(placement, 1, model), {}))
 
 
 @pytest.mark.parametrize("R", range(1, 10))
