@@ -434,15 +434,22 @@ def test_fill_cuts_the_last_documents_through_consecutive_rooms():
 
 def test_fill_passes_are_weighed_from_many_outer_ranks():
     """Fill passes are candidates only where the row is cut over FILL_MIN_RANKS outer ranks
-    or more (small rooms, many last documents to cut); the other candidates are the same
-    with them or without."""
+    or more (small rooms, many last documents to cut). Built in one shared build with the
+    plain passes, every pass, fill or not, places the documents as it does alone."""
     cu = realistic_cu_seqlens(32 * 1024, 1)
     lengths = np.diff(cu).tolist()
     model = CostModel.preset("h100")
     for outer in (FILL_MIN_RANKS // 2, FILL_MIN_RANKS):
-        names = list(build_all(candidates(cu[:-1], lengths, outer, cu[-1] // outer, model, DEFAULT_SLACKS, 1)))
-        fill = [n for n in names if n.endswith(", fill)")]
+        built = build_all(candidates(cu[:-1], lengths, outer, cu[-1] // outer, model, DEFAULT_SLACKS, 1))
+        fill = [n for n in built if n.endswith(", fill)")]
         assert fill == ([f"greedy(slack={s:g}, zigzag, fill)" for s in DEFAULT_SLACKS] if outer >= FILL_MIN_RANKS else [])
+    filled_differently = 0
+    for s in DEFAULT_SLACKS:
+        for split, fill in (("contiguous", False), ("zigzag", False), ("zigzag", True)):
+            alone = greedy(cu[:-1], lengths, outer, cu[-1] // outer, model, s, split=split, fill=fill)
+            assert alone.ranks == built[alone.strategy].ranks, alone.strategy
+        filled_differently += built[f"greedy(slack={s:g}, zigzag, fill)"].ranks != built[f"greedy(slack={s:g}, zigzag)"].ranks
+    assert filled_differently  # the row has documents to fill
 
 
 def layer_time_from(tiles: list[int], local: list[int], traffic: np.ndarray, capacity: int, inner: int, model: CostModel) -> np.ndarray:
