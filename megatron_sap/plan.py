@@ -15,7 +15,8 @@ candidate placement's modelled time; optionally draws the layout as a PNG. With
 allow within a node (modelled time, mean over `--rows` packed rows) and prints the
 Megatron flags of the fastest: which `--hierarchical-context-parallel-sizes` to run
 with on your own document lengths (`--lengths-file`: one length per line, or a .npy
-array).
+array). `--lengths-from` packs the real corpora's lengths (stdlib, sharegpt) or a
+synthetic mix's (longtail, uniform-short, bimodal; `bench.data.synthetic_lengths`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .bench.data import SOURCES, lengths_of
 from .comm.ulysses import check_heads
 from .planning import PRESETS, CostModel, Plan, plan_sequences
 
@@ -45,7 +47,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatron_sap.plan", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--cu-seqlens", help="comma-separated document boundaries, e.g. 0,100,4096")
-    source.add_argument("--lengths-from", choices=("stdlib", "sharegpt"), help="pack rows of real document lengths")
+    source.add_argument("--lengths-from", choices=SOURCES,
+                        help="pack rows of document lengths: a real corpus (stdlib, sharegpt) or a synthetic mix")
     source.add_argument("--lengths-file", type=Path, help="pack rows of these document lengths (one per line, or .npy)")
     parser.add_argument("--tokens", type=int, help="tokens T of a packed row (with --lengths-from/--lengths-file)")
     parser.add_argument("--seed", type=int, default=0, help="packing seed")
@@ -88,9 +91,7 @@ def batches_from_args(args: argparse.Namespace) -> list[list[int]]:
     if args.lengths_file is not None:
         lengths = read_lengths(args.lengths_file)
     else:
-        from .bench.data import document_lengths
-
-        lengths = document_lengths(args.lengths_from)
+        lengths = lengths_of(args.lengths_from)
     return pack(lengths, args.tokens, args.rows, seed=args.seed)
 
 

@@ -1018,6 +1018,16 @@ def test_cli_packs_real_lengths(capsys):
     assert "T=16384 tokens" in out and "cost model 'h200'" in out
 
 
+def test_cli_packs_synthetic_lengths(capsys):
+    """The synthetic mixes pack like the corpora: the same mix and seed, the same batch."""
+    argv = ["--lengths-from", "bimodal", "--tokens", "65536", "--seed", "2", "--outer-size", "8"]
+    assert plan_cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "T=65536 tokens" in out
+    assert plan_cli(argv) == 0
+    assert capsys.readouterr().out == out
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

