@@ -23,15 +23,21 @@ from sap_cases import make_inputs, random_cu_seqlens
 def test_simulated_programs_match_reference(outer, kind):
     rng = random.Random(outer * 100 + len(kind))
     cu = random_cu_seqlens(rng, outer * rng.randint(8, 40), kind)
-    q, k, v, dout = make_inputs(cu, 4, 2, 8, seed=outer)
-    plan = sap.plan_sequences(cu, outer_size=outer, cache=None)
+    sim = simulation_matching_reference(cu, sap.plan_sequences(cu, outer_size=outer, cache=None), seed=outer)
+    assert len(sim.forward_seconds) == outer and len(sim.backward_seconds) == outer
+
+
+def simulation_matching_reference(cu: list[int], plan: sap.Plan, seed: int):
+    """Every rank's program of `plan` run in turn on random inputs, checked against the
+    float64 dense reference: outputs and the three gradients."""
+    q, k, v, dout = make_inputs(cu, 4, 2, 8, seed=seed)
     sim = simulate_plan(q, k, v, plan, dout)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     ref, _ = dense_attention(q, k, v, torch.tensor(cu), causal=True)
     ref.backward(dout)
     for got, want in ((sim.out, ref), (sim.dq, q.grad), (sim.dk, k.grad), (sim.dv, v.grad)):
         assert (got - want).abs().max().item() < 1e-10
-    assert len(sim.forward_seconds) == outer and len(sim.backward_seconds) == outer
+    return sim
 
 
 def test_simulation_takes_inputs_that_require_grad():
@@ -56,11 +62,4 @@ def test_fill_placements_match_reference():
     placements = build_all(candidates(cu[:-1], np.diff(cu).tolist(), outer, total // outer, model, DEFAULT_SLACKS))
     placement = placements["greedy(slack=0, zigzag, fill)"]
     assert placement.ranks != placements["greedy(slack=0, zigzag)"].ranks
-    plan = sap.Plan(tuple(cu), outer, 1, model, placement, evaluate(placement, 1, model), {})
-    q, k, v, dout = make_inputs(cu, 4, 2, 8, seed=1)
-    sim = simulate_plan(q, k, v, plan, dout)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    ref, _ = dense_attention(q, k, v, torch.tensor(cu), causal=True)
-    ref.backward(dout)
-    for got, want in ((sim.out, ref), (sim.dq, q.grad), (sim.dk, k.grad), (sim.dv, v.grad)):
-        assert (got - want).abs().max().item() < 1e-10
+    simulation_matching_reference(cu, sap.Plan(tuple(cu), outer, 1, model, placement, evaluate(placement, 1, model), {}), seed=1)
