@@ -43,9 +43,9 @@ def measure(num_batches: int = 16, device: str = "cpu", sources: tuple[str, ...]
     GPU where the training runs: the copies there are part of the host's work); unpickling is
     of the plan with that program compiled on the CPU, as a data loader's worker ships it."""
     rows = []
-    for corpus in sources:
+    for source in sources:
         for layout, (inner, outer) in enumerate(LAYOUTS):
-            batches = pack(lengths_of(corpus), TOKENS, num_batches, seed=5 + layout)
+            batches = pack(lengths_of(source), TOKENS, num_batches, seed=5 + layout)
             fresh, programs, unpickled = [], [], []
             for cu in batches:
                 start = time.perf_counter()
@@ -70,7 +70,7 @@ def measure(num_batches: int = 16, device: str = "cpu", sources: tuple[str, ...]
                 start = time.perf_counter()
                 sap.plan_sequences(batches[0], outer_size=outer, inner_size=inner, cache=cache)
                 hits.append(time.perf_counter() - start)
-            rows.append((corpus, inner, outer, statistics.median(fresh), min(fresh), statistics.median(hits),
+            rows.append((source, inner, outer, statistics.median(fresh), min(fresh), statistics.median(hits),
                          statistics.median(programs), statistics.median(unpickled)))
     return rows
 
@@ -102,8 +102,8 @@ def table(rows: list[Row]) -> str:
         "rank 0's program ms (median) | plan and program from a loader worker: unpickle ms (median) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for corpus, inner, outer, median, best, hit, program, unpickle in rows:
-        lines.append(f"| {corpus} | {inner}x{outer} | {median * 1e3:.1f} | {best * 1e3:.1f} | {hit * 1e6:.0f} | "
+    for source, inner, outer, median, best, hit, program, unpickle in rows:
+        lines.append(f"| {source} | {inner}x{outer} | {median * 1e3:.1f} | {best * 1e3:.1f} | {hit * 1e6:.0f} | "
                      f"{program * 1e3:.1f} | {unpickle * 1e3:.1f} |")
     return "\n".join(lines)
 

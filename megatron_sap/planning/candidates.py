@@ -37,10 +37,10 @@ def candidates(
         for i, s in enumerate(slacks)
         for j, split in enumerate(("contiguous", "zigzag"))
     ]
-    builds: list[Build] = []
     if num_ranks >= FILL_MIN_RANKS:
         members += [(greedy_name(s, "zigzag", fill=True), 2 * len(slacks) + 6 + i, s, "zigzag", False, True)
                     for i, s in enumerate(slacks)]
+    builds: list[Build] = []
     if num_ranks > 1:
         spread_slack = min(slacks, default=0.0)
         members.append((greedy_name(spread_slack, "zigzag", spread=True), 2 * len(slacks), spread_slack, "zigzag", True, False))
