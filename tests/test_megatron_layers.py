@@ -25,7 +25,7 @@ from megatron_sap.megatron import (  # noqa: E402
     swap_core_attention,
     use_sap_core_attention,
 )
-from megatron_sap.megatron.rope import install_sap_rope, token_positions  # noqa: E402
+from megatron_sap.megatron.rope import _sap_apply_rotary_pos_emb, install_sap_rope, token_positions  # noqa: E402
 from megatron_sap.reference import dense_attention  # noqa: E402
 
 CU = [0, 5, 6, 19, 32]
@@ -199,6 +199,38 @@ def test_installed_rope_only_changes_registered_batches() -> None:
         attention.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=params.cu_seqlens_q, cp_group=one_rank),
         rotate_by_positions(t, freqs, positions),
     )
+
+
+def test_rope_takes_the_mla_interleaving_argument_of_newer_releases() -> None:
+    """megatron-core 0.19 passes `mla_rotary_interleaved` (True from multi-latent attention)
+    instead of reading `config.multi_latent_attention`: a SAP batch is rotated by it, any other
+    call gets it passed on; an argument the rotation does not know is refused on a SAP batch
+    (never silently ignored) and passed on otherwise."""
+    calls = []
+
+    def megatron_rope(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kwargs):
+        calls.append(kwargs)
+        return t
+
+    rope = _sap_apply_rotary_pos_emb(megatron_rope)
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    one_rank = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    t = torch.randn(CU[-1], 2, 8)
+    freqs = torch.rand(13, 1, 1, 8)
+    _, params = sap_split_batch({"tokens": torch.arange(CU[-1]).unsqueeze(0)}, CU)
+    cu, positions = params.cu_seqlens_q, token_positions(params.cu_seqlens_q)
+    for mla in (True, False):
+        torch.testing.assert_close(rope(t, freqs, config, cu_seqlens=cu, cp_group=one_rank, mla_rotary_interleaved=mla),
+                                   rotate_by_positions(t, freqs, positions, multi_latent_attention=mla))
+    mla_config = SimpleNamespace(**{**vars(config), "multi_latent_attention": True})  # releases before 0.19
+    torch.testing.assert_close(rope(t, freqs, mla_config, cu_seqlens=cu, cp_group=one_rank),
+                               rotate_by_positions(t, freqs, positions, multi_latent_attention=True))
+    assert not calls
+    with pytest.raises(TypeError, match="does not support the argument.*future_flag"):
+        rope(t, freqs, config, cu_seqlens=cu, cp_group=one_rank, future_flag=1)
+    rope(t, freqs, config, mla_rotary_interleaved=True, future_flag=1)  # not a SAP batch: Megatron's
+    rope(t, freqs, config)
+    assert calls == [{"mla_rotary_interleaved": True, "future_flag": 1}, {}]
 
 
 def test_split_batch_slices_by_plan_and_builds_packed_params() -> None:

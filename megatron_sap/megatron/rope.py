@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-# Modules that bind `apply_rotary_pos_emb` by name at import time (megatron-core 0.13-0.16).
+# Modules that bind `apply_rotary_pos_emb` by name at import time (megatron-core 0.13 on).
 _ROPE_CALLERS = (
     "megatron.core.transformer.attention",
     "megatron.core.transformer.multi_latent_attention",
@@ -93,7 +93,13 @@ def _sap_apply_rotary_pos_emb(original: Callable) -> Callable:
         cu_seqlens: Optional[Tensor] = None,
         mscale: float = 1.0,
         cp_group=None,
+        mla_rotary_interleaved: Optional[bool] = None,
+        **others,
     ) -> Tensor:
+        # `mla_rotary_interleaved` (megatron-core 0.19 on; multi-latent attention passes True)
+        # replaced reading `config.multi_latent_attention`; releases before it never pass it.
+        if mla_rotary_interleaved is not None:
+            others["mla_rotary_interleaved"] = mla_rotary_interleaved
         positions = token_positions(cu_seqlens)
         if positions is None:
             if cu_seqlens is not None and cp_group is not None and cp_group.size() > 1:
@@ -104,13 +110,20 @@ def _sap_apply_rotary_pos_emb(original: Callable) -> Callable:
                     "registered: pass the PackedSeqParams sap_split_batch returns (the same cu_seqlens tensor, "
                     "not a copy), or split the batch with sap_split_batch"
                 )
-            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **others)
+        unknown = sorted(set(others) - {"mla_rotary_interleaved"})
+        if unknown:
+            # An argument of a newer release whose meaning the per-token rotation does not know:
+            # refused rather than ignored, which could rotate wrongly.
+            raise TypeError(f"SAP's rotary embedding does not support the argument(s) {', '.join(unknown)} "
+                            "of this megatron-core release")
         return rotate_by_positions(
             t,
             freqs,
             positions,
             interleaved=config.rotary_interleaved,
-            multi_latent_attention=config.multi_latent_attention,
+            multi_latent_attention=(config.multi_latent_attention if mla_rotary_interleaved is None
+                                    else mla_rotary_interleaved),
             mscale=mscale,
         )
 
