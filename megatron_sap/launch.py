@@ -46,6 +46,8 @@ def main(argv: list[str]) -> None:
             f"comes with a Megatron-LM checkout (not with the megatron-core package): run a script inside the "
             f"checkout, or set MEGATRON_LM_PATH to it"
         ) from err
+    except RuntimeError as err:  # a Megatron-LM release whose training code the hooks do not follow
+        raise SystemExit(f"cannot install the SAP hooks: {err}") from err
     sys.argv = [str(script), *argv[1:]]
     runpy.run_path(str(script), run_name="__main__")
 

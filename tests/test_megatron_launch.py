@@ -525,12 +525,36 @@ def test_launcher_help_and_a_missing_megatron_lm(tmp_path) -> None:
     assert shown.returncode == 0 and shown.stdout.startswith("usage: python -m megatron_sap.launch")
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("print('ran')\n")
-    if importlib.util.find_spec("megatron.training") is None:
+    # megatron-core 0.19's wheel ships a `megatron.training` too, which needs Python 3.12 (and is
+    # laid out as the hooks do not follow): the launcher must refuse it as well.
+    probe = subprocess.run([sys.executable, "-W", "ignore", "-c",
+                            "import megatron.training.utils as u; print(hasattr(u, 'get_batch_on_this_tp_rank'))"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.stdout.strip() == "True":
+        assert run(str(script)).stdout.strip().endswith("ran")
+    else:
         result = run(str(script), MEGATRON_LM_PATH="")
         assert result.returncode != 0 and "ran" not in result.stdout
-        assert "cannot install the SAP hooks" in result.stderr and "MEGATRON_LM_PATH" in result.stderr
-    else:
-        assert run(str(script)).stdout.strip().endswith("ran")
+        assert "cannot install the SAP hooks" in result.stderr
+        if importlib.util.find_spec("megatron.training") is None:
+            assert "MEGATRON_LM_PATH" in result.stderr
+
+
+def test_launcher_refuses_a_megatron_lm_whose_training_code_the_hooks_do_not_follow(tmp_path) -> None:
+    """A checkout laid out as core_v0.18 on (`megatron.training.utils` a package without the batch
+    functions) is refused by name before anything is patched, not with an AttributeError."""
+    training = tmp_path / "megatron" / "training"
+    (training / "utils").mkdir(parents=True)
+    (training / "__init__.py").write_text("def pretrain(*args, **kwargs):\n    pass\n")
+    (training / "training.py").write_text("def build_pretraining_data_loader(*args, **kwargs):\n    pass\n")
+    (training / "utils" / "__init__.py").write_text("def is_first_or_last_pipeline_stage(vp_stage=None):\n    return True\n")
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("print('ran')\n")
+    result = subprocess.run([sys.executable, "-m", "megatron_sap.launch", str(script)], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "MEGATRON_LM_PATH": str(tmp_path)})
+    assert result.returncode != 0 and "ran" not in result.stdout
+    assert "cannot install the SAP hooks" in result.stderr and "core_v0.13 to core_v0.17" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @needs_megatron_lm
@@ -603,7 +627,7 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
     import shutil
 
     if _checkout_version() != (0, 16):
-        pytest.skip("the fork patch is for core_v0.16; forks of earlier versions call install_training_hooks()")
+        pytest.skip("the fork patch is for core_v0.16; forks of other versions call install_training_hooks()")
 
     files = ["pretrain_gpt.py", os.path.join("megatron", "training", "initialize.py"),
              os.path.join("megatron", "training", "training.py")]

@@ -1,4 +1,4 @@
-"""What differs between the megatron-core releases SAP supports (0.13 to 0.16) and SAP must know."""
+"""What differs between the megatron-core releases SAP supports (0.13 to 0.19) and SAP must know."""
 from __future__ import annotations
 
 import megatron.core
@@ -36,3 +36,17 @@ MLA_ROPE_TABLE_REFUSED = (
     "SAP with context parallelism needs megatron-core 0.14 or later for multi-latent attention: 0.13 cuts the "
     "rotary table to Megatron's own CP layout, which SAP's per-document positions overrun"
 )
+
+TRAINING_LAYOUT_REFUSED = (
+    "SAP's hooks for Megatron-LM's pretrain_gpt.py support core_v0.13 to core_v0.17: this checkout's "
+    "megatron.training.utils has no get_batch_on_this_tp_rank (core_v0.18 on moved the batch split into "
+    "megatron.core.utils and builds the PackedSeqParams in pretrain_gpt.forward_step, which the hooks do not "
+    "follow yet). Use a core_v0.13 to core_v0.17 checkout; Megatron-Core 0.19's modules themselves work with SAP "
+    "(docs/megatron.md)"
+)
+
+
+def hookable_training_layout(training_utils) -> bool:
+    """Whether Megatron-LM's `megatron.training.utils` has the batch functions the hooks wrap
+    (core_v0.13 to core_v0.17)."""
+    return hasattr(training_utils, "get_batch_on_this_tp_rank")

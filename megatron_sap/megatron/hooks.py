@@ -1,4 +1,4 @@
-"""Hooks that make an unmodified Megatron-LM (core_v0.13 to core_v0.16) train with `--cp-comm-type sap`.
+"""Hooks that make an unmodified Megatron-LM (core_v0.13 to core_v0.17) train with `--cp-comm-type sap`.
 
 `install_training_hooks()` patches, before the training script runs:
 
@@ -16,7 +16,7 @@
   or finds the plan, without reading boundaries back from the GPU (`host_boundaries`); on the
   first pipeline stage they also go to the stages whose model chunks read no data
   (`stages.send_documents`).
-* core_v0.16, whose `pretrain_gpt.get_batch` has a packed (THD) path:
+* core_v0.16 and v0.17, whose `pretrain_gpt.get_batch` has a packed (THD) path:
   `megatron.training.utils.get_batch_on_this_tp_rank` makes an unpacked micro-batch a packed
   one (documents from `--reset-position-ids` restarts, else the whole row) so that `get_batch`
   takes that path, and `megatron.core.utils.get_thd_batch_on_this_cp_rank`, its split, becomes
@@ -30,6 +30,10 @@
 * `get_gpt_heterogeneous_layer_spec` (in megatron-core, before `pretrain_gpt.py` or Megatron-LM's
   `gpt_builders` binds it by name): heterogeneous specs name their core attention directly,
   bypassing the providers, so it is swapped afterwards.
+
+From core_v0.18 `megatron.training.utils` no longer has the batch functions (the split moved into
+`megatron.core.utils`, and `pretrain_gpt.forward_step` builds the packed parameters itself):
+`install_training_hooks` refuses such a checkout, naming the releases it follows.
 
 Every hook defers to Megatron's original unless the parsed args ask for SAP (`pretrain` only
 adds the `--sap-*` flags to the parser).
@@ -49,7 +53,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from .arguments import add_sap_args, chain_args_providers, sap_settings_from_args
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_packed_seq_params, sap_split_batch
-from .compat import MLA_ROPE_TABLE_REFUSED, chunk_aware_get_batch, mla_keeps_packed_rope_table, packed_get_batch
+from .compat import (MLA_ROPE_TABLE_REFUSED, TRAINING_LAYOUT_REFUSED, chunk_aware_get_batch, hookable_training_layout,
+                     mla_keeps_packed_rope_table, packed_get_batch)
 from .groups import prepare_pipeline_host_group, tensor_parallel_host_group
 from .loader import PLAN_KEY, PlannedDataset, adopt_loader_plan, host_boundaries, loader_plan_bytes, loader_planning
 from .rope import install_sap_rope
@@ -527,12 +532,14 @@ def install_training_hooks() -> None:
     import megatron.training.utils as training_utils
     from megatron.core import parallel_state
 
+    if not hookable_training_layout(training_utils):
+        raise RuntimeError(TRAINING_LAYOUT_REFUSED)  # before anything is patched
     megatron.training.pretrain = wrap_pretrain(megatron.training.pretrain)
     training_loop.build_pretraining_data_loader = wrap_build_pretraining_data_loader(training_loop.build_pretraining_data_loader)
     parallel_state.initialize_model_parallel = wrap_initialize_model_parallel(parallel_state.initialize_model_parallel)
     training_utils.get_batch_on_this_tp_rank = wrap_get_batch_on_this_tp_rank(training_utils.get_batch_on_this_tp_rank,
                                                                               pack=packed_get_batch())
-    if packed_get_batch():  # core_v0.16
+    if packed_get_batch():  # core_v0.16 and v0.17
         core_utils.get_thd_batch_on_this_cp_rank = wrap_get_thd_batch_on_this_cp_rank(core_utils.get_thd_batch_on_this_cp_rank)
     else:  # core_v0.13 to v0.15
         training_utils.get_batch_on_this_cp_rank = wrap_get_batch_on_this_cp_rank(training_utils.get_batch_on_this_cp_rank)
