@@ -98,8 +98,6 @@ def _sap_apply_rotary_pos_emb(original: Callable) -> Callable:
     ) -> Tensor:
         # `mla_rotary_interleaved` (megatron-core 0.19 on; multi-latent attention passes True)
         # replaced reading `config.multi_latent_attention`; releases before it never pass it.
-        if mla_rotary_interleaved is not None:
-            others["mla_rotary_interleaved"] = mla_rotary_interleaved
         positions = token_positions(cu_seqlens)
         if positions is None:
             if cu_seqlens is not None and cp_group is not None and cp_group.size() > 1:
@@ -110,12 +108,13 @@ def _sap_apply_rotary_pos_emb(original: Callable) -> Callable:
                     "registered: pass the PackedSeqParams sap_split_batch returns (the same cu_seqlens tensor, "
                     "not a copy), or split the batch with sap_split_batch"
                 )
+            if mla_rotary_interleaved is not None:
+                others["mla_rotary_interleaved"] = mla_rotary_interleaved
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **others)
-        unknown = sorted(set(others) - {"mla_rotary_interleaved"})
-        if unknown:
+        if others:
             # An argument of a newer release whose meaning the per-token rotation does not know:
             # refused rather than ignored, which could rotate wrongly.
-            raise TypeError(f"SAP's rotary embedding does not support the argument(s) {', '.join(unknown)} "
+            raise TypeError(f"SAP's rotary embedding does not support the argument(s) {', '.join(sorted(others))} "
                             "of this megatron-core release")
         return rotate_by_positions(
             t,
