@@ -528,7 +528,8 @@ def test_launcher_help_and_a_missing_megatron_lm(tmp_path) -> None:
     # megatron-core 0.19's wheel ships a `megatron.training` too, which needs Python 3.12 (and is
     # laid out as the hooks do not follow): the launcher must refuse it as well.
     probe = subprocess.run([sys.executable, "-W", "ignore", "-c",
-                            "import megatron.training.utils as u; print(hasattr(u, 'get_batch_on_this_tp_rank'))"],
+                            "import megatron.training.utils as u; "
+                            "from megatron_sap.megatron.compat import hookable_training_layout as h; print(h(u))"],
                            capture_output=True, text=True, timeout=120)
     if probe.stdout.strip() == "True":
         assert run(str(script)).stdout.strip().endswith("ran")
