@@ -8,7 +8,7 @@
 # every logged loss is finite and the last one is below the first.
 set -euo pipefail
 
-: "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to core_v0.16)}"
+: "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to core_v0.19)}"
 : "${PYTHON:=python}"
 : "${NPROC:=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}"  # the visible GPUs
 if [ "${NPROC:-0}" -lt 1 ]; then echo "no visible GPU (NPROC=${NPROC:-})" >&2; exit 2; fi

@@ -30,7 +30,7 @@ case "$DEVICE" in
             -m megatron_sap.megatron.demo_train --inner-size "$SAP_INNER" --outer-size "$SAP_OUTER" --steps "$STEPS"
         ;;
     cuda)
-        : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to core_v0.16)}"
+        : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to core_v0.19)}"
         : "${NPROC:=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}"  # the visible GPUs
         : "${TP:=1}"
         : "${SAP_INNER:=$((NPROC / TP))}"

@@ -31,11 +31,15 @@ from megatron_sap.megatron.hooks import (  # noqa: E402
     host_boundaries,
     pack_unpacked_batch,
     sap_requested,
+    wrap_core_get_batch_on_this_tp_rank,
+    wrap_flatten_batch_for_packed_sequences,
+    wrap_forward_step,
     wrap_get_batch_on_this_cp_rank,
     wrap_get_batch_on_this_tp_rank,
     wrap_get_thd_batch_on_this_cp_rank,
     wrap_gpt_forward,
     wrap_initialize_model_parallel,
+    wrap_parse_args,
     wrap_pretrain,
     wrap_spec_builder,
 )
@@ -44,7 +48,7 @@ from megatron_sap.megatron.rope import uninstall_sap_rope  # noqa: E402
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 needs_megatron_lm = pytest.mark.skipif(
-    not MEGATRON_LM, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to v0.16) to test the real hooks"
+    not MEGATRON_LM, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to v0.19) to test the real hooks"
 )
 
 
@@ -279,9 +283,10 @@ def test_batch_hooks_split_packed_rows_with_sap() -> None:
 
 
 def test_legacy_batch_hooks_split_rows_and_hand_the_model_their_params() -> None:
-    """Megatron-LM before core_v0.16: the CP split becomes SAP's (entries in their order, as
-    `get_batch` returns `batch.values()`), and the model called without packed parameters gets
-    that split's."""
+    """Megatron-LM before core_v0.16 and from core_v0.18: the CP split becomes SAP's (entries in
+    their order, as `get_batch` returns `batch.values()`), and the model called on its tokens gets
+    that split's packed parameters, in place of none (before core_v0.16) or of those the script
+    built from the row's cu_seqlens (core_v0.18 on)."""
     args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True)
     split = wrap_get_batch_on_this_cp_rank(lambda batch: pytest.fail("Megatron's split was called"), get_args=lambda: args)
     row = _row([0, 1, 2, 0, 1, 0, 1, 2])
@@ -297,7 +302,8 @@ def test_legacy_batch_hooks_split_rows_and_hand_the_model_their_params() -> None
     params = model_forward(None, local["tokens"], local["position_ids"], None, labels=local["labels"])
     assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 3, 5, 8] and params.max_seqlen_q == 3
     assert model_forward(None, local["tokens"].clone(), None, None) is None  # tokens no split made
-    assert model_forward(None, local["tokens"], None, None, packed_seq_params="given") == "given"
+    assert model_forward(None, local["tokens"], None, None, packed_seq_params="given") is params
+    assert model_forward(None, local["tokens"].clone(), None, None, packed_seq_params="given") == "given"
     whole = wrap_get_batch_on_this_cp_rank(lambda batch: None, get_args=lambda: SimpleNamespace(cp_comm_type="sap"))
     assert model_forward(None, whole(_row([0, 1, 0, 1]))["tokens"], None, None).cu_seqlens_q.tolist() == [0, 4]
     with pytest.raises(ValueError, match="got neither them nor the tokens"):
@@ -399,11 +405,135 @@ def test_last_stage_tp_ranks_without_tokens_split_by_the_shared_documents(pack: 
     assert params.cu_seqlens_q.tolist() == documents and torch.equal(local["labels"], batch["labels"])
 
 
+BATCH_KEYS = ["attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "labels", "local_cp_size",
+              "loss_mask", "max_seqlen", "position_ids", "tokens"]  # Megatron-LM core_v0.19's get_batch returns these
+
+
+def _core_v019_forward_step(args: SimpleNamespace):
+    """A stand-in for Megatron-LM core_v0.19's `pretrain_gpt.forward_step` on the rank that reads
+    the data, through the SAP hooks of megatron-core's batch functions (same signatures): the
+    loader's micro-batch moved to the device in place (`_on_device`: what the host would read
+    back fails), TP broadcast, flattening, CP split, and the model called with packed parameters
+    the script builds from the batch's `cu_seqlens` where it has them. Returns what the model got."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    def get_batch_on_this_tp_rank(batch, has_cu_seqlens, is_hybrid_cp, create_attention_mask_in_dataloader,
+                                  broadcast_src_rank, broadcast_group, cp_size, tp_rank, micro_batch_size, seq_length,
+                                  mtp_on_this_rank, pipeline_model_parallel_size=1, is_pipeline_first_stage=False,
+                                  is_pipeline_last_stage=False):
+        return batch
+
+    get_tp = wrap_core_get_batch_on_this_tp_rank(get_batch_on_this_tp_rank, get_args=lambda: args)
+    flatten = wrap_flatten_batch_for_packed_sequences(lambda batch: pytest.fail("Megatron's flattening was called"),
+                                                      get_args=lambda: args)
+    split = wrap_get_batch_on_this_cp_rank(lambda *a, **k: pytest.fail("Megatron's split was called"),
+                                           get_args=lambda: args)
+    model = wrap_gpt_forward(lambda self, input_ids, position_ids, attention_mask, labels=None, packed_seq_params=None:
+                             (input_ids, position_ids, packed_seq_params), get_args=lambda: args)
+
+    def forward_step(data_iterator, model_chunk):
+        batch = next(data_iterator)
+        moved = _on_device({key: batch.get(key) for key in BATCH_KEYS})
+        batch.update(moved)  # in place, as core_v0.19's get_batch does
+        batch = get_tp(batch, has_cu_seqlens=False, is_hybrid_cp=False, create_attention_mask_in_dataloader=False,
+                       broadcast_src_rank=0, broadcast_group=None, cp_size=1, tp_rank=0, micro_batch_size=1,
+                       seq_length=batch["tokens"].size(1), mtp_on_this_rank=False)
+        batch = flatten(batch)
+        batch = split(batch, is_hybrid_cp=False, cp_group=None, hybrid_cp_group_func=None,
+                      use_per_sequence_balancing=False)
+        values = dict(zip(BATCH_KEYS, [batch[key] for key in BATCH_KEYS]))
+        params = None
+        if values["cu_seqlens"] is not None:
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=values["cu_seqlens"].squeeze(0),
+                                     cu_seqlens_kv=values["cu_seqlens"].squeeze(0), max_seqlen_q=0, max_seqlen_kv=0)
+        return model(None, values["tokens"], values["position_ids"], None, labels=values["labels"],
+                     packed_seq_params=params)
+
+    return wrap_forward_step(forward_step, get_args=lambda: args)
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_core_batch_hooks_plan_from_the_recorded_host_copy(reset: bool) -> None:
+    """Megatron-LM core_v0.18 on: the forward step's data iterator is recorded, so the split plans
+    from the loader's CPU tensors although the script moved them to the device in place; the model
+    gets the split's packed parameters, in place of those the script built from `cu_seqlens`; SFT
+    rows' `cu_seqlens`, padded with repeats of the row length, plan without those documents of
+    no tokens, and the flattening that would read them back is skipped."""
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=reset)
+    forward_step = _core_v019_forward_step(args)
+    sample = _row([0, 1, 2, 0, 1, 0, 1, 2])
+    tokens, positions, params = forward_step(iter([sample]), None)
+    documents = [0, 3, 5, 8] if reset else [0, 8]
+    assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == documents
+    expected = torch.cat([torch.arange(b - a) for a, b in zip(documents, documents[1:])])
+    assert torch.equal(positions[0], expected[tokens[0]])
+
+    sft = {**_row(list(range(8))), "cu_seqlens": torch.tensor([[0, 4, 6, 8, 8, 8]], dtype=torch.int32),
+           "max_seqlen": torch.tensor([4])}
+    tokens, positions, params = forward_step(iter([sft]), None)
+    assert params.cu_seqlens_q.tolist() == [0, 4, 6, 8] and params.max_seqlen_q == 4
+    assert torch.equal(positions[0], torch.tensor([0, 1, 2, 3, 0, 1, 0, 1])[tokens[0]])
+
+
+def test_core_batch_hooks_take_the_plan_the_loader_made() -> None:
+    """Megatron-LM core_v0.18 on, through the data loader hook: the split finds the worker's plan
+    (a cache hit, no miss), read from the recorded host copy."""
+    from megatron_sap.megatron.hooks import wrap_build_pretraining_data_loader
+    from megatron_sap.planning.plan import DEFAULT_CACHE
+
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True, dataloader_type="single", num_workers=1)
+    build = wrap_build_pretraining_data_loader(
+        lambda dataset, consumed: torch.utils.data.DataLoader(dataset, batch_size=1, num_workers=args.num_workers),
+        get_args=lambda: args)
+    loader = iter(build(_Rows([[5, 9, 2]]), 0))
+    DEFAULT_CACHE.clear()
+    try:
+        _, _, params = _core_v019_forward_step(args)(loader, None)
+        assert params.cu_seqlens_q.tolist() == [0, 5, 14, 16]
+        assert (DEFAULT_CACHE.hits, DEFAULT_CACHE.misses) == (1, 0)
+    finally:
+        DEFAULT_CACHE.clear()
+
+
+def _core_v019_pretrain(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func,
+                        model_provider=None, process_non_loss_data_func=None, store=None):
+    """Megatron-LM core_v0.19's `pretrain` signature: a config container, no `extra_args_provider`."""
+    return forward_step_func
+
+
+def test_core_pretrain_wrapper_records_the_forward_step_and_parse_args_takes_the_flags() -> None:
+    """From core_v0.18 `pretrain` takes no flags (the script parses them with `parse_args`, which
+    gets the SAP flags instead) and its forward step is wrapped to record the data iterator."""
+    args = SimpleNamespace(cp_comm_type=["sap"])
+    seen = []
+    step = wrap_pretrain(_core_v019_pretrain, record_batches=True, get_args=lambda: args)(
+        None, None, None, lambda it, model: seen.append(it))
+    step(iter([{"tokens": torch.zeros(1, 2)}]), None)
+    assert type(seen[0]).__name__ == "_Recorder"
+    assert wrap_pretrain(_core_v019_pretrain)(None, None, None, "step") == "step"  # before core_v0.18: as given
+    parse = wrap_parse_args(lambda extra_args_provider=None, ignore_unknown_args=False:
+                            extra_args_provider(_megatron_like_parser()).parse_args(["--sap-inner-size", "2"]))
+    assert parse().sap_inner_size == 2 and wrap_parse_args(parse) is parse
+
+
+def test_core_batch_hooks_defer_to_megatron_without_sap() -> None:
+    args = SimpleNamespace(cp_comm_type=["p2p"], reset_position_ids=True)
+    assert wrap_flatten_batch_for_packed_sequences(lambda batch: "megatron", get_args=lambda: args)({}) == "megatron"
+    get_tp = wrap_core_get_batch_on_this_tp_rank(lambda batch, tp_rank: "megatron", get_args=lambda: args)
+    assert get_tp({}, tp_rank=0) == "megatron"
+    step = wrap_forward_step(lambda it, model: it, get_args=lambda: args)
+    source = iter([])
+    assert step(source, None) is source
+
+
 def test_host_boundaries_of_loader_samples() -> None:
     row = _row([0, 1, 0, 1, 2, 0])
     assert host_boundaries(row, reset_position_ids=True) == [0, 2, 5, 6]
     assert host_boundaries(row, reset_position_ids=False) == [0, 6]
     assert host_boundaries({**row, "cu_seqlens": torch.tensor([[0, 3, 6]])}, reset_position_ids=True) == [0, 3, 6]
+    padded = torch.tensor([[0, 3, 3, 6, 6, 6, 6]])  # SFT rows (core_v0.19): padded with the row length
+    assert host_boundaries({**row, "cu_seqlens": padded}, reset_position_ids=True) == [0, 3, 3, 6]
+    assert host_boundaries({**row, "cu_seqlens": torch.tensor([[0, 6, 6]])}, reset_position_ids=True) == [0, 6]
     assert host_boundaries(_on_device(row), reset_position_ids=True) is None  # not on the host: read on the device
     assert host_boundaries({**row, "tokens": torch.zeros(2, 3)}, reset_position_ids=False) is None  # not one row
     assert host_boundaries(None, reset_position_ids=False) is None
@@ -525,11 +655,11 @@ def test_launcher_help_and_a_missing_megatron_lm(tmp_path) -> None:
     assert shown.returncode == 0 and shown.stdout.startswith("usage: python -m megatron_sap.launch")
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("print('ran')\n")
-    # megatron-core 0.19's wheel ships a `megatron.training` too, which needs Python 3.12 (and is
-    # laid out as the hooks do not follow): the launcher must refuse it as well.
+    # megatron-core 0.19's wheel ships a `megatron.training` too, which needs Python 3.12: where it
+    # cannot be imported, the launcher must refuse it as well.
     probe = subprocess.run([sys.executable, "-W", "ignore", "-c",
                             "import megatron.training.utils as u; "
-                            "from megatron_sap.megatron.compat import hookable_training_layout as h; print(h(u))"],
+                            "from megatron_sap.megatron.compat import training_layout as h; print(h(u) is not None)"],
                            capture_output=True, text=True, timeout=120)
     if probe.stdout.strip() == "True":
         assert run(str(script)).stdout.strip().endswith("ran")
@@ -542,8 +672,13 @@ def test_launcher_help_and_a_missing_megatron_lm(tmp_path) -> None:
 
 
 def test_launcher_refuses_a_megatron_lm_whose_training_code_the_hooks_do_not_follow(tmp_path) -> None:
-    """A checkout laid out as core_v0.18 on (`megatron.training.utils` a package without the batch
-    functions) is refused by name before anything is patched, not with an AttributeError."""
+    """A checkout whose batch functions are neither in `megatron.training.utils` (core_v0.13 to
+    v0.17) nor in megatron-core (core_v0.18 on) is refused by name before anything is patched, not
+    with an AttributeError."""
+    from megatron_sap.megatron.compat import batch_functions_in_core
+
+    if batch_functions_in_core():
+        pytest.skip("this megatron-core has the batch functions: any checkout beside it is laid out as core_v0.18 on")
     training = tmp_path / "megatron" / "training"
     (training / "utils").mkdir(parents=True)
     (training / "__init__.py").write_text("def pretrain(*args, **kwargs):\n    pass\n")
@@ -554,7 +689,7 @@ def test_launcher_refuses_a_megatron_lm_whose_training_code_the_hooks_do_not_fol
     result = subprocess.run([sys.executable, "-m", "megatron_sap.launch", str(script)], capture_output=True, text=True,
                             timeout=120, env={**os.environ, "MEGATRON_LM_PATH": str(tmp_path)})
     assert result.returncode != 0 and "ran" not in result.stdout
-    assert "cannot install the SAP hooks" in result.stderr and "core_v0.13 to core_v0.17" in result.stderr, result.stderr
+    assert "cannot install the SAP hooks" in result.stderr and "core_v0.13 to core_v0.19" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -591,6 +726,14 @@ def test_hooks_patch_the_names_pretrain_gpt_imports() -> None:
         "    import gpt_builders\n"
         "    hooked += [pretrain_gpt.get_thd_batch_on_this_cp_rank, pretrain_gpt.get_batch_on_this_tp_rank,\n"
         "               gpt_builders.get_gpt_heterogeneous_layer_spec]\n"
+        "elif hasattr(core_utils, 'get_batch_on_this_tp_rank'):  # core_v0.18 on\n"
+        "    import megatron.training.arguments as arguments\n"
+        "    hooked += [pretrain_gpt.get_batch_on_this_tp_rank, pretrain_gpt.get_batch_on_this_cp_rank, GPTModel.forward,\n"
+        "               arguments.parse_args, __import__('gpt_builders').get_gpt_heterogeneous_layer_spec]\n"
+        "    if hasattr(core_utils, 'flatten_batch_for_packed_sequences'):  # core_v0.19\n"
+        "        hooked.append(pretrain_gpt.flatten_batch_for_packed_sequences)\n"
+        "    sys.argv = ['x', '--cp-comm-type', 'sap']\n"
+        "    assert arguments.parse_args().sap_backend == 'auto'  # the flags without a provider\n"
         "else:\n"
         "    hooked += [pretrain_gpt.get_batch_on_this_cp_rank, GPTModel.forward]\n"
         "    builder = getattr(pretrain_gpt, 'get_gpt_heterogeneous_layer_spec', None)\n"
@@ -689,13 +832,14 @@ def test_release_specific_settings_are_refused_where_they_would_fail(settings: d
     rows), SFT at TP > 1 on core_v0.16 (its broadcasts), MLA under CP on megatron-core 0.13 (its
     rotary table), a virtual pipeline before core_v0.15 (every chunk of the first and last stages
     reads its own batch). `make test` runs the 0.16.1 side, `make test-compat` the others."""
-    from megatron_sap.megatron.compat import chunk_aware_get_batch, mla_keeps_packed_rope_table, packed_get_batch
+    from megatron_sap.megatron.compat import (chunk_aware_get_batch, mla_keeps_packed_rope_table, mtp_takes_packed_rows,
+                                              packed_get_batch)
     from megatron_sap.megatron.hooks import configure_sap
 
     args = _parse("--context-parallel-size 2 --cp-comm-type sap")
     for name, value in settings.items():
         setattr(args, name, value)
-    expected = {"legacy": not packed_get_batch(), "packed": packed_get_batch(), "mla": not mla_keeps_packed_rope_table(),
+    expected = {"legacy": not mtp_takes_packed_rows(), "packed": packed_get_batch(), "mla": not mla_keeps_packed_rope_table(),
                 "chunks": not chunk_aware_get_batch()}
     if expected[refused]:
         with pytest.raises(ValueError, match=match):

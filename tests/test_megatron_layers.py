@@ -263,6 +263,18 @@ def test_split_batch_leaves_the_packing_entries_as_they_are() -> None:
     assert local["step"] == 3 and params.cu_seqlens_q.tolist() == CU
 
 
+def test_split_batch_drops_the_empty_documents_that_pad_an_sft_rows_boundaries() -> None:
+    """SFT rows (Megatron-LM core_v0.19) pad `cu_seqlens` with repeats of the row length: the split
+    plans without those documents of no tokens (the same layout), empty documents inside the row stay."""
+    tokens = torch.arange(CU[-1]).unsqueeze(0)
+    padded = torch.tensor([[*CU, *[CU[-1]] * 40]], dtype=torch.int32)
+    local, params = sap_split_batch({"tokens": tokens}, padded)
+    plain, _ = sap_split_batch({"tokens": tokens}, CU)
+    assert torch.equal(local["tokens"], plain["tokens"]) and params.cu_seqlens_q.tolist() == CU
+    inner_empty = [0, 0, 5, 5, 19, CU[-1]]
+    assert sap_split_batch({"tokens": tokens}, [*inner_empty, CU[-1]])[1].cu_seqlens_q.tolist() == inner_empty
+
+
 @pytest.mark.parametrize(
     "batch, cu, match",
     [

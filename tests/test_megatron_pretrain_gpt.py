@@ -1,6 +1,6 @@
 """Megatron-LM's own `pretrain_gpt.get_batch`, `forward_step` and `loss_func` through the SAP hooks.
 
-Gated on a Megatron-LM checkout ($MEGATRON_LM_PATH, any tag from core_v0.13 to core_v0.16, with its
+Gated on a Megatron-LM checkout ($MEGATRON_LM_PATH, any tag from core_v0.13 to core_v0.19, with its
 megatron-core first on PYTHONPATH; see docs/megatron.md). `initialize_megatron` stops at its CUDA
 check on CPU, so the job sets up what it would (the parsed args, the timers, model parallelism
 through the hooked `initialize_model_parallel`) and calls the script's functions directly, with
@@ -23,7 +23,7 @@ from dist_pool import make_pool_fixture
 
 pytest.importorskip("megatron.core")
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
-pytestmark = pytest.mark.skipif(not MEGATRON_LM, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to v0.16)")
+pytestmark = pytest.mark.skipif(not MEGATRON_LM, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to v0.19)")
 
 pool2 = make_pool_fixture(2, timeout=300, destroy_job_groups=True)
 
@@ -84,6 +84,19 @@ def _hooked_pretrain_gpt():
     return pretrain_gpt
 
 
+def _forward_step(pretrain_gpt):
+    """The script's `forward_step` as the hooked `pretrain` hands it to Megatron's schedules: from
+    core_v0.18 with its data iterator recorded (`hooks.wrap_forward_step`)."""
+    import megatron.training.utils as training_utils
+
+    from megatron_sap.megatron.compat import training_layout
+    from megatron_sap.megatron.hooks import wrap_forward_step
+
+    if training_layout(training_utils) == "core-utils":
+        return wrap_forward_step(pretrain_gpt.forward_step)
+    return pretrain_gpt.forward_step
+
+
 def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None = None) -> dict:
     """(summed loss, loss tokens) of this rank's share of the row at CP 1 (every rank alone) and at
     CP 2, from the script's `forward_step` and loss function; and the summed loss of the
@@ -128,7 +141,7 @@ def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None
                     loader.num_workers = 0  # a pool worker is daemonic, it cannot start any: the row is fetched here
                     data = iter(loader)
                     DEFAULT_CACHE.clear()
-                output, loss_func = pretrain_gpt.forward_step(data, model)
+                output, loss_func = _forward_step(pretrain_gpt)(data, model)
                 if cp == 2 and patched_script is None:
                     losses["cache"] = (DEFAULT_CACHE.hits, DEFAULT_CACHE.misses)
                 loss, count = loss_func(output)[:2]
@@ -156,7 +169,7 @@ def _assert_cp1s_loss(results: list[dict]) -> None:
 def test_pretrain_gpt_through_the_hooks_gives_cp1s_loss(pool2) -> None:
     results = pool2.run(run_pretrain_gpt_rank)
     _assert_cp1s_loss(results)
-    assert all(r["cache"] == (1, 0) for r in results)  # at CP 2 the split took the plan the loader made
+    assert all(r["cache"] == (1, 0) for r in results), [r["cache"] for r in results]  # at CP 2 the split took the plan the loader made
 
 
 patched_pool2 = make_pool_fixture(2, timeout=300, destroy_job_groups=True)  # fresh workers: no hooks installed there
@@ -274,7 +287,7 @@ def run_pipeline_rank(rank: int, world_size: int) -> dict:
                     reads = (first and chunk == 0) or (last and chunk == chunks - 1)
                     _take_input(model, ROW // cp, chunk)
                     with torch.no_grad():
-                        output, loss_func = pretrain_gpt.forward_step(iter([dict(sample)]) if reads else None, model)
+                        output, loss_func = _forward_step(pretrain_gpt)(iter([dict(sample)]) if reads else None, model)
                     if not _pass_on(output, chunk, chunks):
                         loss, count = loss_func(output)[:2]
                         losses[(tp, cp, chunks)] = (float(loss), int(count))
@@ -367,7 +380,7 @@ def run_interleaved_schedule_rank(rank: int, world_size: int) -> dict:
                 data = [iter([dict(row) for row in rows]) for _ in models]  # one iterator per chunk, as Megatron-LM's
                 with torch.no_grad(), _schedule_on_cpu():
                     losses = get_forward_backward_func()(
-                        forward_step_func=pretrain_gpt.forward_step, data_iterator=data, model=models,
+                        forward_step_func=_forward_step(pretrain_gpt), data_iterator=data, model=models,
                         num_microbatches=len(rows), seq_length=ROW, micro_batch_size=1, forward_only=True)
                 if losses:
                     found[cp] = [float(loss["lm loss"][0]) for loss in losses]
@@ -459,7 +472,7 @@ def run_schedule_backward_rank(rank: int, world_size: int) -> dict:
                 data = [iter([dict(row) for row in rows]) for _ in models]  # one iterator per chunk, as Megatron-LM's
                 with _schedule_on_cpu():
                     get_forward_backward_func()(
-                        forward_step_func=pretrain_gpt.forward_step, data_iterator=data, model=models,
+                        forward_step_func=_forward_step(pretrain_gpt), data_iterator=data, model=models,
                         num_microbatches=len(rows), seq_length=ROW, micro_batch_size=1, forward_only=False)
                 found[(tp, cp, chunks)] = (mpu.get_pipeline_model_parallel_rank(), _grads(models))
                 if cp == 1:

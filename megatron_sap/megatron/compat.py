@@ -1,4 +1,4 @@
-"""What differs between the megatron-core releases SAP supports (0.13 to 0.19) and SAP must know."""
+"""What differs between the megatron-core and Megatron-LM releases SAP supports (0.13 to 0.19) and SAP must know."""
 from __future__ import annotations
 
 import megatron.core
@@ -15,6 +15,19 @@ def packed_get_batch() -> bool:
     """Whether Megatron-LM's `pretrain_gpt.get_batch` has a packed (THD) path (core_v0.16), found
     by the split it calls there; before, the SAP hooks split every row themselves."""
     return hasattr(core_utils, "get_thd_batch_on_this_cp_rank")
+
+
+def batch_functions_in_core() -> bool:
+    """Whether megatron-core holds the training batch functions (`get_batch_on_this_tp_rank`,
+    `get_batch_on_this_cp_rank`), as Megatron-LM's `pretrain_gpt.get_batch` calls them from
+    core_v0.18 on; before, they were Megatron-LM's `megatron.training.utils`."""
+    return hasattr(core_utils, "get_batch_on_this_tp_rank")
+
+
+def mtp_takes_packed_rows() -> bool:
+    """Whether multi-token prediction layers accept the packed rows the SAP hooks make at every CP
+    size (core_v0.16 on)."""
+    return packed_get_batch() or batch_functions_in_core()
 
 
 def mla_keeps_packed_rope_table() -> bool:
@@ -38,15 +51,19 @@ MLA_ROPE_TABLE_REFUSED = (
 )
 
 TRAINING_LAYOUT_REFUSED = (
-    "SAP's hooks for Megatron-LM's pretrain_gpt.py support core_v0.13 to core_v0.17: this checkout's "
-    "megatron.training.utils has no get_batch_on_this_tp_rank (core_v0.18 on moved the batch split into "
-    "megatron.core.utils and builds the PackedSeqParams in pretrain_gpt.forward_step, which the hooks do not "
-    "follow yet). Use a core_v0.13 to core_v0.17 checkout; Megatron-Core 0.19's modules themselves work with SAP "
-    "(docs/megatron.md)"
+    "SAP's hooks for Megatron-LM's pretrain_gpt.py follow core_v0.13 to core_v0.19: this checkout has the batch "
+    "functions neither in megatron.training.utils (core_v0.13 to core_v0.17) nor, with pretrain_gpt.forward_step "
+    "building the packed-sequence parameters, in megatron.core.utils (core_v0.18 on). Use a checkout of a supported "
+    "release, or build the batch with sap_split_batch in your own script (docs/megatron.md)"
 )
 
 
-def hookable_training_layout(training_utils) -> bool:
-    """Whether Megatron-LM's `megatron.training.utils` has the batch functions the hooks wrap
-    (core_v0.13 to core_v0.17)."""
-    return hasattr(training_utils, "get_batch_on_this_tp_rank")
+def training_layout(training_utils) -> str | None:
+    """Where Megatron-LM keeps the batch functions the hooks wrap: "training-utils" (core_v0.13
+    to core_v0.17: `megatron.training.utils`), "core-utils" (core_v0.18 on: `megatron.core.utils`,
+    with `pretrain` taking a config container and the args parsed by the script), else None."""
+    if hasattr(training_utils, "get_batch_on_this_tp_rank"):
+        return "training-utils"
+    if batch_functions_in_core() and hasattr(core_utils, "get_batch_on_this_cp_rank"):
+        return "core-utils"
+    return None

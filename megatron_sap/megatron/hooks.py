@@ -1,42 +1,43 @@
-"""Hooks that make an unmodified Megatron-LM (core_v0.13 to core_v0.17) train with `--cp-comm-type sap`.
+"""Hooks that make an unmodified Megatron-LM (core_v0.13 to core_v0.19) train with `--cp-comm-type sap`.
 
 `install_training_hooks()` patches, before the training script runs:
 
 * `megatron.training.pretrain`: the SAP flags are chained onto whatever `extra_args_provider`
-  the script passes.
+  the script passes (core_v0.13 to v0.17; from core_v0.18 the script parses its args itself, and
+  `megatron.training.arguments.parse_args` takes the flags instead).
 * `parallel_state.initialize_model_parallel` (Megatron-LM looks it up through `mpu` at call
   time): with SAP on, CP = U*R is initialized with Megatron's hierarchical CP groups [U, R], the
   SAP options are applied, layer specs are switched to SAP core attention and the SAP RoPE is
   installed (all before `get_model()` builds anything).
 * `megatron.training.training.build_pretraining_data_loader`: the loader's workers plan every
   sample (`loader.PlannedDataset`), ahead of the training loop.
-* `megatron.training.utils.get_batch_on_this_tp_rank`: on the ranks that read the data (TP
+* `get_batch_on_this_tp_rank` (Megatron-LM's `megatron.training.utils` up to core_v0.17,
+  megatron-core's `megatron.core.utils` from core_v0.18): on the ranks that read the data (TP
   source), each micro-batch's documents (and the plan a loader worker made) are read from the
   data loader's host copy and sent to the other TP ranks host to host, so that the split plans,
   or finds the plan, without reading boundaries back from the GPU (`host_boundaries`); on the
   first pipeline stage they also go to the stages whose model chunks read no data
-  (`stages.send_documents`).
+  (`stages.send_documents`). From core_v0.18 `pretrain_gpt.get_batch` moves the loader's
+  micro-batch to the GPU in place before that call, so `pretrain` hands the schedules a forward
+  step whose data iterator keeps a host copy (`wrap_forward_step`).
 * core_v0.16 and v0.17, whose `pretrain_gpt.get_batch` has a packed (THD) path:
-  `megatron.training.utils.get_batch_on_this_tp_rank` makes an unpacked micro-batch a packed
-  one (documents from `--reset-position-ids` restarts, else the whole row) so that `get_batch`
-  takes that path, and `megatron.core.utils.get_thd_batch_on_this_cp_rank`, its split, becomes
-  `sap_split_batch`.
-* core_v0.13 to v0.15, whose `get_batch` has none: `megatron.training.utils.get_batch_on_this_cp_rank`
-  becomes `sap_split_batch` over the same documents.
-* `GPTModel.forward`, called without packed parameters: it takes those of the batch the SAP
-  split made (core_v0.13 to v0.15, whose script passes none), and in a model chunk that
-  `get_batch` gives nothing (middle pipeline stages, virtual pipeline chunks), those of the
-  documents the first stage sends.
+  `get_batch_on_this_tp_rank` makes an unpacked micro-batch a packed one (documents from
+  `--reset-position-ids` restarts, else the whole row) so that `get_batch` takes that path, and
+  `megatron.core.utils.get_thd_batch_on_this_cp_rank`, its split, becomes `sap_split_batch`.
+* core_v0.13 to v0.15 (`megatron.training.utils.get_batch_on_this_cp_rank`) and core_v0.18 on
+  (`megatron.core.utils.get_batch_on_this_cp_rank`): the CP split becomes `sap_split_batch` over
+  the same documents; core_v0.19's `flatten_batch_for_packed_sequences` is skipped with SAP on.
+* `GPTModel.forward`: called on tokens the SAP split made, it takes that split's packed
+  parameters (core_v0.13 to v0.15 pass none; core_v0.18 on pass their own, built from the row's
+  `cu_seqlens`), and in a model chunk that `get_batch` gives nothing (middle pipeline stages,
+  virtual pipeline chunks), those of the documents the first stage sends.
 * `get_gpt_heterogeneous_layer_spec` (in megatron-core, before `pretrain_gpt.py` or Megatron-LM's
   `gpt_builders` binds it by name): heterogeneous specs name their core attention directly,
   bypassing the providers, so it is swapped afterwards.
 
-From core_v0.18 `megatron.training.utils` no longer has the batch functions (the split moved into
-`megatron.core.utils`, and `pretrain_gpt.forward_step` builds the packed parameters itself):
-`install_training_hooks` refuses such a checkout, naming the releases it follows.
-
-Every hook defers to Megatron's original unless the parsed args ask for SAP (`pretrain` only
-adds the `--sap-*` flags to the parser).
+A checkout with the batch functions in neither place is refused by name before anything is
+patched (`compat.training_layout`). Every hook defers to Megatron's original unless the parsed
+args ask for SAP (`pretrain` and `parse_args` only add the `--sap-*` flags to the parser).
 """
 from __future__ import annotations
 
@@ -53,8 +54,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from .arguments import add_sap_args, chain_args_providers, sap_settings_from_args
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_packed_seq_params, sap_split_batch
-from .compat import (MLA_ROPE_TABLE_REFUSED, TRAINING_LAYOUT_REFUSED, chunk_aware_get_batch, hookable_training_layout,
-                     mla_keeps_packed_rope_table, packed_get_batch)
+from .compat import (MLA_ROPE_TABLE_REFUSED, TRAINING_LAYOUT_REFUSED, chunk_aware_get_batch, mla_keeps_packed_rope_table,
+                     mtp_takes_packed_rows, packed_get_batch, training_layout)
 from .groups import prepare_pipeline_host_group, tensor_parallel_host_group
 from .loader import PLAN_KEY, PlannedDataset, adopt_loader_plan, host_boundaries, loader_plan_bytes, loader_planning
 from .rope import install_sap_rope
@@ -82,19 +83,42 @@ def _megatron_args() -> Any:
     return get_args()
 
 
-def wrap_pretrain(pretrain: Callable) -> Callable:
-    """`pretrain` with the SAP flags chained onto its `extra_args_provider`."""
+def wrap_pretrain(pretrain: Callable, record_batches: bool = False, get_args: Callable[[], Any] = _megatron_args) -> Callable:
+    """`pretrain` with the SAP flags chained onto its `extra_args_provider` (core_v0.13 to v0.17;
+    from core_v0.18 the script parses the args itself, see `wrap_parse_args`); with
+    `record_batches`, its forward step's data iterator recorded (`wrap_forward_step`)."""
     signature = inspect.signature(pretrain)
+    takes_flags = "extra_args_provider" in signature.parameters
 
     @functools.wraps(pretrain)
     def pretrain_with_sap_args(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind_partial(*args, **kwargs)
-        bound.arguments["extra_args_provider"] = chain_args_providers(
-            bound.arguments.get("extra_args_provider"), add_sap_args
-        )
+        if takes_flags:
+            bound.arguments["extra_args_provider"] = chain_args_providers(
+                bound.arguments.get("extra_args_provider"), add_sap_args
+            )
+        if record_batches and bound.arguments.get("forward_step_func") is not None:
+            bound.arguments["forward_step_func"] = wrap_forward_step(bound.arguments["forward_step_func"], get_args)
         return pretrain(*bound.args, **bound.kwargs)
 
     return pretrain_with_sap_args
+
+
+def wrap_parse_args(parse_args: Callable) -> Callable:
+    """Megatron-LM's `parse_args` with the SAP flags chained onto its `extra_args_provider`: from
+    core_v0.18 `pretrain_gpt.py` parses the args itself (`parse_and_validate_args`), before `pretrain`."""
+    if getattr(parse_args, "_sap_hook", False):
+        return parse_args
+    signature = inspect.signature(parse_args)
+
+    @functools.wraps(parse_args)
+    def parse_args_with_sap(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind_partial(*args, **kwargs)
+        bound.arguments["extra_args_provider"] = chain_args_providers(bound.arguments.get("extra_args_provider"), add_sap_args)
+        return parse_args(*bound.args, **bound.kwargs)
+
+    parse_args_with_sap._sap_hook = True
+    return parse_args_with_sap
 
 
 def configure_sap(args: Any) -> Optional[list[int]]:
@@ -153,7 +177,7 @@ def _refuse_unsupported(args: Any) -> None:
                 "SAP does not support multi-token prediction with context parallelism (--mtp-num-layers): Megatron "
                 "rolls the MTP inputs and labels along its own CP layout"
             )
-        if not packed_get_batch():
+        if not mtp_takes_packed_rows():
             raise ValueError(
                 "SAP does not support multi-token prediction (--mtp-num-layers) before Megatron-LM core_v0.16: the "
                 "hooks pack every row, at CP 1 too, and these releases' MTP layers refuse packed rows"
@@ -251,7 +275,8 @@ def row_cu_seqlens(batch: dict[str, Any], reset_position_ids: bool) -> torch.Ten
 
 class _Recorder:
     """A data iterator's items handed on, the last one kept: the data loader's host copy of the
-    micro-batch that `get_batch_on_this_tp_rank` moves to the GPU."""
+    micro-batch that Megatron moves to the GPU. A dict item is kept as a shallow copy, since
+    core_v0.18 on moves its tensors to the GPU in place."""
 
     def __init__(self, source: Iterator) -> None:
         self.source, self.item = source, None
@@ -260,8 +285,35 @@ class _Recorder:
         return self
 
     def __next__(self) -> Any:
-        self.item = next(self.source)
-        return self.item
+        item = next(self.source)
+        self.item = dict(item) if isinstance(item, dict) else item
+        return item
+
+
+_RECORDING: list[_Recorder] = []  # the data iterators of the forward steps running now (core_v0.18 on)
+
+
+def wrap_forward_step(forward_step: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
+    """A training script's `forward_step(data_iterator, model, ...)` whose data iterator records
+    what it hands out (core_v0.18 on: `pretrain_gpt.get_batch` moves the loader's micro-batch to the
+    GPU in place before `get_batch_on_this_tp_rank` sees it), so that the batch hook reads the
+    row's documents from the host copy. A function wrapped already is returned as it is."""
+    if getattr(forward_step, "_sap_hook", False):
+        return forward_step
+
+    @functools.wraps(forward_step)
+    def forward_step_recording(data_iterator: Any, *args: Any, **kwargs: Any) -> Any:
+        if data_iterator is None or not sap_requested(get_args()):
+            return forward_step(data_iterator, *args, **kwargs)
+        recorder = _Recorder(data_iterator)
+        _RECORDING.append(recorder)
+        try:
+            return forward_step(recorder, *args, **kwargs)
+        finally:
+            _RECORDING.remove(recorder)
+
+    forward_step_recording._sap_hook = True
+    return forward_step_recording
 
 
 # A batch's row tensor (`_row_tensor`) -> (its documents read on the host, the boundary tensor
@@ -351,21 +403,67 @@ def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], A
         batch = get_batch(*bound.args, **bound.kwargs)
         if isinstance(batch, dict):
             batch.pop(PLAN_KEY, None)  # Megatron's own keeps only the entries it knows
-        found = (None, None)
-        if recorder is not None:
-            found = (host_boundaries(recorder.item, reset), loader_plan_bytes(recorder.item))
-        documents, plan_bytes = _share_with_tp_ranks(found, host_group)
-        send_documents(documents, plan_bytes)
-        adopt_loader_plan(plan_bytes, documents)
+        documents = _take_documents(None if recorder is None else recorder.item, reset, host_group)
         if pack:
             batch = pack_unpacked_batch(batch, reset, documents)
-        row = _row_tensor(batch)
-        if documents is not None and row is not None:
-            _HOST_BOUNDARIES[row] = (documents, batch.get("cu_seqlens"))
+        _keep_host_documents(batch, documents)
         return batch
 
     get_packed_batch._sap_hook = True
     return get_packed_batch
+
+
+def wrap_core_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], Any] = _megatron_args,
+                                        host_group: Callable[[], Optional[tuple[Any, int]]] = tensor_parallel_host_group
+                                        ) -> Callable:
+    """megatron-core's `get_batch_on_this_tp_rank(batch, ...)` (core_v0.18 on) for SAP: as
+    `wrap_get_batch_on_this_tp_rank`, the micro-batch's documents and loader plan read on the TP
+    source from the host copy its forward step's data iterator recorded (`wrap_forward_step`),
+    else from the batch itself where its tensors are on the host, and shared with the other TP
+    ranks. A function wrapped already is returned as it is."""
+    if getattr(get_batch, "_sap_hook", False):
+        return get_batch
+    signature = inspect.signature(get_batch)
+
+    @functools.wraps(get_batch)
+    def get_batch_with_documents(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        megatron_args = get_args()
+        if not sap_requested(megatron_args):
+            return get_batch(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        item = None
+        if bound.arguments.get("tp_rank", 0) == 0:  # the source: the batch is the loader's
+            recorded = _RECORDING[-1].item if _RECORDING else None
+            given = bound.arguments.get("batch")
+            item = recorded if recorded is not None else dict(given) if isinstance(given, dict) else None
+        batch = get_batch(*args, **kwargs)
+        if isinstance(batch, dict):
+            batch.pop(PLAN_KEY, None)
+        documents = _take_documents(item, bool(getattr(megatron_args, "reset_position_ids", False)), host_group)
+        _keep_host_documents(batch, documents)
+        return batch
+
+    get_batch_with_documents._sap_hook = True
+    return get_batch_with_documents
+
+
+def _take_documents(item: Any, reset_position_ids: bool, host_group: Callable[[], Optional[tuple[Any, int]]]
+                    ) -> Optional[list[int]]:
+    """The documents of the micro-batch the TP source read as `item` (its host copy; None on the
+    other TP ranks), on every rank of the TP group; its loader plan put in the plan cache and both
+    sent on to the pipeline stages that read no data."""
+    found = (None, None) if item is None else (host_boundaries(item, reset_position_ids), loader_plan_bytes(item))
+    documents, plan_bytes = _share_with_tp_ranks(found, host_group)
+    send_documents(documents, plan_bytes)
+    adopt_loader_plan(plan_bytes, documents)
+    return documents
+
+
+def _keep_host_documents(batch: Any, documents: Optional[list[int]]) -> None:
+    """Remember `documents` for the split of `batch` (`_host_documents`)."""
+    row = _row_tensor(batch) if isinstance(batch, dict) else None
+    if documents is not None and row is not None:
+        _HOST_BOUNDARIES[row] = (documents, batch.get("cu_seqlens"))
 
 
 def wrap_build_pretraining_data_loader(build: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
@@ -431,11 +529,15 @@ _SPLIT_PARAMS = WeakTensorKeyDictionary()  # local row tensor (`_row_tensor`) of
 
 
 def wrap_get_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
-    """Megatron's CP split of a [1, S] batch (core_v0.13 to v0.15) replaced by `sap_split_batch`
-    when SAP is on, at every CP size: the documents are `row_cu_seqlens`, or the batch's own
+    """Megatron's CP split of a [1, S] batch (Megatron-LM's, core_v0.13 to v0.15; megatron-core's,
+    core_v0.18 on) replaced by `sap_split_batch` when SAP is on, at every CP size: the documents
+    are those read on the host (`_host_documents`), else `row_cu_seqlens`, or the batch's own
     `cu_seqlens` where it has them. The entries come back in their order (`get_batch` returns
-    `batch.values()`); the packed parameters are kept for `GPTModel.forward`, keyed by the
-    local tokens (see `wrap_gpt_forward`)."""
+    `batch.values()`, or the entries by name); the packed parameters are kept for
+    `GPTModel.forward`, keyed by the local tokens (see `wrap_gpt_forward`). A function wrapped
+    already is returned as it is."""
+    if getattr(split, "_sap_hook", False):
+        return split
 
     @functools.wraps(split)
     def sap_cp_split(batch: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -456,6 +558,7 @@ def wrap_get_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], Any] 
         _SPLIT_PARAMS[_row_tensor(local)] = params
         return local
 
+    sap_cp_split._sap_hook = True
     return sap_cp_split
 
 
@@ -474,10 +577,9 @@ def wrap_gpt_forward(forward: Callable, get_args: Callable[[], Any] = _megatron_
     @functools.wraps(forward)
     def forward_with_packed_params(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
-        if bound.arguments.get("packed_seq_params") is None:
-            params = _micro_batch_params(bound.arguments, get_args)
-            if params is not None:
-                bound.arguments["packed_seq_params"] = params
+        params = _micro_batch_params(bound.arguments, get_args)
+        if params is not None:
+            bound.arguments["packed_seq_params"] = params
         return forward(*bound.args, **bound.kwargs)
 
     forward_with_packed_params._sap_hook = True
@@ -486,7 +588,11 @@ def wrap_gpt_forward(forward: Callable, get_args: Callable[[], Any] = _megatron_
 
 def _micro_batch_params(arguments: dict[str, Any], get_args: Callable[[], Any]) -> Any:
     """The packed parameters `wrap_gpt_forward` gives a forward call with these arguments, or
-    None (Megatron's args are read only where there are some to give)."""
+    None to keep the given ones (Megatron's args are read only where there are some to give).
+    Tokens the SAP split made get the split's parameters, and a model chunk that reads no data
+    those of the first stage's documents, in place of any the script built (core_v0.18 on builds
+    them from the row's `cu_seqlens`, which are not SAP's layout); a forward call with tokens the
+    split did not make keeps its own."""
     for name in ("input_ids", "labels"):
         value = arguments.get(name)
         if isinstance(value, torch.Tensor):
@@ -500,6 +606,25 @@ def _micro_batch_params(arguments: dict[str, Any], get_args: Callable[[], Any]) 
     adopt_loader_plan(plan_bytes, documents)
     parameter = next(model.parameters(), None)
     return sap_packed_seq_params(documents, torch.device("cpu") if parameter is None else parameter.device)
+
+
+def wrap_flatten_batch_for_packed_sequences(flatten: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
+    """megatron-core's `flatten_batch_for_packed_sequences` (0.19 on), which merges the rows of a
+    micro-batch into one, skipped with SAP on: SAP trains one row per micro-batch and plans from
+    its documents as given (the trailing repeats of its length that SFT rows carry are documents
+    without tokens), and the merge would read the boundaries back from the GPU and replace the
+    tensors the documents read on the host are kept by (`_host_documents`)."""
+    if getattr(flatten, "_sap_hook", False):
+        return flatten
+
+    @functools.wraps(flatten)
+    def flatten_unless_sap(batch: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if sap_requested(get_args()):
+            return batch
+        return flatten(batch, *args, **kwargs)
+
+    flatten_unless_sap._sap_hook = True
+    return flatten_unless_sap
 
 
 def install_gpt_forward_hook() -> None:
@@ -532,17 +657,29 @@ def install_training_hooks() -> None:
     import megatron.training.utils as training_utils
     from megatron.core import parallel_state
 
-    if not hookable_training_layout(training_utils):
+    layout = training_layout(training_utils)
+    if layout is None:
         raise RuntimeError(TRAINING_LAYOUT_REFUSED)  # before anything is patched
-    megatron.training.pretrain = wrap_pretrain(megatron.training.pretrain)
+    in_core = layout == "core-utils"
+    megatron.training.pretrain = wrap_pretrain(megatron.training.pretrain, record_batches=in_core)
     training_loop.build_pretraining_data_loader = wrap_build_pretraining_data_loader(training_loop.build_pretraining_data_loader)
     parallel_state.initialize_model_parallel = wrap_initialize_model_parallel(parallel_state.initialize_model_parallel)
-    training_utils.get_batch_on_this_tp_rank = wrap_get_batch_on_this_tp_rank(training_utils.get_batch_on_this_tp_rank,
-                                                                              pack=packed_get_batch())
-    if packed_get_batch():  # core_v0.16 and v0.17
-        core_utils.get_thd_batch_on_this_cp_rank = wrap_get_thd_batch_on_this_cp_rank(core_utils.get_thd_batch_on_this_cp_rank)
-    else:  # core_v0.13 to v0.15
-        training_utils.get_batch_on_this_cp_rank = wrap_get_batch_on_this_cp_rank(training_utils.get_batch_on_this_cp_rank)
+    if in_core:  # core_v0.18 on
+        import megatron.training.arguments as arguments
+
+        arguments.parse_args = wrap_parse_args(arguments.parse_args)
+        core_utils.get_batch_on_this_tp_rank = wrap_core_get_batch_on_this_tp_rank(core_utils.get_batch_on_this_tp_rank)
+        core_utils.get_batch_on_this_cp_rank = wrap_get_batch_on_this_cp_rank(core_utils.get_batch_on_this_cp_rank)
+        if hasattr(core_utils, "flatten_batch_for_packed_sequences"):  # core_v0.19
+            core_utils.flatten_batch_for_packed_sequences = wrap_flatten_batch_for_packed_sequences(
+                core_utils.flatten_batch_for_packed_sequences)
+    else:
+        training_utils.get_batch_on_this_tp_rank = wrap_get_batch_on_this_tp_rank(training_utils.get_batch_on_this_tp_rank,
+                                                                                  pack=packed_get_batch())
+        if packed_get_batch():  # core_v0.16 and v0.17
+            core_utils.get_thd_batch_on_this_cp_rank = wrap_get_thd_batch_on_this_cp_rank(core_utils.get_thd_batch_on_this_cp_rank)
+        else:  # core_v0.13 to v0.15
+            training_utils.get_batch_on_this_cp_rank = wrap_get_batch_on_this_cp_rank(training_utils.get_batch_on_this_cp_rank)
     install_gpt_forward_hook()
     heterogeneous.get_gpt_heterogeneous_layer_spec = wrap_spec_builder(heterogeneous.get_gpt_heterogeneous_layer_spec)
     builders = sys.modules.get("gpt_builders")  # imported already: it holds the original by name

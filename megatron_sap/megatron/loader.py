@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 import megatron_sap as sap
 
-from .batch import cu_seqlens_from_position_ids, resolve_groups
+from .batch import cu_seqlens_from_position_ids, resolve_groups, without_trailing_empty
 from .options import get_sap_options
 from .plans import adopt_plan, planning_cost_model
 
@@ -43,7 +43,9 @@ def host_boundaries(sample: Any, reset_position_ids: bool) -> Optional[list[int]
         return None
     given = sample.get("cu_seqlens")
     if given is not None:
-        return given.flatten().tolist() if isinstance(given, torch.Tensor) and given.device.type == "cpu" else None
+        if not isinstance(given, torch.Tensor) or given.device.type != "cpu":
+            return None
+        return without_trailing_empty(given.flatten().tolist())
     if not reset_position_ids:
         return [0, tokens.numel()]
     positions = sample.get("position_ids")
