@@ -97,11 +97,12 @@ def _forward_step(pretrain_gpt):
     return pretrain_gpt.forward_step
 
 
-def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None = None) -> dict:
+def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None = None, sft: bool = False) -> dict:
     """(summed loss, loss tokens) of this rank's share of the row at CP 1 (every rank alone) and at
     CP 2, from the script's `forward_step` and loss function; and the summed loss of the
     documents run one at a time. The checkout's script through the hooks, or `patched_script`
-    (the fork patch applied) without them, SAP configured as its patched initialize.py does."""
+    (the fork patch applied) without them, SAP configured as its patched initialize.py does. With
+    `sft`, the row is `_sft_sample`."""
     import importlib.util
 
     sys.path.insert(0, MEGATRON_LM)
@@ -120,12 +121,13 @@ def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None
     from megatron_sap.megatron.options import reset_sap_options
 
     torch.set_num_threads(1)
-    sample = _sample()
+    sample = _sft_sample() if sft else _sample()
     losses = {}
     with _on_cpu():
         for cp in (1, 2):
             args = _set_args(_flags(cp), rank, world_size)
             args.create_attention_mask_in_dataloader = True  # Megatron's default; the hooks turn it off
+            args.sft = sft
             try:
                 sizes = None if patched_script is None else configure_sap(args)
                 mpu.initialize_model_parallel(1, 1, context_parallel_size=cp, hierarchical_context_parallel_sizes=sizes)
@@ -164,6 +166,14 @@ def _assert_cp1s_loss(results: list[dict]) -> None:
     assert abs(cp1_loss - results[0]["documents"]) <= 1e-5 * abs(cp1_loss)
     assert sum(r[2][1] for r in results) == ROW  # CP 2: each token's loss on one rank
     assert abs(sum(r[2][0] for r in results) - cp1_loss) <= 1e-5 * abs(cp1_loss)
+
+
+def test_sft_rows_through_the_hooks_give_cp1s_loss(pool2) -> None:
+    """SFT rows bring their own `cu_seqlens` (padded, as core_v0.19's `SFTDataset` pads them): the
+    same losses as the documents one at a time, at CP 1 and 2, the loader's plan taken."""
+    results = pool2.run(run_pretrain_gpt_rank, sft=True)
+    _assert_cp1s_loss(results)
+    assert all(r["cache"] == (1, 0) for r in results), [r["cache"] for r in results]
 
 
 def test_pretrain_gpt_through_the_hooks_gives_cp1s_loss(pool2) -> None:
@@ -237,12 +247,14 @@ def _document_forward(models: list, chunk: int, row: dict, a: int, b: int) -> to
     return forward(models[chunk], None, None, None, labels=row["labels"][:, a:b] if last else None)
 
 
-def _release_layouts() -> list[tuple[int, int, int]]:
+def _release_layouts(sft: bool = False) -> list[tuple[int, int, int]]:
     """The (TP, CP, chunks per stage) of `PIPELINE_LAYOUTS` this release runs (virtual pipelines
-    from core_v0.15)."""
-    from megatron_sap.megatron.compat import chunk_aware_get_batch
+    from core_v0.15; with `sft`, TP 1 only on core_v0.16 and v0.17, whose SFT broadcast over TP
+    the hooks refuse)."""
+    from megatron_sap.megatron.compat import chunk_aware_get_batch, packed_get_batch
 
-    return [layout for layout in PIPELINE_LAYOUTS if layout[2] == 1 or chunk_aware_get_batch()]
+    return [layout for layout in PIPELINE_LAYOUTS
+            if (layout[2] == 1 or chunk_aware_get_batch()) and not (sft and layout[0] > 1 and packed_get_batch())]
 
 
 @contextlib.contextmanager
@@ -267,24 +279,53 @@ def _pipeline_chunks(rank: int, world_size: int, tp: int, cp: int, chunks: int) 
         reset_sap_options()
 
 
-def run_pipeline_rank(rank: int, world_size: int) -> dict:
+def _sft_sample(documents: tuple[int, ...] = DOCUMENTS) -> dict:
+    """The row as core_v0.19's `SFTDataset` gives it (`--sft`): `_sample` with its own
+    `cu_seqlens`, padded with repeats of the row length to ROW + 1 entries, and `max_seqlen`."""
+    sample = _sample(documents)
+    sample["cu_seqlens"] = torch.tensor([[*documents, *[ROW] * (ROW + 1 - len(documents))]], dtype=torch.int32)
+    sample["max_seqlen"] = torch.tensor([max(b - a for a, b in zip(documents, documents[1:]))], dtype=torch.int32)
+    return sample
+
+
+def _every_chunk_reads(sft: bool) -> bool:
+    """Whether `get_batch` reads the data in every model chunk: SFT rows from core_v0.18 (their
+    `cu_seqlens` go to every stage); else only the first stage's first chunk and the last
+    stage's last."""
+    import megatron.training.utils as training_utils
+
+    from megatron_sap.megatron.compat import training_layout
+
+    return sft and training_layout(training_utils) == "core-utils"
+
+
+def _skip_sft_with_stages_where_refused(sft: bool) -> None:
+    from megatron_sap.megatron.compat import sft_split_on_every_stage
+
+    if sft and sft_split_on_every_stage():
+        pytest.skip("the hooks refuse --sft with pipeline stages on core_v0.17")
+
+
+def run_pipeline_rank(rank: int, world_size: int, sft: bool = False) -> dict:
     """The row's summed loss and loss tokens through three pipeline stages of the script's
     `forward_step` (the activations passed by hand, forward only), per layout of
     `PIPELINE_LAYOUTS` the release runs, on the last stage's ranks. Only the first stage's first
-    chunk and the last stage's last read data: the others' documents come from the first stage
-    through the hooks."""
+    chunk and the last stage's last read data (with `sft` from core_v0.18, every chunk: the row
+    is `_sft_sample`): the others' documents come from the first stage through the hooks."""
     pretrain_gpt = _hooked_pretrain_gpt()
     from megatron.core import mpu
+    from megatron.training import get_args
 
     torch.set_num_threads(1)
-    sample = _sample()
+    sample = _sft_sample() if sft else _sample()
     losses = {}
     with _on_cpu():
-        for tp, cp, chunks in _release_layouts():
+        for tp, cp, chunks in _release_layouts(sft):
             with _pipeline_chunks(rank, world_size, tp, cp, chunks) as models:
+                get_args().sft = sft
                 first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
                 for chunk, model in enumerate(models):
-                    reads = (first and chunk == 0) or (last and chunk == chunks - 1)
+                    reads = (first and chunk == 0) or (last and chunk == chunks - 1) or _every_chunk_reads(sft)
                     _take_input(model, ROW // cp, chunk)
                     with torch.no_grad():
                         output, loss_func = _forward_step(pretrain_gpt)(iter([dict(sample)]) if reads else None, model)
@@ -320,8 +361,18 @@ def test_pretrain_gpt_through_three_pipeline_stages(pool6) -> None:
     packed row's loss is that of its documents run one at a time through the same chunks (at TP 1
     and TP 2, whose weights releases before core_v0.16 initialise otherwise); at CP 2 the ranks'
     shares add up to CP 1's."""
-    results = pool6.run(run_pipeline_rank)
-    for tp, cp, chunks in _release_layouts():
+    _assert_pipeline_losses(pool6.run(run_pipeline_rank), _release_layouts())
+
+
+def test_sft_rows_through_three_pipeline_stages(pool6) -> None:
+    """As above with SFT rows (padded `cu_seqlens`), which from core_v0.18 every model chunk reads:
+    the chunks SAP gives the first stage's documents still take them from there, once per micro-batch."""
+    _skip_sft_with_stages_where_refused(True)
+    _assert_pipeline_losses(pool6.run(run_pipeline_rank, sft=True), _release_layouts(sft=True))
+
+
+def _assert_pipeline_losses(results: list[dict], layouts: list[tuple[int, int, int]]) -> None:
+    for tp, cp, chunks in layouts:
         if cp == 1:  # the whole row on each rank of the last stage: two data-parallel replicas at TP 1, two TP ranks
             packed = [r[(tp, 1, chunks)] for r in results if (tp, 1, chunks) in r]
             documents = [r[("documents", tp, chunks)] for r in results if ("documents", tp, chunks) in r]
@@ -353,10 +404,11 @@ def _schedule_on_cpu() -> Iterator[None]:
         yield
 
 
-def run_interleaved_schedule_rank(rank: int, world_size: int) -> dict:
+def run_interleaved_schedule_rank(rank: int, world_size: int, sft: bool = False) -> dict:
     """Megatron-Core's interleaved pipeline schedule itself (forward only) over three stages of
-    two model chunks, the script's `forward_step`, three micro-batches (the row, a row of other
-    documents, the row again), at CP 1 and CP 2: each micro-batch's summed loss on the last
+    two model chunks, the script's `forward_step`, two iterations of three micro-batches (the row,
+    a row of other documents, the row again; then the other way round; with `sft` as
+    `_sft_sample` gives them), at CP 1 and CP 2: each micro-batch's summed loss on the last
     stage's ranks, and at CP 1 the documents' run one at a time through the same chunks."""
     pretrain_gpt = _hooked_pretrain_gpt()
     from megatron.core import mpu
@@ -366,22 +418,24 @@ def run_interleaved_schedule_rank(rank: int, world_size: int) -> dict:
     from megatron_sap.megatron.options import reset_sap_options
 
     torch.set_num_threads(1)
-    layouts = (DOCUMENTS, OTHER_DOCUMENTS, DOCUMENTS)
-    rows = [_sample(documents) for documents in layouts]
+    layouts = (DOCUMENTS, OTHER_DOCUMENTS, DOCUMENTS, OTHER_DOCUMENTS, DOCUMENTS, OTHER_DOCUMENTS)  # two iterations
+    rows = [(_sft_sample if sft else _sample)(documents) for documents in layouts]
     found: dict = {}
     with _on_cpu():
         for cp in (1, 2):
             flags = [*_flags(cp), "--pipeline-model-parallel-size", "3", "--num-layers-per-virtual-pipeline-stage", "1"]
             flags[flags.index("--num-layers") + 1] = "6"
-            _set_args(flags, rank, world_size)
+            _set_args(flags, rank, world_size).sft = sft
             try:
                 mpu.initialize_model_parallel(1, 3, 2, context_parallel_size=cp)
                 models = [build_tiny_gpt(num_layers=6, vp_stage=chunk) for chunk in (0, 1)]
                 data = [iter([dict(row) for row in rows]) for _ in models]  # one iterator per chunk, as Megatron-LM's
-                with torch.no_grad(), _schedule_on_cpu():
-                    losses = get_forward_backward_func()(
-                        forward_step_func=_forward_step(pretrain_gpt), data_iterator=data, model=models,
-                        num_microbatches=len(rows), seq_length=ROW, micro_batch_size=1, forward_only=True)
+                losses = []
+                for _ in range(2):
+                    with torch.no_grad(), _schedule_on_cpu():
+                        losses += get_forward_backward_func()(
+                            forward_step_func=_forward_step(pretrain_gpt), data_iterator=data, model=models,
+                            num_microbatches=len(rows) // 2, seq_length=ROW, micro_batch_size=1, forward_only=True)
                 if losses:
                     found[cp] = [float(loss["lm loss"][0]) for loss in losses]
                 if cp == 1:
@@ -394,22 +448,26 @@ def run_interleaved_schedule_rank(rank: int, world_size: int) -> dict:
     return found
 
 
-def test_interleaved_schedule_through_the_hooks(pool6) -> None:
+@pytest.mark.parametrize("sft", [False, True], ids=["pretraining", "sft"])
+def test_interleaved_schedule_through_the_hooks(pool6, sft: bool) -> None:
     """The real interleaved schedule runs each rank's chunks in its own order (several
     micro-batches through chunk 0 before chunk 1); every micro-batch's loss is its documents'
-    one at a time, at CP 1 and summed over the CP ranks at CP 2."""
+    one at a time, at CP 1 and summed over the CP ranks at CP 2. SFT rows (from core_v0.18 every
+    chunk reads them) too: the chunks that take the first stage's documents get each
+    micro-batch's once."""
     from megatron_sap.megatron.compat import chunk_aware_get_batch
 
     if not chunk_aware_get_batch():
         pytest.skip("virtual pipelines are refused before core_v0.15")
-    results = pool6.run(run_interleaved_schedule_rank)
+    _skip_sft_with_stages_where_refused(sft)
+    results = pool6.run(run_interleaved_schedule_rank, sft=sft)
     references = [r["documents"] for r in results if "documents" in r]
     assert len(references) == 2 and references[0] == references[1]
     reference = references[0]
-    assert reference[0] == reference[2] and reference[0] != reference[1]
+    assert reference[0] == reference[2] == reference[4] and reference[0] != reference[1]
     for cp in (1, 2):
         per_rank = [r[cp] for r in results if cp in r]
-        assert len(per_rank) == 2
+        assert len(per_rank) == 2 and all(len(losses) == len(reference) for losses in per_rank)
         if cp == 1:  # two data-parallel replicas, the whole row each
             for losses in per_rank:
                 assert all(abs(loss - ref) <= 1e-5 * abs(ref) for loss, ref in zip(losses, reference)), (losses, reference)

@@ -24,6 +24,13 @@ def batch_functions_in_core() -> bool:
     return hasattr(core_utils, "get_batch_on_this_tp_rank")
 
 
+def sft_split_on_every_stage() -> bool:
+    """Whether Megatron-LM's `pretrain_gpt.get_batch` reads and splits SFT rows on every pipeline
+    stage, each stage by its own copy (core_v0.17): the hooks' hand-over of each micro-batch's
+    documents from the first stage to the chunks that read no data does not follow that."""
+    return packed_get_batch() and megatron_core_version() >= (0, 17)
+
+
 def mtp_takes_packed_rows() -> bool:
     """Whether multi-token prediction layers accept the packed rows the SAP hooks make at every CP
     size (core_v0.16 on)."""

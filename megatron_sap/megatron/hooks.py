@@ -19,7 +19,8 @@
   first pipeline stage they also go to the stages whose model chunks read no data
   (`stages.send_documents`). From core_v0.18 `pretrain_gpt.get_batch` moves the loader's
   micro-batch to the GPU in place before that call, so `pretrain` hands the schedules a forward
-  step whose data iterator keeps a host copy (`wrap_forward_step`).
+  step whose data iterator keeps a host copy (`wrap_forward_step`); a model chunk that takes the
+  first stage's documents reads none there (SFT rows reach every chunk from core_v0.18).
 * core_v0.16 and v0.17, whose `pretrain_gpt.get_batch` has a packed (THD) path:
   `get_batch_on_this_tp_rank` makes an unpacked micro-batch a packed one (documents from
   `--reset-position-ids` restarts, else the whole row) so that `get_batch` takes that path, and
@@ -55,7 +56,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from .arguments import add_sap_args, chain_args_providers, sap_settings_from_args
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_packed_seq_params, sap_split_batch
 from .compat import (MLA_ROPE_TABLE_REFUSED, TRAINING_LAYOUT_REFUSED, chunk_aware_get_batch, mla_keeps_packed_rope_table,
-                     mtp_takes_packed_rows, packed_get_batch, training_layout)
+                     mtp_takes_packed_rows, packed_get_batch, sft_split_on_every_stage, training_layout)
 from .groups import prepare_pipeline_host_group, tensor_parallel_host_group
 from .loader import PLAN_KEY, PlannedDataset, adopt_loader_plan, host_boundaries, loader_plan_bytes, loader_planning
 from .rope import install_sap_rope
@@ -211,6 +212,12 @@ def _refuse_unsupported(args: Any) -> None:
             "receive, so they would hang or read wrong boundaries; pretraining data with --reset-position-ids works "
             "at any TP"
         )
+    if getattr(args, "sft", False) and pp > 1 and sft_split_on_every_stage():
+        raise ValueError(
+            f"SAP with --sft and pipeline parallelism (got PP={pp}) needs Megatron-LM core_v0.16 or core_v0.18 on: "
+            "core_v0.17's get_batch reads and splits SFT rows on every stage, which the hand-over of each "
+            "micro-batch's documents from the first stage does not follow"
+        )
     seq_length = getattr(args, "seq_length", None)
     if cp > 1 and tp > 1 and getattr(args, "sequence_parallel", False) and seq_length and seq_length % (cp * tp):
         raise ValueError(
@@ -278,8 +285,8 @@ class _Recorder:
     micro-batch that Megatron moves to the GPU. A dict item is kept as a shallow copy, since
     core_v0.18 on moves its tensors to the GPU in place."""
 
-    def __init__(self, source: Iterator) -> None:
-        self.source, self.item = source, None
+    def __init__(self, source: Iterator, chunk: Optional[int] = None) -> None:
+        self.source, self.item, self.chunk = source, None, chunk  # chunk: the model chunk reading (`vp_stage`)
 
     def __iter__(self) -> _Recorder:
         return self
@@ -305,7 +312,8 @@ def wrap_forward_step(forward_step: Callable, get_args: Callable[[], Any] = _meg
     def forward_step_recording(data_iterator: Any, *args: Any, **kwargs: Any) -> Any:
         if data_iterator is None or not sap_requested(get_args()):
             return forward_step(data_iterator, *args, **kwargs)
-        recorder = _Recorder(data_iterator)
+        model = args[0] if args else kwargs.get("model")
+        recorder = _Recorder(data_iterator, _model_chunk(model))
         _RECORDING.append(recorder)
         try:
             return forward_step(recorder, *args, **kwargs)
@@ -314,6 +322,13 @@ def wrap_forward_step(forward_step: Callable, get_args: Callable[[], Any] = _meg
 
     forward_step_recording._sap_hook = True
     return forward_step_recording
+
+
+def _model_chunk(model: Any) -> Optional[int]:
+    """The `vp_stage` of a (wrapped) model chunk, None without one."""
+    while model is not None and not hasattr(model, "vp_stage"):
+        model = getattr(model, "module", None)
+    return getattr(model, "vp_stage", None)
 
 
 # A batch's row tensor (`_row_tensor`) -> (its documents read on the host, the boundary tensor
@@ -430,10 +445,19 @@ def wrap_core_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[
         megatron_args = get_args()
         if not sap_requested(megatron_args):
             return get_batch(*args, **kwargs)
+        recording = _RECORDING[-1] if _RECORDING else None
+        if recording is not None and reads_no_data(recording.chunk):
+            # SFT rows (`cu_seqlens` in the batch) reach every model chunk from core_v0.18; a chunk
+            # SAP gives the first stage's documents takes them from there (`stages.documents_for`),
+            # and its reading must not send them on again.
+            batch = get_batch(*args, **kwargs)
+            if isinstance(batch, dict):
+                batch.pop(PLAN_KEY, None)
+            return batch
         bound = signature.bind(*args, **kwargs)
         item = None
         if bound.arguments.get("tp_rank", 0) == 0:  # the source: the batch is the loader's
-            recorded = _RECORDING[-1].item if _RECORDING else None
+            recorded = None if recording is None else recording.item
             given = bound.arguments.get("batch")
             item = recorded if recorded is not None else dict(given) if isinstance(given, dict) else None
         batch = get_batch(*args, **kwargs)
