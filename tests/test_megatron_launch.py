@@ -510,6 +510,13 @@ def test_core_pretrain_wrapper_records_the_forward_step_and_parse_args_takes_the
         None, None, None, lambda it, model: seen.append(it))
     step(iter([{"tokens": torch.zeros(1, 2)}]), None)
     assert type(seen[0]).__name__ == "_Recorder"
+
+    from megatron_sap.megatron import hooks
+
+    chunks = []
+    step = wrap_forward_step(lambda it, model: chunks.append((it, hooks._RECORDING[-1].chunk)), get_args=lambda: args)
+    step(None, SimpleNamespace(module=SimpleNamespace(vp_stage=1)))  # a TP rank without data: the chunk all the same
+    assert chunks == [(None, 1)] and not hooks._RECORDING
     assert wrap_pretrain(_core_v019_pretrain)(None, None, None, "step") == "step"  # before core_v0.18: as given
     parse = wrap_parse_args(lambda extra_args_provider=None, ignore_unknown_args=False:
                             extra_args_provider(_megatron_like_parser()).parse_args(["--sap-inner-size", "2"]))

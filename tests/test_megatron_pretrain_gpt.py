@@ -326,6 +326,7 @@ def run_pipeline_rank(rank: int, world_size: int, sft: bool = False) -> dict:
                 first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
                 for chunk, model in enumerate(models):
                     reads = (first and chunk == 0) or (last and chunk == chunks - 1) or _every_chunk_reads(sft)
+                    reads = reads and mpu.get_tensor_model_parallel_rank() == 0  # Megatron-LM's loaders: TP source only
                     _take_input(model, ROW // cp, chunk)
                     with torch.no_grad():
                         output, loss_func = _forward_step(pretrain_gpt)(iter([dict(sample)]) if reads else None, model)

@@ -304,19 +304,21 @@ def wrap_forward_step(forward_step: Callable, get_args: Callable[[], Any] = _meg
     """A training script's `forward_step(data_iterator, model, ...)` whose data iterator records
     what it hands out (core_v0.18 on: `pretrain_gpt.get_batch` moves the loader's micro-batch to the
     GPU in place before `get_batch_on_this_tp_rank` sees it), so that the batch hook reads the
-    row's documents from the host copy. A function wrapped already is returned as it is."""
+    row's documents from the host copy, and which model chunk reads it (`_Recorder.chunk`). A
+    function wrapped already is returned as it is."""
     if getattr(forward_step, "_sap_hook", False):
         return forward_step
 
     @functools.wraps(forward_step)
     def forward_step_recording(data_iterator: Any, *args: Any, **kwargs: Any) -> Any:
-        if data_iterator is None or not sap_requested(get_args()):
+        if not sap_requested(get_args()):
             return forward_step(data_iterator, *args, **kwargs)
         model = args[0] if args else kwargs.get("model")
+        # Also without an iterator (the TP ranks other than the source): the hook needs the chunk.
         recorder = _Recorder(data_iterator, _model_chunk(model))
         _RECORDING.append(recorder)
         try:
-            return forward_step(recorder, *args, **kwargs)
+            return forward_step(None if data_iterator is None else recorder, *args, **kwargs)
         finally:
             _RECORDING.remove(recorder)
 
@@ -634,10 +636,10 @@ def _micro_batch_params(arguments: dict[str, Any], get_args: Callable[[], Any]) 
 
 def wrap_flatten_batch_for_packed_sequences(flatten: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
     """megatron-core's `flatten_batch_for_packed_sequences` (0.19 on), which merges the rows of a
-    micro-batch into one, skipped with SAP on: SAP trains one row per micro-batch and plans from
-    its documents as given (the trailing repeats of its length that SFT rows carry are documents
-    without tokens), and the merge would read the boundaries back from the GPU and replace the
-    tensors the documents read on the host are kept by (`_host_documents`)."""
+    micro-batch into one, skipped with SAP on: SAP trains one row per micro-batch (the split drops
+    the documents of no tokens that pad SFT rows' boundaries itself), and the merge would read the
+    boundaries back from the GPU and replace the tensors the documents read on the host are kept
+    by (`_host_documents`)."""
     if getattr(flatten, "_sap_hook", False):
         return flatten
 
