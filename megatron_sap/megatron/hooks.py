@@ -448,23 +448,21 @@ def wrap_core_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[
         if not sap_requested(megatron_args):
             return get_batch(*args, **kwargs)
         recording = _RECORDING[-1] if _RECORDING else None
-        if recording is not None and reads_no_data(recording.chunk):
-            # SFT rows (`cu_seqlens` in the batch) reach every model chunk from core_v0.18; a chunk
-            # SAP gives the first stage's documents takes them from there (`stages.documents_for`),
-            # and its reading must not send them on again.
-            batch = get_batch(*args, **kwargs)
-            if isinstance(batch, dict):
-                batch.pop(PLAN_KEY, None)
-            return batch
+        # SFT rows (`cu_seqlens` in the batch) reach every model chunk from core_v0.18; a chunk SAP
+        # gives the first stage's documents takes them from there (`stages.documents_for`), and
+        # its reading must not send them on again.
+        takes_documents = recording is not None and reads_no_data(recording.chunk)
         bound = signature.bind(*args, **kwargs)
         item = None
-        if bound.arguments.get("tp_rank", 0) == 0:  # the source: the batch is the loader's
+        if not takes_documents and bound.arguments.get("tp_rank", 0) == 0:  # the source: the batch is the loader's
             recorded = None if recording is None else recording.item
             given = bound.arguments.get("batch")
             item = recorded if recorded is not None else dict(given) if isinstance(given, dict) else None
         batch = get_batch(*args, **kwargs)
         if isinstance(batch, dict):
             batch.pop(PLAN_KEY, None)
+        if takes_documents:
+            return batch
         documents = _take_documents(item, bool(getattr(megatron_args, "reset_position_ids", False)), host_group)
         _keep_host_documents(batch, documents)
         return batch
