@@ -587,13 +587,13 @@ def wrap_get_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], Any] 
 
 
 def wrap_gpt_forward(forward: Callable, get_args: Callable[[], Any] = _megatron_args) -> Callable:
-    """`GPTModel.forward` that, called with SAP on and no `packed_seq_params`, takes the
-    micro-batch's: those of the batch the SAP split made (`wrap_get_batch_on_this_cp_rank`:
-    `pretrain_gpt.py` before core_v0.16 calls the model without them), found by its tokens or
-    labels; in a model chunk that reads no data (`stages.reads_no_data`: a middle pipeline stage,
-    a virtual pipeline chunk), those of the documents its first stage sends
-    (`stages.documents_for`). A function wrapped already is returned as
-    it is."""
+    """`GPTModel.forward` that, called with SAP on, takes the micro-batch's packed parameters:
+    those of the batch the SAP split made (`wrap_get_batch_on_this_cp_rank`: `pretrain_gpt.py`
+    before core_v0.16 calls the model without any, from core_v0.18 with its own built from the
+    row's `cu_seqlens`), found by its tokens or labels; in a model chunk that reads no data
+    (`stages.reads_no_data`: a middle pipeline stage, a virtual pipeline chunk), those of the
+    documents its first stage sends (`stages.documents_for`). Other calls keep what they are
+    given (`_micro_batch_params`). A function wrapped already is returned as it is."""
     if getattr(forward, "_sap_hook", False):
         return forward
     signature = inspect.signature(forward)
