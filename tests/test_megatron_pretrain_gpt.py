@@ -97,12 +97,12 @@ def _forward_step(pretrain_gpt):
     return pretrain_gpt.forward_step
 
 
-def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None = None, sft: bool = False) -> dict:
+def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None = None, rows: str = "pretraining") -> dict:
     """(summed loss, loss tokens) of this rank's share of the row at CP 1 (every rank alone) and at
     CP 2, from the script's `forward_step` and loss function; and the summed loss of the
     documents run one at a time. The checkout's script through the hooks, or `patched_script`
     (the fork patch applied) without them, SAP configured as its patched initialize.py does. With
-    `sft`, the row is `_sft_sample`."""
+    `rows` other than pretraining, the row is `_row_with_cu_seqlens` (see `ROWS`)."""
     import importlib.util
 
     sys.path.insert(0, MEGATRON_LM)
@@ -121,13 +121,13 @@ def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None
     from megatron_sap.megatron.options import reset_sap_options
 
     torch.set_num_threads(1)
-    sample = _sft_sample() if sft else _sample()
+    sample = _row(rows)
     losses = {}
     with _on_cpu():
         for cp in (1, 2):
             args = _set_args(_flags(cp), rank, world_size)
             args.create_attention_mask_in_dataloader = True  # Megatron's default; the hooks turn it off
-            args.sft = sft
+            _set_rows(args, rows)
             try:
                 sizes = None if patched_script is None else configure_sap(args)
                 mpu.initialize_model_parallel(1, 1, context_parallel_size=cp, hierarchical_context_parallel_sizes=sizes)
@@ -168,12 +168,141 @@ def _assert_cp1s_loss(results: list[dict]) -> None:
     assert abs(sum(r[2][0] for r in results) - cp1_loss) <= 1e-5 * abs(cp1_loss)
 
 
-def test_sft_rows_through_the_hooks_give_cp1s_loss(pool2) -> None:
-    """SFT rows bring their own `cu_seqlens` (padded, as core_v0.19's `SFTDataset` pads them): the
-    same losses as the documents one at a time, at CP 1 and 2, the loader's plan taken."""
-    results = pool2.run(run_pretrain_gpt_rank, sft=True)
+@pytest.mark.parametrize("rows", ["sft", "inter-document-masking"])
+def test_rows_with_cu_seqlens_through_the_hooks_give_cp1s_loss(pool2, rows: str) -> None:
+    """SFT rows and rows of --dataloader-inter-document-masking bring their own `cu_seqlens`
+    (padded, as core_v0.19's `SFTDataset` and `GPTDataset` pad them): the same losses as the
+    documents one at a time, at CP 1 and 2, the loader's plan taken."""
+    _skip_rows_where_unsupported(rows)
+    results = pool2.run(run_pretrain_gpt_rank, rows=rows)
     _assert_cp1s_loss(results)
     assert all(r["cache"] == (1, 0) for r in results), [r["cache"] for r in results]
+
+
+# A real GPTDataset with --dataloader-inter-document-masking (core_v0.19): documents of these
+# lengths, each ending in the EOD token, packed into rows of ROW tokens (a document may continue
+# in the next row).
+DATASET_DOCUMENTS = (30, 7, 41, 12, 25, 50)
+DATASET_ROWS = 2
+
+
+class _Tokenizer:
+    """What GPTDataset reads of a tokenizer."""
+
+    eod = 0
+    pad = -1
+    vocab_size = 256
+    unique_identifiers = {"class": "_Tokenizer"}
+
+
+def _gpt_dataset(directory: str):
+    """The GPTDataset over the documents `_write_documents` put in `directory`, as Megatron-LM's
+    data builder makes it with --dataloader-inter-document-masking and --reset-position-ids."""
+    import numpy
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.utils import Split
+
+    prefix = os.path.join(directory, "documents")
+    config = GPTDatasetConfig(
+        random_seed=0, sequence_length=ROW, blend=([prefix], None), split="1,0,0", tokenizer=_Tokenizer(),
+        reset_position_ids=True, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        inter_document_masking=True, path_to_cache=os.path.join(directory, "cache"), mmap_bin_files=False)
+    return GPTDataset(IndexedDataset(prefix, mmap=False), prefix, numpy.arange(len(DATASET_DOCUMENTS)), DATASET_ROWS,
+                      Split.train, config)
+
+
+def _write_documents(directory: str) -> None:
+    """The documents as Megatron-LM's preprocessing writes them (an indexed dataset), and the
+    dataset's sample index (as the data builder's first rank writes it before the others read it)."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = os.path.join(directory, "documents")
+    generator = torch.Generator().manual_seed(1)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+    for length in DATASET_DOCUMENTS:
+        document = torch.randint(1, _Tokenizer.vocab_size, (length,), generator=generator, dtype=torch.int32)
+        document[-1] = _Tokenizer.eod
+        builder.add_item(document)
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    _gpt_dataset(directory)
+
+
+def run_gpt_dataset_rank(rank: int, world_size: int, directory: str) -> dict:
+    """(summed loss, loss tokens) of each row of the GPTDataset in `directory` through the script's
+    `forward_step`: at CP 1 (every rank alone) from the dataset's samples collated, at CP 2 through
+    Megatron's data loader over the dataset (each rank its share); at CP 1 also the summed loss of
+    each row's documents (by its own `cu_seqlens`) run one at a time."""
+    pretrain_gpt = _hooked_pretrain_gpt()
+    from megatron.core import mpu
+    from torch.utils.data import default_collate
+
+    import megatron.training.training as training_loop
+    from megatron_sap.megatron.demo_train import build_tiny_gpt
+    from megatron_sap.megatron.options import reset_sap_options
+    from megatron_sap.planning.plan import DEFAULT_CACHE
+
+    torch.set_num_threads(1)
+    dataset = _gpt_dataset(directory)
+    found: dict = {}
+    with _on_cpu():
+        for cp in (1, 2):
+            args = _set_args(_flags(cp), rank, world_size)
+            _set_rows(args, "inter-document-masking")
+            try:
+                mpu.initialize_model_parallel(1, 1, context_parallel_size=cp)
+                model = build_tiny_gpt()
+                if cp == 1:
+                    rows = [default_collate([dataset[i]]) for i in range(len(dataset))]
+                    data = iter([dict(row) for row in rows])
+                else:
+                    args.dataloader_type, args.num_workers = "single", 1  # the hook wraps loaders with workers
+                    loader = training_loop.build_pretraining_data_loader(dataset, 0)
+                    loader.num_workers = 0  # a pool worker is daemonic, it cannot start any: the rows are fetched here
+                    data = iter(loader)
+                    DEFAULT_CACHE.clear()
+                for i in range(len(dataset)):
+                    output, loss_func = _forward_step(pretrain_gpt)(data, model)
+                    loss, count = loss_func(output)[:2]
+                    found[(cp, i)] = (float(loss), int(count))
+                if cp == 2:
+                    found["cache"] = (DEFAULT_CACHE.hits, DEFAULT_CACHE.misses)
+                if cp == 1:  # each row's documents one at a time, unpacked
+                    for i, row in enumerate(rows):
+                        cu = row["cu_seqlens"][0].tolist()
+                        documents = cu[: cu.index(ROW) + 1]
+                        found[("documents", i)] = (len(documents) - 1, sum(
+                            float(model(row["tokens"][:, a:b], None, None, labels=row["labels"][:, a:b]).sum())
+                            for a, b in zip(documents, documents[1:])))
+            finally:
+                mpu.destroy_model_parallel()
+                reset_sap_options()
+    return found
+
+
+def test_gpt_dataset_rows_through_the_hooks_give_cp1s_loss(pool2, tmp_path) -> None:
+    """Rows of a real GPTDataset with --dataloader-inter-document-masking (its own `cu_seqlens`,
+    padded, and a document cut at a row's end) give their documents' losses one at a time, at CP 1
+    and summed over the ranks at CP 2, where Megatron's data loader over the dataset plans them."""
+    import importlib.util
+
+    _skip_rows_where_unsupported("inter-document-masking")
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        pytest.skip("GPTDataset needs the checkout's compiled helpers (make -C megatron/core/datasets)")
+    _write_documents(str(tmp_path))
+    results = pool2.run(run_gpt_dataset_rank, str(tmp_path))
+    for i in range(DATASET_ROWS):
+        count, documents = results[0][("documents", i)]
+        assert count > 1  # a packed row
+        assert all(r[(1, i)] == results[0][(1, i)] for r in results)  # CP 1: each rank alone on the whole row
+        cp1_loss, cp1_tokens = results[0][(1, i)]
+        assert cp1_tokens == ROW and abs(cp1_loss - documents) <= 1e-5 * abs(cp1_loss)
+        shares = [r[(2, i)] for r in results]
+        assert sum(tokens for _, tokens in shares) == ROW
+        assert abs(sum(loss for loss, _ in shares) - cp1_loss) <= 1e-5 * abs(cp1_loss)
+    assert all(r["cache"] == (DATASET_ROWS, 0) for r in results), [r["cache"] for r in results]  # the loader's plans
 
 
 def test_pretrain_gpt_through_the_hooks_gives_cp1s_loss(pool2) -> None:
@@ -247,14 +376,14 @@ def _document_forward(models: list, chunk: int, row: dict, a: int, b: int) -> to
     return forward(models[chunk], None, None, None, labels=row["labels"][:, a:b] if last else None)
 
 
-def _release_layouts(sft: bool = False) -> list[tuple[int, int, int]]:
+def _release_layouts(rows: str = "pretraining") -> list[tuple[int, int, int]]:
     """The (TP, CP, chunks per stage) of `PIPELINE_LAYOUTS` this release runs (virtual pipelines
-    from core_v0.15; with `sft`, TP 1 only on core_v0.16 and v0.17, whose SFT broadcast over TP
+    from core_v0.15; SFT rows at TP 1 only on core_v0.16 and v0.17, whose SFT broadcast over TP
     the hooks refuse)."""
     from megatron_sap.megatron.compat import chunk_aware_get_batch, packed_get_batch
 
     return [layout for layout in PIPELINE_LAYOUTS
-            if (layout[2] == 1 or chunk_aware_get_batch()) and not (sft and layout[0] > 1 and packed_get_batch())]
+            if (layout[2] == 1 or chunk_aware_get_batch()) and not (rows == "sft" and layout[0] > 1 and packed_get_batch())]
 
 
 @contextlib.contextmanager
@@ -279,53 +408,77 @@ def _pipeline_chunks(rank: int, world_size: int, tp: int, cp: int, chunks: int) 
         reset_sap_options()
 
 
-def _sft_sample(documents: tuple[int, ...] = DOCUMENTS) -> dict:
-    """The row as core_v0.19's `SFTDataset` gives it (`--sft`): `_sample` with its own
-    `cu_seqlens`, padded with repeats of the row length to ROW + 1 entries, and `max_seqlen`."""
+# The rows a run reads: pretraining rows (documents found from the position ids), SFT rows (--sft)
+# and rows of --dataloader-inter-document-masking (core_v0.19), the last two with their own padded
+# `cu_seqlens`.
+ROWS = ("pretraining", "sft", "inter-document-masking")
+
+
+def _row_with_cu_seqlens(documents: tuple[int, ...] = DOCUMENTS) -> dict:
+    """The row as core_v0.19's `SFTDataset` (`--sft`) and `GPTDataset` with
+    `--dataloader-inter-document-masking` give it: `_sample` with its own `cu_seqlens`, padded
+    with repeats of the row length to ROW + 1 entries, and `max_seqlen`."""
     sample = _sample(documents)
     sample["cu_seqlens"] = torch.tensor([[*documents, *[ROW] * (ROW + 1 - len(documents))]], dtype=torch.int32)
     sample["max_seqlen"] = torch.tensor([max(b - a for a, b in zip(documents, documents[1:]))], dtype=torch.int32)
     return sample
 
 
-def _every_chunk_reads(sft: bool) -> bool:
-    """Whether `get_batch` reads the data in every model chunk: SFT rows from core_v0.18 (their
-    `cu_seqlens` go to every stage); else only the first stage's first chunk and the last
+def _row(rows: str, documents: tuple[int, ...] = DOCUMENTS) -> dict:
+    """The packed row of these documents as `rows` (see `ROWS`) come."""
+    return _sample(documents) if rows == "pretraining" else _row_with_cu_seqlens(documents)
+
+
+def _set_rows(args, rows: str) -> None:
+    """Megatron-LM's args for reading `rows` (see `ROWS`)."""
+    args.sft = rows == "sft"
+    args.dataloader_inter_document_masking = rows == "inter-document-masking"
+
+
+def _skip_rows_where_unsupported(rows: str, stages: bool = False) -> None:
+    """Skip `rows` where the checkout has none, and SFT rows through pipeline `stages` where the
+    hooks refuse them (core_v0.17)."""
+    from megatron_sap.megatron.compat import sft_split_on_every_stage
+
+    if rows == "inter-document-masking":
+        with open(os.path.join(MEGATRON_LM, "megatron", "training", "arguments.py")) as arguments:
+            if "--dataloader-inter-document-masking" not in arguments.read():
+                pytest.skip("--dataloader-inter-document-masking arrives in core_v0.19")
+    if rows == "sft" and stages and sft_split_on_every_stage():
+        pytest.skip("the hooks refuse --sft with pipeline stages on core_v0.17")
+
+
+def _every_chunk_reads(rows: str) -> bool:
+    """Whether `get_batch` reads the data in every model chunk: rows with their own `cu_seqlens`
+    from core_v0.18 (they go to every stage); else only the first stage's first chunk and the last
     stage's last."""
     import megatron.training.utils as training_utils
 
     from megatron_sap.megatron.compat import training_layout
 
-    return sft and training_layout(training_utils) == "core-utils"
+    return rows != "pretraining" and training_layout(training_utils) == "core-utils"
 
 
-def _skip_sft_with_stages_where_refused(sft: bool) -> None:
-    from megatron_sap.megatron.compat import sft_split_on_every_stage
-
-    if sft and sft_split_on_every_stage():
-        pytest.skip("the hooks refuse --sft with pipeline stages on core_v0.17")
-
-
-def run_pipeline_rank(rank: int, world_size: int, sft: bool = False) -> dict:
+def run_pipeline_rank(rank: int, world_size: int, rows: str = "pretraining") -> dict:
     """The row's summed loss and loss tokens through three pipeline stages of the script's
     `forward_step` (the activations passed by hand, forward only), per layout of
     `PIPELINE_LAYOUTS` the release runs, on the last stage's ranks. Only the first stage's first
-    chunk and the last stage's last read data (with `sft` from core_v0.18, every chunk: the row
-    is `_sft_sample`): the others' documents come from the first stage through the hooks."""
+    chunk and the last stage's last read data (rows with their own `cu_seqlens` from core_v0.18,
+    every chunk): the others' documents come from the first stage through the hooks."""
     pretrain_gpt = _hooked_pretrain_gpt()
     from megatron.core import mpu
     from megatron.training import get_args
 
     torch.set_num_threads(1)
-    sample = _sft_sample() if sft else _sample()
+    sample = _row(rows)
     losses = {}
     with _on_cpu():
-        for tp, cp, chunks in _release_layouts(sft):
+        for tp, cp, chunks in _release_layouts(rows):
             with _pipeline_chunks(rank, world_size, tp, cp, chunks) as models:
-                get_args().sft = sft
+                _set_rows(get_args(), rows)
                 first, last = mpu.is_pipeline_first_stage(ignore_virtual=True), mpu.is_pipeline_last_stage(ignore_virtual=True)
                 for chunk, model in enumerate(models):
-                    reads = (first and chunk == 0) or (last and chunk == chunks - 1) or _every_chunk_reads(sft)
+                    reads = (first and chunk == 0) or (last and chunk == chunks - 1) or _every_chunk_reads(rows)
                     reads = reads and mpu.get_tensor_model_parallel_rank() == 0  # Megatron-LM's loaders: TP source only
                     _take_input(model, ROW // cp, chunk)
                     with torch.no_grad():
@@ -365,11 +518,13 @@ def test_pretrain_gpt_through_three_pipeline_stages(pool6) -> None:
     _assert_pipeline_losses(pool6.run(run_pipeline_rank), _release_layouts())
 
 
-def test_sft_rows_through_three_pipeline_stages(pool6) -> None:
-    """As above with SFT rows (padded `cu_seqlens`), which from core_v0.18 every model chunk reads:
-    the chunks SAP gives the first stage's documents still take them from there, once per micro-batch."""
-    _skip_sft_with_stages_where_refused(True)
-    _assert_pipeline_losses(pool6.run(run_pipeline_rank, sft=True), _release_layouts(sft=True))
+@pytest.mark.parametrize("rows", ["sft", "inter-document-masking"])
+def test_rows_with_cu_seqlens_through_three_pipeline_stages(pool6, rows: str) -> None:
+    """As above with SFT rows and rows of --dataloader-inter-document-masking (padded `cu_seqlens`),
+    which from core_v0.18 every model chunk reads: the chunks SAP gives the first stage's documents
+    still take them from there, once per micro-batch."""
+    _skip_rows_where_unsupported(rows, stages=True)
+    _assert_pipeline_losses(pool6.run(run_pipeline_rank, rows=rows), _release_layouts(rows))
 
 
 def _assert_pipeline_losses(results: list[dict], layouts: list[tuple[int, int, int]]) -> None:
@@ -405,11 +560,11 @@ def _schedule_on_cpu() -> Iterator[None]:
         yield
 
 
-def run_interleaved_schedule_rank(rank: int, world_size: int, sft: bool = False) -> dict:
+def run_interleaved_schedule_rank(rank: int, world_size: int, rows: str = "pretraining") -> dict:
     """Megatron-Core's interleaved pipeline schedule itself (forward only) over three stages of
     two model chunks, the script's `forward_step`, two iterations of three micro-batches (the row,
-    a row of other documents, the row again; then the other way round; with `sft` as
-    `_sft_sample` gives them), at CP 1 and CP 2: each micro-batch's summed loss on the last
+    a row of other documents, the row again; then the other way round; as `rows`
+    come, see `ROWS`), at CP 1 and CP 2: each micro-batch's summed loss on the last
     stage's ranks, and at CP 1 the documents' run one at a time through the same chunks."""
     pretrain_gpt = _hooked_pretrain_gpt()
     from megatron.core import mpu
@@ -420,27 +575,27 @@ def run_interleaved_schedule_rank(rank: int, world_size: int, sft: bool = False)
 
     torch.set_num_threads(1)
     layouts = (DOCUMENTS, OTHER_DOCUMENTS, DOCUMENTS, OTHER_DOCUMENTS, DOCUMENTS, OTHER_DOCUMENTS)  # two iterations
-    rows = [(_sft_sample if sft else _sample)(documents) for documents in layouts]
+    batches = [_row(rows, documents) for documents in layouts]
     found: dict = {}
     with _on_cpu():
         for cp in (1, 2):
             flags = [*_flags(cp), "--pipeline-model-parallel-size", "3", "--num-layers-per-virtual-pipeline-stage", "1"]
             flags[flags.index("--num-layers") + 1] = "6"
-            _set_args(flags, rank, world_size).sft = sft
+            _set_rows(_set_args(flags, rank, world_size), rows)
             try:
                 mpu.initialize_model_parallel(1, 3, 2, context_parallel_size=cp)
                 models = [build_tiny_gpt(num_layers=6, vp_stage=chunk) for chunk in (0, 1)]
-                data = [iter([dict(row) for row in rows]) for _ in models]  # one iterator per chunk, as Megatron-LM's
+                data = [iter([dict(row) for row in batches]) for _ in models]  # one iterator per chunk, as Megatron-LM's
                 losses = []
                 for _ in range(2):
                     with torch.no_grad(), _schedule_on_cpu():
                         losses += get_forward_backward_func()(
                             forward_step_func=_forward_step(pretrain_gpt), data_iterator=data, model=models,
-                            num_microbatches=len(rows) // 2, seq_length=ROW, micro_batch_size=1, forward_only=True)
+                            num_microbatches=len(batches) // 2, seq_length=ROW, micro_batch_size=1, forward_only=True)
                 if losses:
                     found[cp] = [float(loss["lm loss"][0]) for loss in losses]
                 if cp == 1:
-                    references = [_documents_one_at_a_time(models, row, documents) for row, documents in zip(rows, layouts)]
+                    references = [_documents_one_at_a_time(models, row, documents) for row, documents in zip(batches, layouts)]
                     if mpu.is_pipeline_last_stage(ignore_virtual=True):
                         found["documents"] = references
             finally:
@@ -449,8 +604,8 @@ def run_interleaved_schedule_rank(rank: int, world_size: int, sft: bool = False)
     return found
 
 
-@pytest.mark.parametrize("sft", [False, True], ids=["pretraining", "sft"])
-def test_interleaved_schedule_through_the_hooks(pool6, sft: bool) -> None:
+@pytest.mark.parametrize("rows", ROWS)
+def test_interleaved_schedule_through_the_hooks(pool6, rows: str) -> None:
     """The real interleaved schedule runs each rank's chunks in its own order (several
     micro-batches through chunk 0 before chunk 1); every micro-batch's loss is its documents'
     one at a time, at CP 1 and summed over the CP ranks at CP 2. SFT rows (from core_v0.18 every
@@ -460,8 +615,8 @@ def test_interleaved_schedule_through_the_hooks(pool6, sft: bool) -> None:
 
     if not chunk_aware_get_batch():
         pytest.skip("virtual pipelines are refused before core_v0.15")
-    _skip_sft_with_stages_where_refused(sft)
-    results = pool6.run(run_interleaved_schedule_rank, sft=sft)
+    _skip_rows_where_unsupported(rows, stages=True)
+    results = pool6.run(run_interleaved_schedule_rank, rows=rows)
     references = [r["documents"] for r in results if "documents" in r]
     assert len(references) == 2 and references[0] == references[1]
     reference = references[0]
