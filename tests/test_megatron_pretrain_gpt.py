@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Iterator
+from typing import Iterator, Sequence
 from unittest import mock
 
 import pytest
@@ -134,29 +134,40 @@ def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None
                 model = build_tiny_gpt()
                 data = iter([dict(sample)])
                 if cp == 2 and patched_script is None:  # through Megatron's data loader, its rows planned there
-                    import megatron.training.training as training_loop
-
-                    from megatron_sap.planning.plan import DEFAULT_CACHE
-
-                    args.dataloader_type, args.num_workers = "single", 1  # the hook wraps loaders with workers
-                    loader = training_loop.build_pretraining_data_loader([{k: v[0] for k, v in sample.items()}], 0)
-                    loader.num_workers = 0  # a pool worker is daemonic, it cannot start any: the row is fetched here
-                    data = iter(loader)
-                    DEFAULT_CACHE.clear()
+                    data = _through_data_loader(args, [{k: v[0] for k, v in sample.items()}])
                 output, loss_func = _forward_step(pretrain_gpt)(data, model)
                 if cp == 2 and patched_script is None:
+                    from megatron_sap.planning.plan import DEFAULT_CACHE
+
                     losses["cache"] = (DEFAULT_CACHE.hits, DEFAULT_CACHE.misses)
                 loss, count = loss_func(output)[:2]
                 losses[cp] = (float(loss), int(count))
                 if cp == 1:  # the documents one at a time, unpacked: what packing must not change
-                    losses["documents"] = sum(
-                        float(model(sample["tokens"][:, a:b], None, None, labels=sample["labels"][:, a:b]).sum())
-                        for a, b in zip(DOCUMENTS, DOCUMENTS[1:])
-                    )
+                    losses["documents"] = _documents_loss(model, sample, DOCUMENTS)
             finally:
                 mpu.destroy_model_parallel()
                 reset_sap_options()
     return losses
+
+
+def _through_data_loader(args, dataset) -> Iterator[dict]:
+    """The micro-batches of `dataset` through Megatron-LM's data loader, which plans them (the plan
+    cache emptied first, so that a hit is the loader's plan)."""
+    import megatron.training.training as training_loop
+
+    from megatron_sap.planning.plan import DEFAULT_CACHE
+
+    args.dataloader_type, args.num_workers = "single", 1  # the hook wraps loaders with workers
+    loader = training_loop.build_pretraining_data_loader(dataset, 0)
+    loader.num_workers = 0  # a pool worker is daemonic, it cannot start any: the rows are fetched here
+    DEFAULT_CACHE.clear()
+    return iter(loader)
+
+
+def _documents_loss(model, row: dict, documents: Sequence[int]) -> float:
+    """The summed loss of the row's documents (their cu_seqlens) run one at a time, unpacked."""
+    return sum(float(model(row["tokens"][:, a:b], None, None, labels=row["labels"][:, a:b]).sum())
+               for a, b in zip(documents, documents[1:]))
 
 
 def _assert_cp1s_loss(results: list[dict]) -> None:
@@ -239,7 +250,6 @@ def run_gpt_dataset_rank(rank: int, world_size: int, directory: str) -> dict:
     from megatron.core import mpu
     from torch.utils.data import default_collate
 
-    import megatron.training.training as training_loop
     from megatron_sap.megatron.demo_train import build_tiny_gpt
     from megatron_sap.megatron.options import reset_sap_options
     from megatron_sap.planning.plan import DEFAULT_CACHE
@@ -258,11 +268,7 @@ def run_gpt_dataset_rank(rank: int, world_size: int, directory: str) -> dict:
                     rows = [default_collate([dataset[i]]) for i in range(len(dataset))]
                     data = iter([dict(row) for row in rows])
                 else:
-                    args.dataloader_type, args.num_workers = "single", 1  # the hook wraps loaders with workers
-                    loader = training_loop.build_pretraining_data_loader(dataset, 0)
-                    loader.num_workers = 0  # a pool worker is daemonic, it cannot start any: the rows are fetched here
-                    data = iter(loader)
-                    DEFAULT_CACHE.clear()
+                    data = _through_data_loader(args, dataset)
                 for i in range(len(dataset)):
                     output, loss_func = _forward_step(pretrain_gpt)(data, model)
                     loss, count = loss_func(output)[:2]
@@ -273,9 +279,7 @@ def run_gpt_dataset_rank(rank: int, world_size: int, directory: str) -> dict:
                     for i, row in enumerate(rows):
                         cu = row["cu_seqlens"][0].tolist()
                         documents = cu[: cu.index(ROW) + 1]
-                        found[("documents", i)] = (len(documents) - 1, sum(
-                            float(model(row["tokens"][:, a:b], None, None, labels=row["labels"][:, a:b]).sum())
-                            for a, b in zip(documents, documents[1:])))
+                        found[("documents", i)] = (len(documents) - 1, _documents_loss(model, row, documents))
             finally:
                 mpu.destroy_model_parallel()
                 reset_sap_options()
