@@ -44,14 +44,22 @@ Built-in checks, in the order they run:
     (a fresh plan of packed 128K-token rows at P = 8 and 64, a cache hit, rank 0's
     program with its index tensors on the GPU): the planner runs on the training host's
     CPU, once per micro-batch.
+
+    python scripts/gpu_check.py --dry-run --out /tmp/dry.json
+
+runs every check on the CPU at small sizes (`DRY_RUN_SIZES`), the torch backend standing
+in for the flash ones and without the host-sync checks: the test suite runs it, so that
+the script's own code is tested where no GPU is (its report is no GPU result).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
 import math
+import platform
 import random
 import shutil
 import statistics
@@ -59,6 +67,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
 
@@ -69,9 +78,79 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from megatron_sap.kernels import available_backends, merge_partials, resolve_backend, varlen_backward, varlen_forward  # noqa: E402
 from megatron_sap.reference import dense_attention  # noqa: E402
 
-DEVICE = torch.device("cuda")
+DEVICE = torch.device("cuda")  # the CPU with --dry-run
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The batches the checks run: the GPU's, or small ones for `--dry-run` on the CPU."""
+
+    shape: tuple[int, int, int]  # (query heads, key/value heads, head dim) of the speed, method and op checks
+    accuracy_batches: dict[str, list[int]]  # document lengths of the accuracy checks
+    speed_tokens: int  # tokens of each speed mix
+    method_rows: tuple[tuple[str, int], ...]  # (corpus, tokens) of the per-method checks, 8 ranks
+    simulated_rows: tuple[tuple[int, int, int], ...]  # (outer size, tokens, longest document) of sap_simulated
+    op_lengths: tuple[int, ...]  # sap_no_host_syncs's documents (their sum a multiple of 4)
+    split_tokens: int  # tokens of the batch split's rows
+    planning_rows: int  # fresh rows per layout of host_planning_time
+
+
+GPU_SIZES = Sizes(
+    shape=(32, 8, 128),
+    accuracy_batches={
+        "tiny_docs": [1, 0, 2, 1, 5, 1, 0, 3] * 250,
+        "mixed": [7, 0, 1000, 1, 33, 0, 700, 128, 2, 129, 900],
+        "long": [1, 3000, 5],
+    },
+    speed_tokens=131_072,
+    method_rows=(("stdlib", 32768), ("sharegpt", 131072)),
+    simulated_rows=((4, 8192, 4096), (8, 16384, 6000)),
+    op_lengths=(5, 0, 300, 1, 2000, 64, 3000, 2758),
+    split_tokens=32768,
+    planning_rows=16,
+)
+DRY_RUN_SIZES = Sizes(
+    shape=(4, 2, 32),
+    accuracy_batches={
+        "tiny_docs": [1, 0, 2, 1, 5, 1, 0, 3] * 20,
+        "mixed": [7, 0, 100, 1, 33, 0, 70, 128, 2, 129, 90],
+        "long": [1, 300, 5],
+    },
+    speed_tokens=1024,
+    method_rows=(("stdlib", 512), ("sharegpt", 1024)),
+    simulated_rows=((4, 512, 256), (8, 1024, 400)),
+    op_lengths=(5, 0, 30, 1, 200, 64, 300, 200),
+    split_tokens=1024,
+    planning_rows=2,
+)
+SIZES = GPU_SIZES
 BF16_TOLERANCE = 2e-2  # max error relative to the largest reference magnitude
 FP32_TOLERANCE = 1e-4
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def _host_syncs_raise():
+    """Inside, a host sync raises (torch.cuda.set_sync_debug_mode("error")); on the CPU
+    (`--dry-run`) there is nothing to check."""
+    _sync()
+    if DEVICE.type != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}, dry run)"
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -110,18 +189,11 @@ def _batch(lengths, heads_q, heads_kv, dim, dtype, seed):
     return q, k, v, dout
 
 
-ACCURACY_BATCHES = {
-    "tiny_docs": [1, 0, 2, 1, 5, 1, 0, 3] * 250,
-    "mixed": [7, 0, 1000, 1, 33, 0, 700, 128, 2, 129, 900],
-    "long": [1, 3000, 5],
-}
-
-
 def _accuracy(backend: str, dtype: torch.dtype, tolerance: float) -> dict:
     """Errors of forward and backward against the reference: whole documents, then split key blocks."""
     errors = {}
     heads_q, heads_kv, dim = 8, 2, 128
-    for seed, (name, lengths) in enumerate(ACCURACY_BATCHES.items()):
+    for seed, (name, lengths) in enumerate(SIZES.accuracy_batches.items()):
         cu, longest = _cu(lengths), max(lengths)
         q, k, v, dout = _batch(lengths, heads_q, heads_kv, dim, dtype, seed)
         for causal in (True, False):
@@ -183,23 +255,18 @@ def _no_host_syncs(backend: str) -> dict:
     flash_attn_backend.varlen.padded_lse.cache_clear()
     lengths = [5, 0, 300, 1, 2000, 64]
     cu, longest = _cu(lengths), max(lengths)
-    q, k, v, dout = _batch(lengths, 32, 8, 128, torch.bfloat16, 0)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    q, k, v, dout = _batch(lengths, *SIZES.shape, torch.bfloat16, 0)
+    with _host_syncs_raise():
         out, lse = varlen_forward(q, k, v, cu, cu, longest, longest, causal=True, backend=backend)
         varlen_backward(dout, q, k, v, out, lse, cu, cu, longest, longest, causal=True, backend=backend)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
     return {"ok": True}
 
 
-SPEED_MIXES = {
-    "all_128": lambda: [128] * 1024,
-    "all_2K": lambda: [2048] * 64,
-    "mix_200_to_90K": lambda: _log_uniform_lengths(200, 90_000, 131_072, seed=0),
-    "one_128K": lambda: [131_072],
+SPEED_MIXES = {  # of SIZES.speed_tokens tokens (names for the GPU's 128K)
+    "all_128": lambda tokens: [128] * (tokens // 128),
+    "all_2K": lambda tokens: [2048] * (tokens // 2048) or [tokens],
+    "mix_200_to_90K": lambda tokens: _log_uniform_lengths(200, min(90_000, tokens), tokens, seed=0),
+    "one_128K": lambda tokens: [tokens],
 }
 
 
@@ -211,31 +278,34 @@ def _log_uniform_lengths(low: int, high: int, total: int, seed: int) -> list[int
     return lengths
 
 
-def _time_ms(fn: Callable[[], object], budget_ms: float = 1500.0) -> float:
-    """Median time of fn in milliseconds, with as many repeats as fit the budget (at least 3)."""
-    fn()
-    torch.cuda.synchronize()
+def _elapsed_ms(fn: Callable[[], object]) -> float:
+    """One call of fn in milliseconds: CUDA events on the GPU, the host clock on the CPU (`--dry-run`)."""
+    if DEVICE.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
     end.record()
     torch.cuda.synchronize()
-    repeats = max(3, min(20, int(budget_ms / max(start.elapsed_time(end), 1e-3))))
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return start.elapsed_time(end)
+
+
+def _time_ms(fn: Callable[[], object], budget_ms: float = 1500.0) -> float:
+    """Median time of fn in milliseconds, with as many repeats as fit the budget (at least 3)."""
+    fn()
+    _sync()
+    repeats = max(3, min(20, int(budget_ms / max(_elapsed_ms(fn), 1e-3))))
+    times = sorted(_elapsed_ms(fn) for _ in range(repeats))
+    return times[len(times) // 2]
 
 
 def _speed(backend: str) -> dict:
-    heads_q, heads_kv, dim = 32, 8, 128
+    heads_q, heads_kv, dim = SIZES.shape
     results = {}
     for name, make in SPEED_MIXES.items():
-        lengths = make()
+        lengths = make(SIZES.speed_tokens)
         cu, longest = _cu(lengths), max(lengths)
         q, k, v, dout = _batch(lengths, heads_q, heads_kv, dim, torch.bfloat16, 1)
         out, lse = varlen_forward(q, k, v, cu, cu, longest, longest, causal=True, backend=backend)
@@ -259,6 +329,11 @@ def _flash_backends() -> list[str]:
     return [name for name in available_backends(DEVICE) if name != "torch"]
 
 
+def _backends_under_test() -> list[str]:
+    """The flash backends; on the CPU (`--dry-run`) the torch backend stands in for them."""
+    return _flash_backends() if DEVICE.type == "cuda" else ["torch"]
+
+
 def _bf16_accuracy(backend: str) -> dict:
     return _accuracy(backend, torch.bfloat16, BF16_TOLERANCE)
 
@@ -266,7 +341,7 @@ def _bf16_accuracy(backend: str) -> dict:
 def _backend_checks() -> list[Callable[[], dict]]:
     """accuracy, no_host_syncs and speed for every flash backend usable on this GPU."""
     checks = []
-    for backend in _flash_backends():
+    for backend in _backends_under_test():
         for kind, fn in (("accuracy", _bf16_accuracy), ("no_host_syncs", _no_host_syncs), ("speed", _speed)):
             check = functools.partial(fn, backend)
             check.__name__ = f"{backend}/{kind}"
@@ -282,6 +357,8 @@ def torch_backend_accuracy() -> dict:
 def flash_backends_present() -> dict:
     """At least one flash backend must be usable on this GPU."""
     names = _flash_backends()
+    if DEVICE.type != "cuda":
+        return {"ok": True, "backends": names, "dry_run": "no GPU: the torch backend stands in"}
     return {"ok": bool(names), "backends": names}
 
 
@@ -297,7 +374,7 @@ def sap_simulated() -> dict:
     from megatron_sap.simulate import simulate_plan
 
     errors = {}
-    for outer, total, max_len in ((4, 8192, 4096), (8, 16384, 6000)):
+    for outer, total, max_len in SIZES.simulated_rows:
         cu = _packed_batch(total, seed=outer, max_len=max_len)
         plan = sap.plan_sequences(cu, outer_size=outer, cost_model=sap.CostModel.preset("h200"))
         q, k, v, dout = _batch(torch.tensor(cu).diff().tolist(), 8, 2, 128, torch.bfloat16, seed=outer)
@@ -322,9 +399,9 @@ def sap_no_host_syncs() -> dict:
     import megatron_sap as sap
     from megatron_sap.comm.p2p import local_exchanges
 
-    lengths = [5, 0, 300, 1, 2000, 64, 3000, 2758]
+    lengths = list(SIZES.op_lengths)
     cu = _cu(lengths).cpu()
-    q, k, v, dout = _batch(lengths, 32, 8, 128, torch.bfloat16, 3)
+    q, k, v, dout = _batch(lengths, *SIZES.shape, torch.bfloat16, 3)
     runs = [("P=1", sap.plan_sequences(cu[:-1]), None, None, "auto")]
     plan4 = sap.plan_sequences(cu, outer_size=4)
     rank = max(range(4), key=lambda r: plan4.program(r, schedule="pipelined").recv_tokens)
@@ -342,13 +419,8 @@ def sap_no_host_syncs() -> dict:
                 sap.sap_attention(ql, kl, vl, plan, group, check_agreement=False, schedule=schedule).backward(grad)
 
             step()  # compiles and caches the program on this device
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
+            with _host_syncs_raise():
                 step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
         checked.append(name)
     return {"ok": True, "runs": checked}
 
@@ -361,11 +433,11 @@ def method_kernel_times() -> dict:
     from megatron_sap.bench.packing import pack
     from megatron_sap.planning import CostModel
 
-    heads_q, heads_kv, dim, world = 32, 8, 128, 8
+    (heads_q, heads_kv, dim), world = SIZES.shape, 8
     model = CostModel.preset("h200")
     results: dict = {"shape": {"heads_q": heads_q, "heads_kv": heads_kv, "head_dim": dim, "world": world}}
     samples = []
-    for corpus, total in (("stdlib", 32768), ("sharegpt", 131072)):
+    for corpus, total in SIZES.method_rows:
         cu = pack(document_lengths(corpus), total, 1, seed=0)[0]
         for method in ("sap", "p2p", "all_gather", "a2a"):
             fwd, bwd = [], []
@@ -381,7 +453,7 @@ def method_kernel_times() -> dict:
             }
     calibration = fit_calibration(samples, model)
     calibration["source"] = (
-        f"scripts/gpu_check.py method_kernel_times: {torch.cuda.get_device_name(DEVICE)}, torch {torch.__version__}, "
+        f"scripts/gpu_check.py method_kernel_times: {_device_name()}, torch {torch.__version__}, "
         f"backend {resolve_backend('auto', DEVICE, torch.bfloat16, dim)}, bf16, Hq={heads_q} Hkv={heads_kv} D={dim}, "
         f"{datetime.date.today().isoformat()}"
     )
@@ -403,11 +475,11 @@ def sap_executor_vs_kernels() -> dict:
     from megatron_sap.planning import CostModel, plan_sequences
     from megatron_sap.simulate import simulate_plan
 
-    heads_q, heads_kv, dim, world = 32, 8, 128, 8
+    (heads_q, heads_kv, dim), world = SIZES.shape, 8
     model = CostModel.preset("h200")
     results: dict = {"shape": {"heads_q": heads_q, "heads_kv": heads_kv, "head_dim": dim, "world": world}}
     totals = {"pipelined": 0.0, "gathered": 0.0}
-    for corpus, total in (("stdlib", 32768), ("sharegpt", 131072)):
+    for corpus, total in SIZES.method_rows:
         cu = pack(document_lengths(corpus), total, 1, seed=0)[0]
         plan = plan_sequences(cu, outer_size=world, cost_model=model)
         q, k, v, dout = _batch(torch.tensor(cu).diff().tolist(), heads_q, heads_kv, dim, torch.bfloat16, seed=1)
@@ -453,8 +525,7 @@ def _device_time_by_op(fn: Callable[[], object], top: int = 12) -> dict:
         activity = ProfilerActivity.CUDA if DEVICE.type == "cuda" else ProfilerActivity.CPU
         with profile(activities=[activity]) as prof:
             fn()
-            if DEVICE.type == "cuda":
-                torch.cuda.synchronize()
+            _sync()
         attr = "self_device_time_total" if DEVICE.type == "cuda" else "self_cpu_time_total"
         events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
         total = sum(getattr(e, attr) for e in events)
@@ -473,9 +544,9 @@ def method_executor_times() -> dict:
     from megatron_sap.bench.rank_memory import rank_seconds
     from megatron_sap.planning import CostModel
 
-    heads_q, heads_kv, dim, world = 32, 8, 128, 8
+    (heads_q, heads_kv, dim), world = SIZES.shape, 8
     results: dict = {"shape": {"heads_q": heads_q, "heads_kv": heads_kv, "head_dim": dim, "world": world}}
-    for corpus, total in (("stdlib", 32768), ("sharegpt", 131072)):
+    for corpus, total in SIZES.method_rows:
         cu = pack(document_lengths(corpus), total, 1, seed=0)[0]
         for method in ("sap", "p2p"):
             kwargs = {"cost_model": CostModel.preset("h200")} if method == "sap" else {}
@@ -499,9 +570,9 @@ def rank_memory() -> dict:
     from megatron_sap.bench.rank_memory import ring_rank_memory, sap_rank_memory
     from megatron_sap.planning import CostModel
 
-    heads_q, heads_kv, dim, world = 32, 8, 128, 8
+    (heads_q, heads_kv, dim), world = SIZES.shape, 8
     results = {}
-    for corpus, total in (("stdlib", 32768), ("sharegpt", 131072)):
+    for corpus, total in SIZES.method_rows:
         cu = pack(document_lengths(corpus), total, 1, seed=0)[0]
         for name, measure in (("sap", sap_rank_memory), ("p2p", ring_rank_memory)):
             kwargs = {"cost_model": CostModel.preset("h200")} if name == "sap" else {}
@@ -544,12 +615,12 @@ def batch_split_no_host_syncs() -> dict:
 
     args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True)
     get_batch = wrap_get_batch_on_this_tp_rank(
-        lambda data_iterator: {k: v.cuda(non_blocking=True) for k, v in next(data_iterator).items()}, get_args=lambda: args)
+        lambda data_iterator: {k: v.to(DEVICE, non_blocking=True) for k, v in next(data_iterator).items()}, get_args=lambda: args)
     split = wrap_get_thd_batch_on_this_cp_rank(lambda *a, **k: None, get_args=lambda: args)
 
     def row(seed: int) -> tuple[list[int], dict]:
-        """cu_seqlens and one packed [S] sample of 32K tokens, as a GPT dataset gives it."""
-        lengths = _packed_batch(32768, seed, 4096)
+        """cu_seqlens and one packed [S] sample (32K tokens on the GPU), as a GPT dataset gives it."""
+        lengths = _packed_batch(SIZES.split_tokens, seed, SIZES.split_tokens // 8)
         positions = torch.cat([torch.arange(b - a) for a, b in zip(lengths, lengths[1:])])
         tokens = torch.randint(0, 32000, (lengths[-1] + 1,))
         return lengths, {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": torch.ones(lengths[-1]),
@@ -557,16 +628,13 @@ def batch_split_no_host_syncs() -> dict:
 
     def step(sample: dict, checked: bool) -> tuple[dict, Any]:
         """The sample collated and pinned as the data loader gives it, then the hooked batch and split."""
-        batch = {k: v.pin_memory() for k, v in torch.utils.data.default_collate([sample]).items()}
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error" if checked else "default")
-        try:
+        batch = torch.utils.data.default_collate([sample])
+        if DEVICE.type == "cuda":
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        with _host_syncs_raise() if checked else contextlib.nullcontext():
             batch = get_batch(iter([batch]))
             cu, max_seqlen = batch.pop("cu_seqlens"), batch.pop("max_seqlen")
             return split(batch, cu, None, max_seqlen)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            torch.cuda.synchronize()
 
     results, ok = {}, True
     lengths, sample = row(11)
@@ -584,12 +652,8 @@ def batch_split_no_host_syncs() -> dict:
     results["planned_by_the_loader"] = {"documents": len(lengths) - 1, "plan_taken_from_the_loader": taken}
     # A middle pipeline stage: the packed parameters of documents the first stage sent (host values).
     lengths, _ = row(13)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        params = sap_packed_seq_params(lengths, torch.device("cuda"))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    with _host_syncs_raise():
+        params = sap_packed_seq_params(lengths, DEVICE)
     ok &= params.cu_seqlens_q.tolist() == lengths
     results["middle_pipeline_stage"] = {"documents": len(lengths) - 1}
     return {"ok": bool(ok), **results}
@@ -599,7 +663,7 @@ def host_planning_time() -> dict:
     """Planning time on this machine's CPU, one thread (`megatron_sap.bench.planning_time`)."""
     from megatron_sap.bench import planning_time
 
-    rows = planning_time.measure(device=str(DEVICE))
+    rows = planning_time.measure(num_batches=SIZES.planning_rows, device=str(DEVICE))
     return {"ok": True, "cpu": planning_time.cpu_name(), "program_device": str(DEVICE),
             "rows": planning_time.as_records(rows)}
 
@@ -623,14 +687,22 @@ CHECKS: list[Callable[[], dict]] = [
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("--out", type=Path, default=Path("docs/gpu_results.json"), help="where to write the JSON report")
+    parser.add_argument("--out", type=Path, help="where to write the JSON report (default: docs/gpu_results.json)")
     parser.add_argument("--mirror", type=Path, help="a folder that also gets the report and calibration after every check")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every check on the CPU at small sizes, the torch backend standing in for the flash ones "
+                             "and no host-sync checks: tests this script where there is no GPU (needs --out; no GPU result)")
     args = parser.parse_args()
-    global CALIBRATION_OUT
-    CALIBRATION_OUT = args.out.with_name("calibration.json")
-    if not torch.cuda.is_available():
+    global CALIBRATION_OUT, DEVICE, SIZES
+    if args.dry_run:
+        if args.out is None:
+            parser.error("--dry-run needs --out: its report is no GPU result, so it does not go to docs/")
+        DEVICE, SIZES = torch.device("cpu"), DRY_RUN_SIZES
+    elif not torch.cuda.is_available():
         print("gpu_check: CUDA is not available to this Python (a CPU build of torch?); no report written.")
         return 2
+    args.out = args.out or Path("docs/gpu_results.json")
+    CALIBRATION_OUT = args.out.with_name("calibration.json")
     CALIBRATION_OUT.unlink(missing_ok=True)  # what this run leaves is its own (the report is rewritten below)
 
     try:
@@ -641,7 +713,7 @@ def main() -> int:
         flash_attn_version = None
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(DEVICE),
+        "device": _device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "flash_attn": flash_attn_version,
@@ -654,7 +726,7 @@ def main() -> int:
         started = time.perf_counter()
         try:
             result = check()
-            torch.cuda.synchronize()
+            _sync()
         except Exception as error:  # record and go on with the other checks
             result = {"ok": False, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
         result["seconds"] = round(time.perf_counter() - started, 1)

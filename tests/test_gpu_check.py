@@ -1,0 +1,61 @@
+"""scripts/gpu_check.py, the GPU machine's one script, run here in its CPU dry run: every
+check's own code (batches, plans, timing, calibration, the Megatron batch split, the
+report) runs at small sizes, so that a GPU session does not find its bugs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_sap.planning import CostModel
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("gpu_check") / "report.json"
+    result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)],
+                            capture_output=True, text=True, timeout=900)
+    return result, out
+
+
+def _expected_checks() -> list[str]:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    names = [check.__name__ for check in gpu_check.CHECKS]
+    return names[:1] + [f"torch/{kind}" for kind in ("accuracy", "no_host_syncs", "speed")] + names[1:]
+
+
+def test_every_check_runs_and_passes(dry_run):
+    result, out = dry_run
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert list(report["checks"]) == _expected_checks()
+    failed = {name: check.get("error") for name, check in report["checks"].items() if not check["ok"]}
+    assert report["ok"] and not failed, failed
+    assert "dry run" in report["device"]
+    # megatron-core is installed here: the batch split ran, and took the loader's plan.
+    split = report["checks"]["batch_split_no_host_syncs"]
+    assert "skipped" not in split and split["planned_by_the_loader"]["plan_taken_from_the_loader"]
+    accuracy = report["checks"]["torch/accuracy"]
+    assert accuracy["max_error"] <= accuracy["tolerance"]
+
+
+def test_the_calibration_it_writes_is_read_by_the_cost_model(dry_run):
+    _, out = dry_run
+    calibration = json.loads((out.parent / "calibration.json").read_text())
+    assert "pipelined_kernel_factor" in calibration["cost_model"]  # added by sap_executor_vs_kernels
+    model = CostModel.from_calibration(out.parent / "calibration.json")
+    assert model.attention_tflops == pytest.approx(calibration["cost_model"]["attention_tflops"])
+
+
+def test_a_dry_run_needs_an_out_path():
+    result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--dry-run needs --out" in result.stderr
