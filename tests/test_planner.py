@@ -710,6 +710,54 @@ def test_balanced_and_dealt_orders_list_every_document_once(lengths, ranks):
     assert sorted(dealt_order(docs, ranks)) == sorted(docs)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0, 1, 5, 127, 128, 129, 300]), st.integers(0, 3)), min_size=1, max_size=60))
+def test_heaviest_first_is_by_cost_then_length_then_packed_order(documents):
+    """Among equal costs (documents within a tile row of each other) the longest first, then
+    packed order; empty documents left out. Costs drawn apart from the lengths, so that
+    each key's rank is seen."""
+    lengths, costs = [n for n, _ in documents], [c for _, c in documents]
+    want = sorted((d for d, n in enumerate(lengths) if n), key=lambda d: (-costs[d], -lengths[d], d))
+    assert heaviest_first(lengths, costs) == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 700), min_size=1, max_size=40), st.integers(1, 8), st.randoms(use_true_random=False))
+def test_contiguous_layout_cuts_the_laid_out_row_into_equal_slices(lengths, ranks, rng):
+    """Rank r holds positions [r*C, (r+1)*C) of the row of the documents laid end to end in
+    the given order: checked token by token against that row."""
+    total = sum(lengths)
+    lengths[-1] += ranks if total == 0 else -total % ranks  # T a positive multiple of the ranks
+    starts = np.cumsum([0, *lengths])[:-1].tolist()
+    order = [d for d, n in enumerate(lengths) if n]
+    rng.shuffle(order)
+    capacity = sum(lengths) // ranks
+    row = [(d, starts[d] + i) for d in order for i in range(lengths[d])]  # (document, packed position)
+    placement = contiguous(starts, lengths, ranks, capacity, 128, order=order)
+    for r, pieces in enumerate(placement.ranks):
+        held = sorted((p.doc, position) for p in pieces for position in range(p.start, p.end))
+        assert held == sorted(row[r * capacity:(r + 1) * capacity])
+
+
+def test_planning_leaves_the_garbage_collector_as_it_found_it():
+    """A fresh plan pauses Python's cyclic garbage collector (`_gc_paused`) and turns it back
+    on after, also when planning fails; one that was off (as under --manual-gc) stays off."""
+    import gc
+
+    assert gc.isenabled()
+    sap.plan_sequences([0, 300, 1000, 1024], outer_size=4, cache=None)
+    assert gc.isenabled()
+    with pytest.raises(ValueError, match="divisible"):
+        sap.plan_sequences([0, 300, 1000, 1023], outer_size=4, cache=None)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        sap.plan_sequences([0, 300, 1000, 1024], outer_size=4, cache=None)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_dealt_order_deals_the_heaviest_back_and_forth():
     lengths = [100, 900, 500, 700, 300, 800]  # by cost: 1 (900), 5, 3, 2, 4, 0
     costs = [tile_pairs(128, 0, n) for n in lengths]

@@ -21,6 +21,8 @@ from bisect import bisect_left
 from operator import add
 from typing import NamedTuple, Sequence
 
+import numpy as np
+
 from .cost_model import CostModel
 from .cuts import Cut, split_cut, split_need, token_split_cut, whole_pairs
 from .placement import Build, Placement, Record, build_all
@@ -31,7 +33,10 @@ def heaviest_first(lengths: Sequence[int], costs: Sequence[int]) -> list[int]:
     """The non-empty documents by decreasing cost; among equal costs (documents within one
     tile row of each other cost the same) the longest first, so that the short ones fill
     the room left; then in packed order."""
-    return sorted((d for d in range(len(lengths)) if lengths[d] > 0), key=lambda d: (-costs[d], -lengths[d], d))
+    n, c = np.asarray(lengths, dtype=np.int64), np.asarray(costs, dtype=np.int64)
+    docs = np.flatnonzero(n > 0)
+    # lexsort: the last key is the primary one; it is stable, so equal keys stay in packed order.
+    return docs[np.lexsort((-n[docs], -c[docs]))].tolist()
 
 
 def greedy(

@@ -14,7 +14,7 @@ import heapq
 from collections import Counter
 from dataclasses import replace
 from itertools import accumulate
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -23,22 +23,9 @@ from .placement import Build, Placement, Record, finish_placement
 from .tally import Tally
 
 
-def _contiguous_chunks(doc_starts: list[int], lengths: list[int], capacity: int,
-                       order: Sequence[int] | None = None) -> Iterator[tuple[int, int, int, list[int]]]:
-    """(document, start, first rank, chunks) of each non-empty document when the documents,
-    in `order` (default: the packed row's), are laid end to end and rank r holds positions
-    [r*capacity, (r+1)*capacity) of that row: chunk i on rank first + i."""
-    position = 0
-    for d in range(len(lengths)) if order is None else order:
-        n = lengths[d]
-        if n:
-            yield d, doc_starts[d], *_slice_chunks(position, n, capacity)
-            position += n
-
-
 def _slice_chunks(start: int, length: int, capacity: int) -> tuple[int, list[int]]:
-    """The first rank of a non-empty document under the contiguous layout (see
-    `_contiguous_chunks`), and its chunks."""
+    """The first rank of a non-empty document that starts at `start` of a row cut into
+    slices of `capacity` (the contiguous layout), and its chunks, one per slice it crosses."""
     first, last = start // capacity, (start + length - 1) // capacity
     if first == last:
         return first, [length]
@@ -48,13 +35,21 @@ def _slice_chunks(start: int, length: int, capacity: int) -> tuple[int, list[int
 
 def contiguous(doc_starts: list[int], lengths: list[int], num_ranks: int, capacity: int, tile: int,
                order: Sequence[int] | None = None, name: str = "contiguous") -> Placement:
-    """Rank r holds the packed positions [r*capacity, (r+1)*capacity), of the documents laid
-    end to end in `order` (default: as packed; see `balanced_order`)."""
-    records = [
-        Record(d, s, (first,), split_cut(chunks[0], 1, "contiguous", tile)) if len(chunks) == 1
-        else Record(d, s, tuple(range(first, first + len(chunks))), Cut(chunks, False, tile))
-        for d, s, first, chunks in _contiguous_chunks(doc_starts, lengths, capacity, order)
-    ]
+    """Rank r holds the positions [r*capacity, (r+1)*capacity) of the row of the documents
+    laid end to end in `order` (default: as packed; see `balanced_order`)."""
+    sizes = np.asarray(lengths, dtype=np.int64)
+    laid = np.arange(len(sizes)) if order is None else np.asarray(order, dtype=np.int64)
+    laid = laid[sizes[laid] > 0]
+    ends = np.cumsum(sizes[laid])
+    positions = ends - sizes[laid]
+    records = []
+    for d, position, first, last in zip(laid.tolist(), positions.tolist(), (positions // capacity).tolist(),
+                                        ((ends - 1) // capacity).tolist()):
+        if first == last:  # inside one rank's slice (most documents)
+            records.append(Record(d, doc_starts[d], (first,), split_cut(lengths[d], 1, "contiguous", tile)))
+        else:
+            chunks = _slice_chunks(position, lengths[d], capacity)[1]
+            records.append(Record(d, doc_starts[d], tuple(range(first, last + 1)), Cut(chunks, False, tile)))
     return finish_placement(capacity, num_ranks, records, name)
 
 
