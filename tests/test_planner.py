@@ -740,12 +740,15 @@ def test_contiguous_layout_cuts_the_laid_out_row_into_equal_slices(lengths, rank
 
 
 def test_planning_leaves_the_garbage_collector_as_it_found_it():
-    """A fresh plan pauses Python's cyclic garbage collector (`_gc_paused`) and turns it back
-    on after, also when planning fails; one that was off (as under --manual-gc) stays off."""
+    """A fresh plan and a program's compilation pause Python's cyclic garbage collector
+    (`_gc_paused`) and turn it back on after, also when planning fails; one that was off (as
+    under --manual-gc) stays off."""
     import gc
 
     assert gc.isenabled()
-    sap.plan_sequences([0, 300, 1000, 1024], outer_size=4, cache=None)
+    plan = sap.plan_sequences([0, 300, 1000, 1024], outer_size=4, cache=None)
+    assert gc.isenabled()
+    plan.program(1)  # compiling a program pauses it too
     assert gc.isenabled()
     with pytest.raises(ValueError, match="divisible"):
         sap.plan_sequences([0, 300, 1000, 1023], outer_size=4, cache=None)

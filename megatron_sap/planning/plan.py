@@ -185,8 +185,9 @@ class Plan:
         if key not in self._programs:
             cpu_key = (outer_rank, "cpu", schedule)
             if cpu_key not in self._programs:
-                self._programs[cpu_key] = compile_program(self.placement, outer_rank, self._get_layout(), schedule,
-                                                          self.exchange_order())
+                with _gc_paused():
+                    self._programs[cpu_key] = compile_program(self.placement, outer_rank, self._get_layout(), schedule,
+                                                              self.exchange_order())
             if key != cpu_key:
                 self._programs[key] = self._programs[cpu_key].to(device)
         return self._programs[key]
@@ -496,12 +497,12 @@ def plan_sequences(
 
 @contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused (where it runs): planning makes many
-    short-lived objects (cuts, records, lists per step), which reference counting frees,
-    and each collection their allocations trigger scans the young objects, and at times all
-    the process holds (a full collection in a process with torch: 50-170 ms), to find
-    nothing. Paused, the count of live allocations falls back as they are freed, and most
-    of those collections never happen."""
+    """Python's cyclic garbage collector paused (where it runs): planning and compiling a
+    program make many short-lived objects (cuts, records, lists per step, per-piece rows),
+    which reference counting frees, and each collection their allocations trigger scans the
+    young objects, and at times all the process holds (a full collection in a process with
+    torch: 50-170 ms), to find nothing. Paused, the count of live allocations falls back as
+    they are freed, and most of those collections never happen."""
     if not gc.isenabled():  # e.g. Megatron-LM's --manual-gc
         yield
         return
