@@ -4,6 +4,7 @@ report) runs at small sizes, so that a GPU session does not find its bugs."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +19,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("gpu_check") / "report.json"
+    # Two threads: the suite runs one test at a time, and the torch ops here are most of it.
     result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)],
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
     return result, out
 
 
