@@ -23,6 +23,19 @@ from .placement import Build, Placement, Record, finish_placement
 from .tally import Tally
 
 
+def _laid_out(lengths: Sequence[int], capacity: int,
+              order: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The row of the non-empty documents laid end to end in `order` (default: as packed),
+    cut into slices of `capacity`: the documents in that order, where each starts in the
+    row, and the first and last slice it touches (int64 arrays)."""
+    sizes = np.asarray(lengths, dtype=np.int64)
+    laid = np.arange(len(sizes)) if order is None else np.asarray(order, dtype=np.int64)
+    laid = laid[sizes[laid] > 0]
+    ends = np.cumsum(sizes[laid])
+    positions = ends - sizes[laid]
+    return laid, positions, positions // capacity, (ends - 1) // capacity
+
+
 def _slice_chunks(start: int, length: int, capacity: int) -> tuple[int, list[int]]:
     """The first rank of a non-empty document that starts at `start` of a row cut into
     slices of `capacity` (the contiguous layout), and its chunks, one per slice it crosses."""
@@ -37,14 +50,8 @@ def contiguous(doc_starts: list[int], lengths: list[int], num_ranks: int, capaci
                order: Sequence[int] | None = None, name: str = "contiguous") -> Placement:
     """Rank r holds the positions [r*capacity, (r+1)*capacity) of the row of the documents
     laid end to end in `order` (default: as packed; see `balanced_order`)."""
-    sizes = np.asarray(lengths, dtype=np.int64)
-    laid = np.arange(len(sizes)) if order is None else np.asarray(order, dtype=np.int64)
-    laid = laid[sizes[laid] > 0]
-    ends = np.cumsum(sizes[laid])
-    positions = ends - sizes[laid]
     records = []
-    for d, position, first, last in zip(laid.tolist(), positions.tolist(), (positions // capacity).tolist(),
-                                        ((ends - 1) // capacity).tolist()):
+    for d, position, first, last in zip(*(a.tolist() for a in _laid_out(lengths, capacity, order))):
         if first == last:  # inside one rank's slice (most documents)
             records.append(Record(d, doc_starts[d], (first,), split_cut(lengths[d], 1, "contiguous", tile)))
         else:
@@ -230,19 +237,13 @@ class ContiguousBuild(Build):
         self.starts, self.lengths, self.capacity, self.order = doc_starts, lengths, capacity, order
         tile, R = tally.model.tile, len(tally.tiles)
         # Documents inside one rank's slice in one array operation, the few that cross a
-        # slice boundary chunk by chunk; `starts`: where each lies in the row laid out.
-        sizes = np.asarray(lengths, dtype=np.int64)
-        if order is None:
-            starts = np.asarray(doc_starts, dtype=np.int64)
-        else:
-            starts, laid = np.zeros(len(sizes), dtype=np.int64), np.asarray(order, dtype=np.int64)
-            starts[laid] = np.cumsum(sizes[laid]) - sizes[laid]
-        first, last = starts // capacity, (starts + sizes - 1) // capacity
-        inside = (sizes > 0) & (first == last)
+        # slice boundary chunk by chunk.
+        laid, positions, first, last = _laid_out(lengths, capacity, order)
+        inside = first == last
         tiles = np.zeros(R, dtype=np.int64)
-        np.add.at(tiles, first[inside], np.asarray(costs, dtype=np.int64)[inside])  # whole documents
-        for d in np.flatnonzero((sizes > 0) & ~inside).tolist():
-            rank, chunks = _slice_chunks(int(starts[d]), lengths[d], capacity)
+        np.add.at(tiles, first[inside], np.asarray(costs, dtype=np.int64)[laid[inside]])  # whole documents
+        for d, position in zip(laid[~inside].tolist(), positions[~inside].tolist()):
+            rank, chunks = _slice_chunks(position, lengths[d], capacity)
             for r, offset, size in zip(range(rank, rank + len(chunks)), accumulate(chunks, initial=0), chunks):
                 tiles[r] += tile_pairs(tile, offset, size)
         self._compute_s = int(tiles.max(initial=0)) * tally.pair_s * (1.0 + tally.backward_factor)
