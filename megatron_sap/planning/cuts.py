@@ -143,12 +143,12 @@ class Cut:
     @_memo
     def local_costs(self) -> tuple[int, ...]:
         """Per slot, the tile pairs whose keys it holds: each chunk's diagonal, and the
-        tail's block over the head (its only earlier local key)."""
+        tail's block over the head (its only earlier local key). Together they are the
+        causal triangle of the slot's head and tail tiles side by side: with s tiles in
+        all, s (s + 1) / 2 tile pairs."""
         t = self.tile
-        return tuple(
-            t * t * (nh * (nh + 1) // 2 + nt * (nt + 1) // 2 + nt * nh)
-            for nh, nt in ((-(-h // t), -(-tl // t)) for h, tl in zip(self.heads, self.tails))
-        )
+        tiles = map(add, [-(-h // t) for h in self.heads], [-(-tl // t) for tl in self.tails])
+        return tuple([t * t * (s * (s + 1) // 2) for s in tiles])
 
     @_memo
     def recv_tokens(self) -> tuple[int, ...]:
