@@ -851,6 +851,28 @@ def test_pruning_skips_most_candidates_on_one_node():
     assert sum(pruned_count(seed, 8, 1) for seed in range(3)) >= 3
 
 
+@pytest.mark.parametrize("outer, inner", [(8, 1), (4, 2)])
+def test_candidate_bytes_script_sees_the_choice(outer, inner):
+    """scripts/candidate_bytes.py builds every candidate: within TIME_TOLERANCE of the fastest,
+    the fewest-moving one moves what the plan moves; wider bands move no more, and the
+    fewest-moving candidate overall is no faster than the fastest."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "candidate_bytes.py"
+    spec = importlib.util.spec_from_file_location("candidate_bytes", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model = CostModel.preset("h100")
+    for seed in range(3):
+        cu = realistic_cu_seqlens(16384, seed)
+        shares = script.candidate_shares(cu, outer, inner, model, [TIME_TOLERANCE, 0.03, 0.10])
+        bands = shares["bands"]
+        assert bands[TIME_TOLERANCE] == shares["chosen"]
+        assert shares["least"] <= bands[0.10] <= bands[0.03] <= bands[TIME_TOLERANCE] <= 1.0
+        assert shares["least_time"] >= 1.0
+
+
 def test_signature_tells_apart_plans_that_place_pieces_differently():
     """Ranks with different cost models can choose the same strategy with other pieces; the
     agreement check hashes the signature, so it must see the pieces (and the cost model,
