@@ -3,7 +3,7 @@
 
 The planner takes the fastest candidate and, among those within TIME_TOLERANCE (1%) of
 it, the one that moves the fewest K/V tokens. This script builds every candidate to the
-end on the rows `make bench` models (packed with its seed, 4 rows per corpus and T) and
+end on the rows `make bench` models (its packed rows of each corpus and T) and
 prints, per row, the forward K/V tokens moved as a share of the `(P - 1) T` the ring sends
 (its padding aside): by the chosen plan; by the candidate that moves the fewest, with its
 modelled time over the fastest candidate's; and by the one that moves the fewest within
@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_sap.bench.__main__ import BENCH_BATCHES, BENCH_SEED, BENCH_T  # noqa: E402
 from megatron_sap.bench.data import CORPORA, document_lengths  # noqa: E402
 from megatron_sap.bench.packing import pack  # noqa: E402
 from megatron_sap.planning import CostModel, plan_sequences  # noqa: E402
@@ -27,8 +28,6 @@ from megatron_sap.planning.candidates import candidates  # noqa: E402
 from megatron_sap.planning.evaluate import evaluate  # noqa: E402
 from megatron_sap.planning.placement import build_all  # noqa: E402
 from megatron_sap.planning.plan import DEFAULT_SLACKS  # noqa: E402
-
-BENCH_SEED = 1  # `make bench` packs its modelled rows with this seed
 
 
 def candidate_shares(cu: list[int], outer: int, inner: int, model: CostModel, bands: list[float]) -> dict:
@@ -57,8 +56,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inner", type=int, default=1, help="inner (Ulysses) size U")
     parser.add_argument("--outer", type=int, default=8, help="outer size R")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[32 * 1024, 128 * 1024])
-    parser.add_argument("--rows", type=int, default=4, help="packed rows per corpus and T")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(BENCH_T))
+    parser.add_argument("--rows", type=int, default=BENCH_BATCHES, help="packed rows per corpus and T")
     parser.add_argument("--preset", default="h100")
     parser.add_argument("--bands", type=float, nargs="+", default=[0.01, 0.03, 0.05, 0.10],
                         help="bands over the fastest modelled time")

@@ -1,8 +1,10 @@
 """Shared pytest fixtures: `dist_pool`, the module's pool of gloo workers of a given size (see dist_pool.py)."""
 from __future__ import annotations
 
+import importlib.util
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import ModuleType
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,17 @@ def dist_pool(request: pytest.FixtureRequest, _module_dist_pools: dict[int, Work
     if world_size not in _module_dist_pools:
         _module_dist_pools[world_size] = WorkerPool(world_size)
     return _module_dist_pools[world_size]
+
+
+@pytest.fixture
+def load_script() -> Callable[[str], ModuleType]:
+    """Imports `scripts/<name>.py` (the scripts are not a package) as a module."""
+
+    def load(name: str) -> ModuleType:
+        path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -852,17 +852,11 @@ def test_pruning_skips_most_candidates_on_one_node():
 
 
 @pytest.mark.parametrize("outer, inner", [(8, 1), (4, 2)])
-def test_candidate_bytes_script_sees_the_choice(outer, inner):
+def test_candidate_bytes_script_sees_the_choice(outer, inner, load_script):
     """scripts/candidate_bytes.py builds every candidate: within TIME_TOLERANCE of the fastest,
     the fewest-moving one moves what the plan moves; wider bands move no more, and the
     fewest-moving candidate overall is no faster than the fastest."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "candidate_bytes.py"
-    spec = importlib.util.spec_from_file_location("candidate_bytes", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("candidate_bytes")
     model = CostModel.preset("h100")
     for seed in range(3):
         cu = realistic_cu_seqlens(16384, seed)

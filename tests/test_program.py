@@ -253,15 +253,9 @@ def test_a_moved_program_holds_the_tensors_its_calls_would_make(batch, schedule)
                 assert offsets.dtype == torch.int32 and offsets.data_ptr() % 16 == 0
 
 
-def test_q_moving_bound_counts_the_programs_transfers():
+def test_q_moving_bound_counts_the_programs_transfers(load_script):
     """scripts/q_moving_bound.py weighs one K/V message per (source, destination) pair of the plan."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "q_moving_bound.py"
-    spec = importlib.util.spec_from_file_location("q_moving_bound", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("q_moving_bound")
     model = CostModel.preset("h100")
     cu = [0, 5000, 5100, 9000, 9001, 12000, 16384]
     result = script.busiest_rank_bytes(cu, 2, 4, model, query_factor=5)
