@@ -1,11 +1,12 @@
-"""Shared pytest fixtures: `dist_pool`, the module's pool of gloo workers of a given size (see dist_pool.py)."""
+"""Shared pytest fixtures: `dist_pool`, the module's pool of gloo workers of a given size (see dist_pool.py), and
+`load_script`, which imports one of the project's scripts/ as a module."""
 from __future__ import annotations
 
 import importlib.util
 import sys
 from collections.abc import Callable, Iterator
-from types import ModuleType
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
