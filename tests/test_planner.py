@@ -19,7 +19,7 @@ from megatron_sap.plan import main as plan_cli
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
 from megatron_sap.planning.evaluate import evaluate, rank_work, ulysses_cost, whole_documents_s
 from megatron_sap.planning.candidates import FILL_MIN_RANKS, candidates
-from megatron_sap.planning.cuts import Cut, _chunks, split_cut, split_need, tile_pairs, whole_pairs
+from megatron_sap.planning.cuts import Cut, _chunks, ring_cut, split_cut, split_need, tile_pairs, whole_pairs
 from megatron_sap.planning.greedy import greedy, heaviest_first
 from megatron_sap.planning.layouts import BALANCED, DEALT, balanced_order, contiguous, dealt_order, whole_packing
 from megatron_sap.planning.placement import build_all
@@ -288,6 +288,31 @@ def test_tally_transfers_are_the_cuts_sends(layout, documents):
     np.testing.assert_allclose(tally.recv_s, seconds.sum(0), rtol=1e-9, atol=1e-15)
     assert tally.messages == (traffic > 0).sum(0).tolist()
     assert tally.tokens == traffic.sum()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([(16, 1), (8, 8), (4, 2)]),
+       st.lists(st.tuples(st.integers(1, 300), st.integers(1, 16), st.booleans(), st.randoms()), min_size=1, max_size=8))
+def test_tally_skips_only_empty_slots(layout, documents):
+    """Documents of fewer tokens than chunks leave slots empty (`Cut.occupied`), which the
+    tally passes over: its tiles, local tiles and floor are those of adding every slot and
+    raising the floor over every rank."""
+    R, inner = layout
+    model = CostModel.preset("h100")
+    tally, tiles, local = Tally(R, inner, model), [0] * R, [0] * R
+    for n, k, paired, rng in documents:
+        k = min(k, R)
+        cut = ring_cut(n, k, 128) if paired else split_cut(n, k, "contiguous", 128)
+        ranks = rng.sample(range(R), k)
+        assert cut.occupied == (None if all(cut.sizes) else tuple(i for i, size in enumerate(cut.sizes) if size))
+        tally.add(ranks, cut)
+        for r, c, lc in zip(ranks, cut.costs, cut.local_costs):
+            tiles[r] += c
+            local[r] += lc
+        floor = tally.floor_s
+        tally._raise_floor(range(R))
+        assert tally.floor_s == floor
+    assert (tally.tiles, tally.local) == (tiles, local)
 
 
 @pytest.mark.parametrize("split", ["zigzag", "contiguous"])

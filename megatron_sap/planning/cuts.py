@@ -141,6 +141,14 @@ class Cut:
         return None
 
     @_memo
+    def occupied(self) -> tuple[int, ...] | None:
+        """The slots that hold tokens, where some do not (a document of fewer tokens than
+        chunks), else None. An empty slot computes, sends and receives nothing."""
+        if all(self.sizes):
+            return None
+        return tuple([i for i, size in enumerate(self.sizes) if size])
+
+    @_memo
     def local_costs(self) -> tuple[int, ...]:
         """Per slot, the tile pairs whose keys it holds: each chunk's diagonal, and the
         tail's block over the head (its only earlier local key). Together they are the

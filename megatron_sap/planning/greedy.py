@@ -328,14 +328,21 @@ class GreedyBuild(Build):
         g, load, room = self.greedy, self.tally.tiles, self.room
         d = g.order[self.position]
         n = g.lengths[d]
-        by_load = sorted(range(g.R), key=load.__getitem__)
-        # The least-loaded rank with room for the whole document.
-        whole = next((r for r in by_load if room[r] >= n), None) if n <= g.capacity else None
+        # The least-loaded rank with room for the whole document (ties: the lowest rank),
+        # most often simply the least-loaded rank.
+        by_load, whole = None, None
+        if n <= g.capacity:
+            whole = load.index(min(load))
+            if room[whole] < n:
+                by_load = sorted(range(g.R), key=load.__getitem__)
+                whole = next((r for r in by_load if room[r] >= n), None)
         if whole is not None and load[whole] + g.cost[d] <= (1.0 + self.tightest) * g.share:
             # Kept whole by the tightest pass, so by all: a larger slack only raises the
             # limit, and the split and spread modes change only how a document is split.
             self._place(d, ((whole,), split_cut(n, 1, "contiguous", g.tile)))
             return [self]
+        if by_load is None:
+            by_load = sorted(range(g.R), key=load.__getitem__)
         doc = _DocChoices(g, d, load, room, by_load, whole, len(self.members) > 1, self.spill)
         if len(self.members) == 1:
             m = self.members[0]

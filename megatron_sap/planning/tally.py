@@ -74,12 +74,21 @@ class Tally:
     def add(self, ranks: Sequence[int], cut: Cut) -> None:
         """Slot i of `cut` goes to rank `ranks[i]`."""
         tiles, local = self.tiles, self.local
-        for r, c, lc in zip(ranks, cut.costs, cut.local_costs):
-            tiles[r] += c
-            local[r] += lc
-        if len(ranks) > 1:
+        occupied = cut.occupied
+        if occupied is None:
+            for r, c, lc in zip(ranks, cut.costs, cut.local_costs):
+                tiles[r] += c
+                local[r] += lc
+            touched = ranks
+        else:  # only the slots with tokens change anything (a short document over many ranks)
+            costs, local_costs = cut.costs, cut.local_costs
+            for i in occupied:
+                tiles[ranks[i]] += costs[i]
+                local[ranks[i]] += local_costs[i]
+            touched = [ranks[i] for i in occupied]
+        if len(touched) > 1:
             self._add_transfers(ranks, cut)
-        self._raise_floor(ranks)
+        self._raise_floor(touched)
 
     def add_whole(self, ranks: Sequence[int], costs: Sequence[int]) -> None:
         """Documents kept whole, document i on rank `ranks[i]` with its whole tile pairs
