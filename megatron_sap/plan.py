@@ -218,7 +218,7 @@ def describe(plan: Plan) -> str:
         f"layout: P={plan.world_size} CP ranks = outer R={plan.outer_size} x inner U={plan.inner_size}; "
         f"{plan.capacity} tokens per outer rank; cost model {model.name!r}",
         f"chosen: {plan.strategy}: modelled {stats['modelled_time_s'] * 1e3:.3f} ms (executor's schedule; "
-        f"planner's estimate {stats['planner_time_s'] * 1e3:.3f} ms), "
+        f"planner's estimate {stats['planner_estimate_s'] * 1e3:.3f} ms), "
         f"ideal {stats['ideal_time_s'] * 1e3:.3f} ms (x{stats['modelled_time_s'] / stats['ideal_time_s']:.2f}), "
         f"pair imbalance {stats['imbalance']:.3f}",
         "",

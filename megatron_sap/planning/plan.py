@@ -291,7 +291,7 @@ class Plan:
             "modelled_time_s": max(r.total_s for r in schedule),
             "outer_rank_time_s": [r.total_s for r in schedule],
             "schedule_per_outer_rank": [self.schedule(r) for r in range(self.outer_size)],
-            "planner_time_s": ev.makespan_s,
+            "planner_estimate_s": ev.makespan_s,
             "ideal_time_s": ev.ideal_s,
             "candidates_modelled_time_s": dict(self.considered),
             "candidates_pruned_floor_s": dict(self.pruned),
