@@ -1,8 +1,11 @@
 """megatron-sap: sequence-aware context parallelism for packed sequences in Megatron-Core."""
 from setuptools import find_packages, setup
 
+# megatron-core 0.13 to 0.19 (docs/megatron.md); on Python 3.11 pip takes 0.16.1, the newest
+# that installs there (0.17 and later need Python 3.12).
+MEGATRON_CORE = "megatron-core>=0.13,<0.20"
 TEST = [
-    "megatron-core>=0.13,<0.17",
+    MEGATRON_CORE,
     "einops>=0.7",
     "pytest>=8",
     "hypothesis>=6.100",
@@ -26,7 +29,7 @@ setup(
     extras_require={
         "test": TEST + BENCH,
         "bench": BENCH,
-        "megatron": ["megatron-core>=0.13,<0.17", "einops>=0.7"],
+        "megatron": [MEGATRON_CORE, "einops>=0.7"],
         "gpu": ["flash-attn>=2.6"],
         "te": ["transformer-engine[pytorch]>=2.8"],
     },
