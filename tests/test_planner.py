@@ -41,13 +41,17 @@ def layouts(draw: st.DrawFn, max_world: int = 64) -> tuple[int, int]:
 
 @st.composite
 def cu_seqlens_for(draw: st.DrawFn, total: int) -> list[int]:
-    """cu_seqlens of `total` tokens: one document, all 1-token documents, a few long ones, or a
-    random mixture; zero-length documents (repeated entries) may be inserted anywhere."""
-    kind = draw(st.sampled_from(["one", "ones", "long", "mixed"]))
+    """cu_seqlens of `total` tokens: one document, all 1-token documents, a few long ones, one
+    long one among documents of a few tokens, or a random mixture; zero-length documents
+    (repeated entries) may be inserted anywhere."""
+    kind = draw(st.sampled_from(["one", "ones", "long", "long and short", "mixed"]))
     if kind == "one":
         cuts: list[int] = []
     elif kind == "ones":
         cuts = list(range(1, total))
+    elif kind == "long and short":
+        start = draw(st.integers(1, total))
+        cuts = [start, *range(start + draw(st.integers(1, 4)), total, draw(st.integers(1, 4)))]
     elif kind == "long":
         cuts = draw(st.lists(st.integers(0, total), max_size=3))
     else:

@@ -94,6 +94,7 @@ class GreedyPasses:
     ):
         self.starts, self.lengths, self.R, self.capacity = doc_starts, lengths, num_ranks, capacity
         self.model, self.inner_size, self.tile = model, inner_size, model.tile
+        self.tile_pairs = model.tile * model.tile
         by_node: dict[int, list[int]] = {}
         for r in range(num_ranks):
             by_node.setdefault(model.node_of(r * inner_size), []).append(r)
@@ -108,12 +109,21 @@ class GreedyPasses:
         self.total = sum(self.cost)
         self.share = self.total / num_ranks
         self.order = heaviest_first(lengths, self.cost)
+        # From each position of the order on (0 past the end), the most tokens a piece of
+        # the documents left holds per tile row: every rank must be filled exactly, and
+        # each tile row of a piece costs at least a tile of pairs, so a rank's room costs
+        # at least ceil(room / unit) tiles of pairs more (`Tally.expect`).
+        in_order = np.asarray(lengths, dtype=np.int64)[self.order]
+        self.units = np.minimum(np.maximum.accumulate(in_order[::-1])[::-1], self.tile).tolist() + [0]
 
     def build(self, members: Sequence[tuple[str, int, float, str, bool, bool]]) -> Build:
         """The passes (name, index, slack, split, spread, fill), built together while they
         place documents alike."""
-        tally = Tally(self.R, self.inner_size, self.model)
-        return GreedyBuild(self, tuple(_Member(*m) for m in members), tally, [self.capacity] * self.R, [], 0, None)
+        build = GreedyBuild(self, tuple(_Member(*m) for m in members), Tally(self.R, self.inner_size, self.model),
+                            [self.capacity] * self.R, [], 0, None)
+        build._count_rooms(range(self.R), raise_floor=True)
+        build.floor_s = build.tally.floor_s
+        return build
 
     def choose(self, doc: _DocChoices, slack: float, split: str, spread: bool, fill: bool) -> tuple[tuple[int, ...], Cut]:
         """Where a pass at `slack` puts the document: (rank of each slot, cut). What does
@@ -360,6 +370,12 @@ class GreedyBuild(Build):
             build._place(d, choice, filled=choice is doc.filled)
         return parted
 
+    def _count_rooms(self, ranks: Sequence[int], raise_floor: bool) -> None:
+        """The tally's floor counts what the rooms of `ranks` cost at the least, filled with
+        the documents left (`GreedyPasses.units`; nothing after the last document)."""
+        unit, tile_pairs, room = self.greedy.units[self.position], self.greedy.tile_pairs, self.room
+        self.tally.expect(ranks, [-(-room[r] // unit) * tile_pairs if unit else 0 for r in ranks], raise_floor)
+
     def _copy(self) -> GreedyBuild:
         return GreedyBuild(self.greedy, self.members, self.tally.copy(), self.room[:], self.records[:], self.position, self.spill)
 
@@ -370,10 +386,13 @@ class GreedyBuild(Build):
             room[r] -= size
         if filled:
             self.spill = ranks[-1] if room[ranks[-1]] else None
+        self.position += 1
+        self._count_rooms(ranks, raise_floor=False)  # before `add` raises their floors
         self.tally.add(ranks, cut)
+        if g.units[self.position] != g.units[self.position - 1]:  # shorter documents left: every room costs more
+            self._count_rooms([r for r in range(g.R) if room[r]], raise_floor=True)
         self.floor_s = self.tally.floor_s
         self.records.append(Record(d, g.starts[d], ranks, cut))
-        self.position += 1
         if self.position == len(g.order):
             for r, left in enumerate(room):
                 if left:

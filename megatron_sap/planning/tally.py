@@ -13,9 +13,11 @@ receives m messages takes (see `evaluate`)
 and one that receives nothing its kernels. With R - 1 (the most messages a rank can
 receive) for m, these bound it from below, and adding documents lowers none of C,
 C_remote and X, so `floor_s` bounds from below the modelled layer time of every
-placement that completes the candidate. A candidate whose floor is already slower than
-the fastest one so far is given up there. Once every document is in, the tally holds
-all that `evaluate` needs.
+placement that completes the candidate. A builder that knows more of what is to come
+(the greedy: every rank's room must be filled, at a tile of pairs per tile row at the
+least) adds it to C as `pending` local pairs (`expect`). A candidate whose floor is
+already slower than the fastest one so far is given up there. Once every document is
+in, the tally holds all that `evaluate` needs.
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ class Tally:
         self.sends_to = [0] * num_ranks
         self.receives_from = [0] * num_ranks
         self.tokens = 0
+        self.pending = [0] * num_ranks  # tile pairs each rank will compute at least, beyond `tiles` (see `expect`)
         self.floor_s = 0.0
 
     def copy(self) -> Tally:
@@ -66,6 +69,7 @@ class Tally:
         other = copy.copy(self)
         other.tiles, other.local, other.send_s, other.recv_s = self.tiles[:], self.local[:], self.send_s[:], self.recv_s[:]
         other.messages, other.sends_to, other.receives_from = self.messages[:], self.sends_to[:], self.receives_from[:]
+        other.pending = self.pending[:]
         return other
 
     def matches(self, inner_size: int, model: CostModel) -> bool:
@@ -99,19 +103,31 @@ class Tally:
             local[r] += c
         self._raise_floor(set(ranks))
 
+    def expect(self, ranks: Iterable[int], pairs: Sequence[int], raise_floor: bool = True) -> None:
+        """Rank `ranks[i]` will compute at least `pairs[i]` tile pairs beyond its `tiles`
+        once every document is in (what is left of its room, at the least a document can
+        cost there), all of their keys local at best: the floor counts them (with
+        `raise_floor`, at once). The caller keeps `tiles + pending` of every rank from
+        falling as documents arrive."""
+        pending = self.pending
+        for r, p in zip(ranks, pairs):
+            pending[r] = p
+        if raise_floor:
+            self._raise_floor(ranks)
+
     def _raise_floor(self, ranks: Iterable[int]) -> None:
         """`floor_s` with these ranks' floors as they are now (a rank's floor only grows)."""
         # Each pass of a rank that receives: its pipeline (see the module docstring) with
         # the most messages it could get; of one that receives nothing, its kernels.
-        tiles, local = self.tiles, self.local
+        tiles, local, pending = self.tiles, self.local, self.pending
         pair_s, backward, send_s, recv_s, messages = self.pair_s, self.backward_factor, self.send_s, self.recv_s, self.messages
         most = self.most_messages
         floor = self.floor_s
         for r in ranks:
-            c = tiles[r] * pair_s
+            c = (tiles[r] + pending[r]) * pair_s
             if messages[r]:
                 x = send_s[r] if send_s[r] > recv_s[r] else recv_s[r]
-                remote = c - local[r] * pair_s
+                remote = c - (local[r] + pending[r]) * pair_s
                 forward = max(c, x + remote / most, remote + x / most)
                 rank_floor = forward + max(backward * c, x + backward * remote / most, backward * remote + x / most)
             else:
