@@ -21,7 +21,7 @@ from megatron_sap.planning.evaluate import evaluate, rank_work, ulysses_cost, wh
 from megatron_sap.planning.candidates import FILL_MIN_RANKS, candidates
 from megatron_sap.planning.cuts import Cut, _chunks, ring_cut, split_cut, split_need, tile_pairs, whole_pairs
 from megatron_sap.planning.greedy import greedy, heaviest_first
-from megatron_sap.planning.layouts import BALANCED, DEALT, balanced_order, contiguous, dealt_order, whole_packing
+from megatron_sap.planning.layouts import BALANCED, DEALT, ZigzagBuild, balanced_order, contiguous, dealt_order, whole_packing
 from megatron_sap.planning.placement import build_all
 from megatron_sap.planning.tally import Tally
 from megatron_sap.planning.plan import DEFAULT_SLACKS, TIME_RESOLUTION_S, TIME_TOLERANCE, at_bound
@@ -698,6 +698,29 @@ def test_floors_rise_to_a_floor(batch):
         latency = (ev.traffic_tokens > 0) * model.message_latency_us * 1e-6
         np.testing.assert_allclose(tally.send_s, (seconds + latency).sum(1), rtol=1e-9, atol=1e-15)
         np.testing.assert_allclose(tally.recv_s, (seconds + latency).sum(0), rtol=1e-9, atol=1e-15)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([1, 2, 3, 8, 64]), st.lists(st.integers(0, 300), max_size=40))
+def test_zigzag_deals_each_document_to_the_ranks_holding_the_fewest_extra_tokens(outer, lengths):
+    """The zigzag layout's chunk pair i of each document (the longest aside) goes to the
+    i-th rank by extra tokens held so far (ties by rank), and the longest fills every rank
+    up: as a sort of the ranks after every document would have it."""
+    lengths = [*lengths, 10**6]  # the longest, which absorbs the rounding
+    zigzag = ZigzagBuild(0, [0] * len(lengths), lengths, [0] * len(lengths), sum(lengths), Tally(outer, 1, CostModel.preset("h100")))
+    assert zigzag._lay_out()
+    held, fewest_first, even = [0] * outer, tuple(range(outer)), 0
+    for d, n in enumerate(lengths[:-1]):
+        if not n:
+            continue
+        assert zigzag.ranks[d] == fewest_first, d
+        base, extra = divmod(n, 2 * outer)
+        even += 2 * base
+        for r in fewest_first[: min(extra, outer)] + fewest_first[: max(extra - outer, 0)]:
+            held[r] += 1
+        fewest_first = tuple(sorted(range(outer), key=held.__getitem__))
+    chunks = zigzag.absorber_chunks
+    assert [a + b for a, b in zip(chunks[:outer], reversed(chunks[outer:]))] == [sum(lengths) - even - e for e in held]
 
 
 @pytest.mark.parametrize("outer,inner", [(8, 1), (4, 2), (16, 1)])

@@ -144,23 +144,24 @@ class ZigzagBuild(Build):
         if not docs:
             return False
         self.absorber = max(docs, key=lambda d: (lengths[d], -d))
-        even, extra_held = 0, [0] * R
-        fewest_first = tuple(range(R))
+        # Pair i, the largest for small i, goes to the i-th emptiest rank (ties by rank): a
+        # document's extra tokens go one per rank in turn from the emptiest, so the
+        # emptiest ranks are always those from where the last one stopped, round the ranks.
+        even, dealt, turns = 0, 0, {}
         self.ranks = {}
         for d in docs:
             if d == self.absorber:
                 continue
-            # Pair i, the largest for small i, goes to the i-th emptiest rank (stable: ties by rank).
+            start = dealt % R
+            fewest_first = turns.get(start)
+            if fewest_first is None:
+                fewest_first = turns[start] = tuple(range(start, R)) + tuple(range(start))
             self.ranks[d] = fewest_first
             base, extra = divmod(lengths[d], 2 * R)
             even += 2 * base
-            if extra:
-                for r in fewest_first[: min(extra, R)]:
-                    extra_held[r] += 1
-                for r in fewest_first[: max(extra - R, 0)]:
-                    extra_held[r] += 1
-                fewest_first = tuple(sorted(range(R), key=extra_held.__getitem__))
-        need = [self.capacity - even - e for e in extra_held]
+            dealt += extra
+        level, over = divmod(dealt, R)
+        need = [self.capacity - even - level - (r < over) for r in range(R)]
         if min(need) < 0:
             return False
         self.absorber_chunks = [need[r] // 2 for r in range(R)] + [need[r] - need[r] // 2 for r in reversed(range(R))]
