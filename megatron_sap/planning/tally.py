@@ -103,7 +103,7 @@ class Tally:
             local[r] += c
         self._raise_floor(set(ranks))
 
-    def expect(self, ranks: Iterable[int], pairs: Sequence[int], raise_floor: bool = True) -> None:
+    def expect(self, ranks: Sequence[int], pairs: Sequence[int], raise_floor: bool = True) -> None:
         """Rank `ranks[i]` will compute at least `pairs[i]` tile pairs beyond its `tiles`
         once every document is in (what is left of its room, at the least a document can
         cost there), all of their keys local at best: the floor counts them (with
