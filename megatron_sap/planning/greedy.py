@@ -94,7 +94,7 @@ class GreedyPasses:
     ):
         self.starts, self.lengths, self.R, self.capacity = doc_starts, lengths, num_ranks, capacity
         self.model, self.inner_size, self.tile = model, inner_size, model.tile
-        self.tile_pairs = model.tile * model.tile
+        self.pairs_per_tile = model.tile * model.tile  # one tile of queries over one of keys
         by_node: dict[int, list[int]] = {}
         for r in range(num_ranks):
             by_node.setdefault(model.node_of(r * inner_size), []).append(r)
@@ -373,8 +373,8 @@ class GreedyBuild(Build):
     def _count_rooms(self, ranks: Sequence[int], raise_floor: bool) -> None:
         """The tally's floor counts what the rooms of `ranks` cost at the least, filled with
         the documents left (`GreedyPasses.units`; nothing after the last document)."""
-        unit, tile_pairs, room = self.greedy.units[self.position], self.greedy.tile_pairs, self.room
-        self.tally.expect(ranks, [-(-room[r] // unit) * tile_pairs if unit else 0 for r in ranks], raise_floor)
+        unit, per_tile, room = self.greedy.units[self.position], self.greedy.pairs_per_tile, self.room
+        self.tally.expect(ranks, [-(-room[r] // unit) * per_tile if unit else 0 for r in ranks], raise_floor)
 
     def _copy(self) -> GreedyBuild:
         return GreedyBuild(self.greedy, self.members, self.tally.copy(), self.room[:], self.records[:], self.position, self.spill)
