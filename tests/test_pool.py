@@ -159,9 +159,11 @@ def _is_running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
-def test_workers_die_with_their_parent() -> None:
+def test_workers_die_with_their_parent(tmp_path: Path) -> None:
     script = _ORPHAN_SCRIPT.format(tests_dir=str(Path(__file__).resolve().parent))
-    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    # The killed owner cannot remove its rendezvous directory: make it under tmp_path.
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         pids = [int(pid) for pid in owner.stdout.readline().split()]
         assert len(pids) == 2 and all(_is_running(pid) for pid in pids)
