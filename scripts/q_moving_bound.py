@@ -8,7 +8,7 @@ partial output and lse back; dout, output and lse out, dq back; `--query-factor 
 the output sent again for the backward). The moved compute is not charged, so this is an
 upper bound on the bytes saved at the busiest rank (docs/planner.md, "The compiled program").
 
-    python scripts/q_moving_bound.py
+    python scripts/q_moving_bound.py [--kv-heads 32]
 """
 from __future__ import annotations
 
@@ -58,8 +58,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="h100")
     parser.add_argument("--query-factor", type=int, default=5, choices=(4, 5))
+    parser.add_argument("--kv-heads", type=int, default=8,
+                        help="KV heads of the model (the preset has 32 query heads; 32 here: no GQA)")
     args = parser.parse_args()
-    model = CostModel.preset(args.preset)
+    model = CostModel.preset(args.preset, num_kv_heads=args.kv_heads)
     for corpus, total, inner, outer in POINTS:
         cu = pack(document_lengths(corpus), total, 1, seed=0)[0]
         r = busiest_rank_bytes(cu, inner, outer, model, args.query_factor)
