@@ -58,6 +58,9 @@ def _fake_groups(inner: int, outer: int) -> SAPGroups:
         ([0, 2**31], 1, 1, r"total 2147483648 is too large for int32"),
         (torch.tensor([[0, 4, 8]]), 1, 1, r"must be 1-D, got shape \(1, 3\)"),
         (torch.tensor([0.0, 4.0, 8.0]), 1, 1, r"integer dtype, got torch.float32"),
+        (np.array([[0, 4], [4, 8]]), 1, 1, r"must be 1-D, got shape \(2, 2\)"),
+        (np.array([0.0, 4.0, 8.0]), 1, 1, r"integer dtype, got float64"),
+        (np.array([0, 1, 1], dtype=bool), 1, 1, r"integer dtype, got bool"),
         ([0, 4.0, 8], 1, 1, r"must hold integers, got 4.0 \(float\)"),
         ([0, True, 8], 1, 1, r"must hold integers, got True \(bool\)"),
         ([], 1, 1, r"cu_seqlens is empty"),
@@ -96,6 +99,40 @@ def test_plan_sequences_rejects_bad_input_through_the_cache() -> None:
 def test_plan_sequences_rejects_bad_options(kwargs: dict, error: type, pattern: str) -> None:
     with pytest.raises(error, match=pattern):
         sap.plan_sequences([0, 5, 16], outer_size=2, cache=None, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("fields", "pattern"),
+    [
+        (dict(attention_tflops=float("nan")), r"attention_tflops must be a finite number, got nan"),
+        (dict(inter_node_gbps=float("inf")), r"inter_node_gbps must be a finite number, got inf"),
+        (dict(backward_factor=True), r"backward_factor must be a finite number, got True"),
+        (dict(intra_node_gbps="360"), r"intra_node_gbps must be a finite number, got '360'"),
+        (dict(attention_tflops=-1.0), r"attention_tflops must be positive, got -1.0"),
+        (dict(inter_node_gbps=0), r"inter_node_gbps must be positive, got 0"),
+        (dict(message_latency_us=-1), r"message_latency_us must be >= 0, got -1"),
+        (dict(tile=0), r"tile must be a positive integer, got 0"),
+        (dict(head_dim=1.5), r"head_dim must be a positive integer, got 1.5"),
+        (dict(gpus_per_node=np.bool_(True)), r"gpus_per_node must be a positive integer, got np.True_"),
+        (dict(num_heads=12, num_kv_heads=8), r"num_heads \(12\) must be a multiple of num_kv_heads \(8\)"),
+    ],
+)
+def test_cost_model_rejects_bad_fields(fields: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        sap.CostModel(**fields)
+
+
+def test_cost_model_takes_numpy_numbers_and_no_latency() -> None:
+    model = sap.CostModel(head_dim=np.int64(64), attention_tflops=np.float32(300), message_latency_us=0)
+    assert model == sap.CostModel(head_dim=64, attention_tflops=300.0, message_latency_us=0.0)
+    assert type(model.head_dim) is int and model.transfer_seconds(0, "intra", messages=0) == 0.0
+
+
+def test_cost_model_rejects_unknown_calibration_fields_and_links() -> None:
+    with pytest.raises(ValueError, match=r"unknown CostModel fields \['tflops'\]; known: \['attention_tflops'"):
+        sap.CostModel.from_calibration({"tflops": 300})
+    with pytest.raises(ValueError, match=r"unknown link class 'pcie'; expected 'intra' or 'inter'"):
+        sap.CostModel().bandwidth("pcie")
 
 
 def test_plan_sequences_takes_a_preset_by_name() -> None:
@@ -424,12 +461,36 @@ def test_merge_into_rejects_parts_of_another_shape() -> None:
             merge_into(acc_out, acc_lse, rows, part, torch.zeros(4, 3))
 
 
+def test_merge_partials_rejects_parts_of_another_shape() -> None:
+    from megatron_sap.kernels import merge_partials
+
+    out, lse = torch.zeros(4, 2, 8), torch.zeros(2, 4)
+    with pytest.raises(ValueError, match=r"shapes differ: out \(4, 2, 8\) vs \(3, 2, 8\)"):
+        merge_partials(out, lse, torch.zeros(3, 2, 8), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"lse must be \[H, T\] = \(2, 4\) for out \(4, 2, 8\), got \(4, 2\)"):
+        merge_partials(out, lse.T, out, lse.T)
+
+
 def test_kernels_accept_zero_length_segments() -> None:
     q, k, v = _qkv(8, dtype=torch.float64)
     cu = [0, 0, 3, 3, 8, 8]
     out, lse = varlen_forward(q, k, v, _cu(cu), _cu(cu), 5, 5, causal=True)
     ref, ref_lse = dense_attention(q, k, v, torch.tensor(cu))
     assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
+
+
+def test_kernels_take_calls_without_query_or_key_rows() -> None:
+    """A call with no query rows, or none of keys (a rank's empty share of a step), gives
+    zero gradients of the right shapes, and no keys give a zero output with lse -inf."""
+    q, k, v = _qkv(5, dtype=torch.float64)
+    none, five = _cu([0, 0]), _cu([0, 5])
+    out, lse = varlen_forward(q[:0], k, v, none, five, 0, 5, causal=False)
+    dq, dk, dv = varlen_backward(out, q[:0], k, v, out, lse, none, five, 0, 5, causal=False)
+    assert dq.shape == (0, 4, 8) and torch.equal(dk, torch.zeros_like(k)) and torch.equal(dv, torch.zeros_like(v))
+    out, lse = varlen_forward(q, k[:0], v[:0], five, none, 5, 0, causal=False)
+    assert torch.equal(out, torch.zeros_like(q)) and bool(torch.all(lse == float("-inf")))
+    dq, dk, dv = varlen_backward(torch.ones_like(q), q, k[:0], v[:0], out, lse, five, none, 5, 0, causal=False)
+    assert torch.equal(dq, torch.zeros_like(q)) and dk.shape == dv.shape == (0, 2, 8)
 
 
 # ---- Megatron batch splitter --------------------------------------------------------------------
