@@ -14,6 +14,7 @@ from sap_cases import collective_order, make_inputs, random_cu_seqlens, run_rank
 pool2 = make_pool_fixture(2, timeout=120)
 pool3 = make_pool_fixture(3, timeout=120)
 pool4 = make_pool_fixture(4, timeout=180)
+pool6 = make_pool_fixture(6, timeout=240)
 pool8 = make_pool_fixture(8, timeout=240)
 
 TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -88,6 +89,22 @@ def test_world8_float64(pool8, inner):
     for kind in ("mixture", "long"):
         cu = random_cu_seqlens(rng, 8 * rng.randint(24, 64), kind)
         check_against_reference(pool8, cu, inner, 8, 2, 8, "float64", seed=3)
+
+
+@pytest.mark.parametrize("inner", [1, 2, 3, 6])
+def test_world6_mixed_layouts(pool6, inner):
+    """Six ranks as 1 x 6, 2 x 3, 3 x 2 and 6 x 1 (neither side a power of two), each
+    case drawn at random from a fixed seed: batch kind, query and KV heads (KV heads
+    replicated where fewer than the inner size), kernel tile, schedule (per outer rank
+    too) and recomputed K/V."""
+    rng = random.Random(600 + inner)
+    for _ in range(4):
+        kv = rng.choice([1, inner, 2 * inner])
+        heads = rng.choice([1, 2]) * max(kv, inner) * (2 if kv < inner else 1)
+        cu = random_cu_seqlens(rng, 6 * rng.randint(8, 64), rng.choice(KINDS))
+        check_against_reference(pool6, cu, inner, heads, kv, rng.choice([4, 8]), "float64", seed=rng.randint(0, 99),
+                                fresh_plan=True, tile=rng.choice([None, 4, 16]),
+                                schedule=rng.choice(["pipelined", "gathered", "mixed"]), recompute_kv=rng.random() < 0.3)
 
 
 @pytest.mark.parametrize("inner", [1, 2])
