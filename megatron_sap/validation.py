@@ -28,9 +28,9 @@ def cu_seqlens_to_list(cu_seqlens: Sequence[int] | torch.Tensor, name: str = "cu
         if cu_seqlens.is_meta:
             raise ValueError(f"{name} is a meta tensor: it has no values to plan from")
         values = cu_seqlens.tolist()
-    elif isinstance(cu_seqlens, np.ndarray) and (cu_seqlens.ndim != 1 or cu_seqlens.dtype.kind not in "iu"):
-        if cu_seqlens.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {cu_seqlens.shape}")
+    elif isinstance(cu_seqlens, np.ndarray) and cu_seqlens.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {cu_seqlens.shape}")
+    elif isinstance(cu_seqlens, np.ndarray) and cu_seqlens.dtype.kind not in "iu":
         raise ValueError(f"{name} must have an integer dtype, got {cu_seqlens.dtype}")
     else:
         if not isinstance(cu_seqlens, (Sequence, np.ndarray)) or isinstance(cu_seqlens, (str, bytes)):
