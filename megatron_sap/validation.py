@@ -21,6 +21,9 @@ def cu_seqlens_to_list(cu_seqlens: Sequence[int] | torch.Tensor, name: str = "cu
     documents are allowed), last entry below 2**31 (the kernels use int32 offsets).
     """
     if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.is_nested or cu_seqlens.layout != torch.strided:
+            layout = "nested" if cu_seqlens.is_nested else str(cu_seqlens.layout).removeprefix("torch.")
+            raise ValueError(f"{name} must be a dense 1-D tensor, got a {layout} tensor")
         if cu_seqlens.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(cu_seqlens.shape)}")
         if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
@@ -55,8 +58,10 @@ def cu_seqlens_to_list(cu_seqlens: Sequence[int] | torch.Tensor, name: str = "cu
 
 def _integer(value: object, name: str) -> int:
     """An entry of `name` as an int: integers only (Python, numpy, 0-d integer tensors), no
-    bools or floats (which `int()` would truncate)."""
+    bools or floats (which `int()` would truncate), no arrays or tensors of one element."""
     dtype = getattr(value, "dtype", None)
+    if getattr(value, "ndim", 0) != 0:
+        raise ValueError(f"{name} must hold integers, got an entry of shape {tuple(value.shape)}")
     if isinstance(value, (bool, np.bool_)) or dtype in (torch.bool, np.bool_):
         raise ValueError(f"{name} must hold integers, got {value!r} ({type(value).__name__})")
     try:

@@ -63,6 +63,9 @@ def _fake_groups(inner: int, outer: int) -> SAPGroups:
         (np.array([0, 1, 1], dtype=bool), 1, 1, r"integer dtype, got bool"),
         ([0, 4.0, 8], 1, 1, r"must hold integers, got 4.0 \(float\)"),
         ([0, True, 8], 1, 1, r"must hold integers, got True \(bool\)"),
+        ([torch.tensor([0]), torch.tensor([8])], 1, 1, r"must hold integers, got an entry of shape \(1,\)"),
+        ([0, np.array([4]), 8], 1, 1, r"must hold integers, got an entry of shape \(1,\)"),
+        (torch.tensor([0, 4, 8]).to_sparse(), 1, 1, r"must be a dense 1-D tensor, got a sparse_coo tensor"),
         ([], 1, 1, r"cu_seqlens is empty"),
         ([0, 0, 0], 1, 1, r"empty batch \(0 tokens\)"),
         ([0, 5, 10], 3, 1, r"T = cu_seqlens\[-1\] \(10\) must be divisible by CP size P = outer_size\*inner_size = 3\*1 \(3\)"),
@@ -90,10 +93,11 @@ def test_plan_sequences_rejects_bad_input_through_the_cache() -> None:
     [
         (dict(cost_model=3), TypeError, "cost_model must be a CostModel or a preset name"),
         (dict(cost_model="a100"), ValueError, "unknown cost-model preset 'a100'"),
-        (dict(slacks=(0.0, -0.5)), ValueError, "slacks must be non-negative"),
-        (dict(slacks=("0.1",)), ValueError, "slacks must be non-negative numbers"),
-        (dict(slacks=()), ValueError, "slacks must be non-negative numbers"),
-        (dict(slacks=None), ValueError, "slacks must be non-negative numbers .*, got None"),
+        (dict(slacks=(0.0, -0.5)), ValueError, "slacks must be finite non-negative"),
+        (dict(slacks=("0.1",)), ValueError, "slacks must be finite non-negative numbers"),
+        (dict(slacks=()), ValueError, "slacks must be finite non-negative numbers"),
+        (dict(slacks=None), ValueError, "slacks must be finite non-negative numbers .*, got None"),
+        (dict(slacks=(0.0, float("inf"))), ValueError, r"slacks must be finite non-negative numbers .*, got \(0.0, inf\)"),
     ],
 )
 def test_plan_sequences_rejects_bad_options(kwargs: dict, error: type, pattern: str) -> None:
@@ -115,6 +119,7 @@ def test_plan_sequences_rejects_bad_options(kwargs: dict, error: type, pattern: 
         (dict(head_dim=1.5), r"head_dim must be a positive integer, got 1.5"),
         (dict(gpus_per_node=np.bool_(True)), r"gpus_per_node must be a positive integer, got np.True_"),
         (dict(num_heads=12, num_kv_heads=8), r"num_heads \(12\) must be a multiple of num_kv_heads \(8\)"),
+        (dict(name=5), r"CostModel.name must be a string, got 5"),
     ],
 )
 def test_cost_model_rejects_bad_fields(fields: dict, pattern: str) -> None:
@@ -131,6 +136,10 @@ def test_cost_model_takes_numpy_numbers_and_no_latency() -> None:
 def test_cost_model_rejects_unknown_calibration_fields_and_links() -> None:
     with pytest.raises(ValueError, match=r"unknown CostModel fields \['tflops'\]; known: \['attention_tflops'"):
         sap.CostModel.from_calibration({"tflops": 300})
+    with pytest.raises(ValueError, match=r"calibration name must be a string, got \['h100'\]"):
+        sap.CostModel.from_calibration({"name": ["h100"]})
+    with pytest.raises(ValueError, match=r"bytes_per_element must be a positive integer, got 0"):
+        sap.CostModel().with_shape(32, 8, 128, bytes_per_element=0)
     with pytest.raises(ValueError, match=r"unknown link class 'pcie'; expected 'intra' or 'inter'"):
         sap.CostModel().bandwidth("pcie")
 

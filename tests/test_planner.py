@@ -1,8 +1,10 @@
 """Planner properties over extreme packed batches: placement, positions, work, errors, cache, stats."""
 from __future__ import annotations
 
+import array
 import hashlib
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -594,9 +596,15 @@ def test_cache_hits_misses_and_identity():
     assert other is not first and (cache.hits, cache.misses, len(cache)) == (3, 2, 2)
     h200 = sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=cache, cost_model=CostModel.preset("h200"))
     assert h200 is not first and h200.cost_model.name == "h200" and cache.misses == 3
-    # A cached plan equals a fresh one.
+    # Any accepted form of the same values is the same entry: 0-d tensors, array.array.
+    assert sap.plan_sequences(list(torch.tensor(cu)), outer_size=4, inner_size=2, cache=cache) is first
+    assert sap.plan_sequences(array.array("q", cu), outer_size=4, inner_size=2, cache=cache) is first
+    assert (cache.hits, cache.misses) == (5, 3)
+    # A cached plan equals a fresh one, and a pickled one; plans of other batches differ.
     fresh = sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=None)
     assert fresh is not first and fresh.placement == first.placement
+    assert fresh == first == pickle.loads(pickle.dumps(first)) and len({fresh, first}) == 1
+    assert fresh != other and fresh != sap.plan_sequences([0, 6, 16, 32], outer_size=4, inner_size=2, cache=None)
     cache.clear()
     assert (cache.hits, cache.misses, len(cache)) == (0, 0, 0)
     assert sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=cache) is not first

@@ -46,6 +46,8 @@ class CostModel:
     bytes_per_element: int = 2  # bf16
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ValueError(f"CostModel.name must be a string, got {self.name!r}")
         for field in ("gpus_per_node", "tile", "num_heads", "num_kv_heads", "head_dim", "bytes_per_element"):
             value = getattr(self, field)
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value <= 0:
@@ -93,7 +95,10 @@ class CostModel:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"calibration has unknown CostModel fields {unknown}; known: {sorted(known)}")
-        base_name = values.get("name", base) if values.get("name") in PRESETS else base
+        name = values.get("name", base)
+        if not isinstance(name, str):
+            raise ValueError(f"calibration name must be a string, got {name!r}")
+        base_name = name if name in PRESETS else base
         return dataclasses.replace(cls.preset(base_name), **values)
 
     def with_shape(self, num_heads: int, num_kv_heads: int, head_dim: int, bytes_per_element: int | None = None) -> "CostModel":
@@ -103,7 +108,7 @@ class CostModel:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            bytes_per_element=bytes_per_element or self.bytes_per_element,
+            bytes_per_element=self.bytes_per_element if bytes_per_element is None else bytes_per_element,
         )
 
     # ---- compute --------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import heapq
+import math
 import numbers
 import operator
 import threading
@@ -40,7 +41,7 @@ def at_bound(time_s: float, bound_s: float) -> bool:
     return time_s <= bound_s + max(bound_s * TIME_TOLERANCE, TIME_RESOLUTION_S)
 
 
-@dataclass
+@dataclass(eq=False)
 class Plan:
     """Where every token of one packed batch lives and what every rank computes.
 
@@ -99,6 +100,15 @@ class Plan:
                     f"{self.cost_model!r}")
             self.__dict__["_signature"] = hashlib.sha1(text.encode()).hexdigest()[:16]
         return self.__dict__["_signature"]
+
+    def __eq__(self, other: object) -> bool:
+        """Plans are equal when they place and exchange alike (`signature`)."""
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return self is other or self.signature() == other.signature()
+
+    def __hash__(self) -> int:
+        return hash(self.signature())
 
     # ---- placement ----------------------------------------------------------------
     def _check_rank(self, rank: int, count: int | None = None, name: str = "cp_rank") -> int:
@@ -400,6 +410,8 @@ def _cache_key_values(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[int, ..
     """The cu_seqlens as a tuple of ints when that is cheap and unambiguous, else None."""
     if isinstance(cu_seqlens, torch.Tensor):
         dtype = cu_seqlens.dtype
+        if cu_seqlens.is_nested or cu_seqlens.layout != torch.strided:
+            return None
         if cu_seqlens.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool or cu_seqlens.is_meta:
             return None  # cu_seqlens_to_list names the problem
         return tuple(cu_seqlens.tolist())
@@ -473,24 +485,27 @@ def plan_sequences(
     try:
         slacks = tuple(slacks)
     except TypeError:
-        raise ValueError(f"slacks must be non-negative numbers (load over the ideal a pass allows), got {slacks!r}") from None
-    if not slacks or any(not isinstance(s, numbers.Real) or isinstance(s, bool) or not s >= 0 for s in slacks):
-        raise ValueError(f"slacks must be non-negative numbers (load over the ideal a pass allows), got {slacks}")
+        raise ValueError(f"slacks must be finite non-negative numbers (load over the ideal a pass allows), got {slacks!r}") from None
+    if not slacks or any(not isinstance(s, numbers.Real) or isinstance(s, bool) or not 0 <= s < math.inf for s in slacks):
+        raise ValueError(f"slacks must be finite non-negative numbers (load over the ideal a pass allows), got {slacks}")
+    slacks = tuple(float(s) for s in slacks)
     if cache is not None and not isinstance(cache, PlanCache):
         raise TypeError(f"cache must be a PlanCache or None, got {type(cache).__name__}")
-    values = _cache_key_values(cu_seqlens)
+    values, cu = _cache_key_values(cu_seqlens), None
+    if values is None:  # any other accepted form (0-d tensors, array.array, ...): by its checked values
+        cu = cu_seqlens_to_list(cu_seqlens)
+        values = tuple(cu)
     key = None
-    if cache is not None and values is not None:
+    if cache is not None:
         key = _cache_key(values, outer_size, inner_size, model, slacks)
         plan = cache.get(key)
         if plan is not None:
             return plan
-    cu = cu_seqlens_to_list(cu_seqlens)
+    if cu is None:
+        cu = cu_seqlens_to_list(cu_seqlens)
     with _gc_paused():
         plan = _fresh_plan(cu, outer_size, inner_size, model, slacks)
     if cache is not None:
-        if key is None:
-            key = _cache_key(tuple(cu), outer_size, inner_size, model, slacks)
         cache.put(key, plan)
     return plan
 
