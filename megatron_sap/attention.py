@@ -309,15 +309,38 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
     check_heads(q.shape[1], k.shape[1], inner)
 
 
-def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: SAPGroups | None) -> None:
+    """Raise on every rank of the CP group when any rank's q, k or v holds NaN or Inf: one
+    all-reduce of each rank's count (and a host sync), so that the ranks without them do not
+    go on into exchanges that their peer has left. Every rank must check alike."""
+    problem = None
     for name, t in (("q", q), ("k", k), ("v", v)):
         bad = ~torch.isfinite(t)
-        if bad.any():
+        if problem is None and bad.any():
             token, head, _ = (int(i) for i in torch.nonzero(bad)[0])
-            raise ValueError(
-                f"{name} contains {int(bad.sum())} NaN or Inf values, the first at local token {token}, head {head} "
-                f"(MEGATRON_SAP_CHECK_FINITE / check_finite is on)"
-            )
+            problem = (f"{name} contains {int(bad.sum())} NaN or Inf values, the first at local token {token}, "
+                       f"head {head}")
+    others: list[int] = []
+    if groups is not None and groups.world_size > 1:
+        counts = torch.zeros(groups.world_size, dtype=torch.int64, device=collective_device(groups.cp_group))
+        counts[groups.cp_rank] = problem is not None
+        try:
+            dist.all_reduce(counts, group=groups.cp_group)
+        except Exception as exc:  # a dead or stuck rank: the backend's error type varies (gloo, NCCL)
+            raise RuntimeError(
+                f"SAP finite check (all-reduce over CP ranks {list(groups.cp_ranks)}, from cp_rank "
+                f"{groups.cp_rank}) failed: {exc}. A rank died or is stuck, or not every rank checks "
+                f"(check_finite / MEGATRON_SAP_CHECK_FINITE must be alike on all CP ranks)"
+            ) from exc
+        others = [r for r, c in enumerate(counts.tolist()) if c and r != groups.cp_rank]
+    if problem is not None:
+        also = f"; cp_ranks {others} have some too" if others else ""
+        raise ValueError(f"{problem}{also} (MEGATRON_SAP_CHECK_FINITE / check_finite is on)")
+    if others:
+        raise ValueError(
+            f"q, k or v of cp_ranks {others} contain NaN or Inf values (this rank's are finite; "
+            f"MEGATRON_SAP_CHECK_FINITE / check_finite is on)"
+        )
 
 
 def attention_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, str]:
@@ -413,6 +436,14 @@ def sap_attention(
     results merged by lse), "gathered" (each query piece once all its keys are in, as one
     kernel segment over all of them, nothing merged; see `planning.program`) or "auto"
     (`plan.schedule(outer_rank, recompute_kv)`, what the cost model times faster).
+    `check_agreement`: on the first use of a plan with these groups, `recompute_kv` and
+    attention shape, all-reduce a hash of them (`verify_plan_agreement`) so that ranks that
+    planned different batches fail together; later calls trust it, so a caller that can
+    hand one rank a cached plan while another plans a new batch (without Megatron's batch
+    split, which checks every micro-batch) should call `verify_plan_agreement` per micro-batch.
+    `check_finite` (default: the MEGATRON_SAP_CHECK_FINITE variable, "1" for on): raise on
+    every rank when q, k or v of any rank holds NaN or Inf (one all-reduce and a host sync;
+    on alike on every rank).
     """
     if not causal:
         raise ValueError("sap_attention computes causal attention only (causal=False is not supported)")
@@ -425,7 +456,7 @@ def sap_attention(
     # raised between posting and waiting would leave the peers' transfers pending.
     backend = resolve_backend(backend, q.device, q.dtype, q.shape[2])
     if check_finite if check_finite is not None else os.environ.get("MEGATRON_SAP_CHECK_FINITE") == "1":
-        _check_finite(q, k, v)
+        _check_finite(q, k, v, groups)
     if groups is not None and groups.world_size > 1 and check_agreement:
         _check_agreement(plan, groups, recompute_kv, attention_shape(q, k))
     outer = _Outer(groups)

@@ -120,6 +120,40 @@ def test_agreeing_ranks_pass(pool4: WorkerPool) -> None:
     assert pool4.run(disagree_job, 2, cu, cu, 0) == ["ok"] * 4
 
 
+def nan_rank_job(rank: int, world: int, inner: int, odd_rank: int) -> list[str]:
+    """Two forwards of one plan with check_finite on every rank: the first clean, the second
+    with a NaN in `odd_rank`'s k. Returns 'ok' or the error of each."""
+    import megatron_sap as sap
+    from megatron_sap.planning import PlanCache
+
+    groups = groups_for(inner, world // inner)
+    cu = [0, 10, 24, 40, 64]
+    plan = sap.plan_sequences(cu, outer_size=world // inner, inner_size=inner, cache=PlanCache())
+    q, k, v, _ = _local_inputs(plan, groups.cp_rank, cu, 4, 2, seed=0)
+    results = []
+    for poisoned in (False, True):
+        k_in = k.detach().clone()
+        if poisoned and rank == odd_rank:
+            k_in[3, 1, 0] = float("nan")
+        try:
+            sap.sap_attention(q, k_in, v, plan, groups, check_finite=True)
+            results.append("ok")
+        except ValueError as exc:
+            results.append(str(exc))
+    return results
+
+
+@pytest.mark.parametrize("inner", [1, 2])
+def test_a_nan_on_one_rank_raises_on_every_rank(pool4: WorkerPool, inner: int) -> None:
+    """With check_finite, a NaN on one rank, after the plan's agreement check has run, stops
+    every rank before any exchange (none is left waiting for a peer that raised)."""
+    results = pool4.run(nan_rank_job, inner, 2, timeout=30)
+    assert [first for first, _ in results] == ["ok"] * 4
+    assert re.match(r"k contains 1 NaN or Inf values, the first at local token 3, head 1 \(", results[2][1]), results[2]
+    for rank in (0, 1, 3):
+        assert re.match(r"q, k or v of cp_ranks \[2\] contain NaN or Inf values", results[rank][1]), results[rank]
+
+
 def count_agreement_job(rank: int, world: int, check: bool) -> list[int]:
     """all_reduce calls per forward: fresh plan, same plan again, then another fresh plan."""
     import torch.distributed as dist
