@@ -69,6 +69,12 @@ def _megatron_like_parser() -> argparse.ArgumentParser:
     group.add_argument("--context-parallel-size", type=int, default=1)
     group.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None)
     group.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"])
+    group = parser.add_argument_group(title="network size")
+    group.add_argument("--num-attention-heads", type=int, default=None)
+    group.add_argument("--hidden-size", type=int, default=None)
+    group.add_argument("--kv-channels", type=int, default=None)
+    group.add_argument("--group-query-attention", action="store_true")
+    group.add_argument("--num-query-groups", type=int, default=1)
     return parser
 
 
@@ -116,7 +122,13 @@ def test_levels_default_from_hierarchical_sizes(flags: str, levels: tuple[int, i
 @pytest.mark.parametrize(
     "flags, match",
     [
-        ("--context-parallel-size 8 --sap-inner-size 3", "must equal"),
+        ("--context-parallel-size 8 --sap-inner-size 3", "--sap-inner-size 3 must divide --context-parallel-size 8"),
+        ("--context-parallel-size 8 --sap-outer-size 16", "--sap-outer-size 16 must divide --context-parallel-size 8"),
+        ("--context-parallel-size 8 --sap-inner-size 4 --sap-outer-size 4", "must equal"),
+        ("--context-parallel-size 8 --hierarchical-context-parallel-sizes 4 2 --num-attention-heads 6 --hidden-size 384",
+         r"heads of one tensor-parallel rank do not split over the SAP inner \(Ulysses\) size 4: query heads \(6\)"),
+        ("--context-parallel-size 4 --sap-inner-size 2 --num-attention-heads 8 --hidden-size 512 --group-query-attention "
+         "--num-query-groups 3", r"key/value heads \(3\) must be divisible by the inner size \(2\)"),
         ("--context-parallel-size 8 --hierarchical-context-parallel-sizes 2 4 --sap-inner-size 4", "contradict"),
         ("--context-parallel-size 8 --hierarchical-context-parallel-sizes 2 2 2", "two hierarchical"),
         ("--sap-cost-preset h100 --sap-calibration-file cal.json", "not both"),

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from megatron_sap.comm.ulysses import check_heads
 from megatron_sap.planning import PRESETS
 
 from .options import BACKENDS, SCHEDULES, SAPOptions, set_sap_options
@@ -107,6 +108,10 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
                 f"--hierarchical-context-parallel-sizes {list(hierarchical)}"
             )
         inner, outer = hierarchical
+    if inner is None and outer is not None and cp_size % outer:
+        raise ValueError(f"--sap-outer-size {outer} must divide --context-parallel-size {cp_size}")
+    if outer is None and inner is not None and cp_size % inner:
+        raise ValueError(f"--sap-inner-size {inner} must divide --context-parallel-size {cp_size}")
     if inner is None:
         inner = cp_size // (outer or cp_size)
     if outer is None:
@@ -115,6 +120,13 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
         raise ValueError(
             f"--sap-inner-size {inner} x --sap-outer-size {outer} must equal --context-parallel-size {cp_size}"
         )
+    shape = model_shape_from_args(args)
+    if shape is not None:  # at start-up, not at the first attention after the model is built
+        try:
+            check_heads(shape[0], shape[1], inner)
+        except ValueError as exc:
+            raise ValueError(f"the attention heads of one tensor-parallel rank do not split over the SAP inner "
+                             f"(Ulysses) size {inner}: {exc}") from None
     local_gpus = os.environ.get("LOCAL_WORLD_SIZE", "")  # GPUs of this node, as torchrun sets it
     options = set_sap_options(
         backend=args.sap_backend,
@@ -124,7 +136,7 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
         check_agreement=args.sap_check_agreement,
         recompute_kv=args.sap_recompute_kv,
         schedule=args.sap_schedule,
-        model_shape=model_shape_from_args(args),
+        model_shape=shape,
         attention_dtype=attention_dtype_from_args(args),
         gpus_per_node=int(local_gpus) if local_gpus.isdigit() else None,
         tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
