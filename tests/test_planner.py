@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1109,6 +1110,11 @@ def test_cli_without_arguments_shows_the_worked_example(capsys):
     assert plan_cli([]) == 0
     out = capsys.readouterr().out
     assert "T=8192 tokens, 5 documents" in out and "outer R=4 x inner U=2" in out and "<- chosen" in out
+    # docs/planner.md shows this output as the worked example: it must stay what the command prints.
+    docs = (Path(__file__).parents[1] / "docs" / "planner.md").read_text()
+    shown = docs.split("$ python -m megatron_sap.plan --cu-seqlens 0,3000,3100,3101,5000,8192", 1)[1]
+    shown = shown.split("\n", 1)[1].split("```", 1)[0]
+    assert shown == out
 
 
 def test_cli_prints_layout_and_writes_png(tmp_path, capsys):
