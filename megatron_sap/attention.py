@@ -324,14 +324,8 @@ def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: SAP
     if groups is not None and groups.world_size > 1:
         counts = torch.zeros(groups.world_size, dtype=torch.int64, device=collective_device(groups.cp_group))
         counts[groups.cp_rank] = problem is not None
-        try:
-            dist.all_reduce(counts, group=groups.cp_group)
-        except Exception as exc:  # a dead or stuck rank: the backend's error type varies (gloo, NCCL)
-            raise RuntimeError(
-                f"SAP finite check (all-reduce over CP ranks {list(groups.cp_ranks)}, from cp_rank "
-                f"{groups.cp_rank}) failed: {exc}. A rank died or is stuck, or not every rank checks "
-                f"(check_finite / MEGATRON_SAP_CHECK_FINITE must be alike on all CP ranks)"
-            ) from exc
+        _all_reduce(counts, groups.cp_group, dist.ReduceOp.SUM, groups, "finite check", "NaN/Inf findings",
+                    "not every rank checks (check_finite / MEGATRON_SAP_CHECK_FINITE must be alike on all CP ranks)")
         others = [r for r, c in enumerate(counts.tolist()) if c and r != groups.cp_rank]
     if problem is not None:
         also = f"; cp_ranks {others} have some too" if others else ""
@@ -341,6 +335,20 @@ def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: SAP
             f"q, k or v of cp_ranks {others} contain NaN or Inf values (this rank's are finite; "
             f"MEGATRON_SAP_CHECK_FINITE / check_finite is on)"
         )
+
+
+def _all_reduce(values: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp, groups: SAPGroups, check: str,
+                of: str, cause: str) -> None:
+    """All-reduce `values` (`of` what) for one of the op's checks over the CP ranks; on failure a
+    RuntimeError that names the check, the ranks and, besides a dead or stuck rank, the likely `cause`."""
+    try:
+        dist.all_reduce(values, op=op, group=group)
+    except Exception as exc:  # a dead or stuck rank: the backend's error type varies (gloo, NCCL)
+        raise RuntimeError(
+            f"SAP {check} (all-reduce of {of} over CP ranks {list(groups.cp_ranks)}, from cp_rank {groups.cp_rank}) "
+            f"failed: {exc}. "
+            f"A rank died or is stuck, or {cause}"
+        ) from exc
 
 
 def attention_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, str]:
@@ -392,14 +400,9 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
     mine = int(digest[:16], 16) & ((1 << 62) - 1)
     group = groups.cp_group if over is None else over
     values = torch.tensor([mine, -mine], dtype=torch.int64, device=collective_device(group))
-    try:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    except Exception as exc:  # a dead or stuck rank: the backend's error type varies (gloo, NCCL)
-        raise RuntimeError(
-            f"SAP agreement check (all-reduce of plan hashes over CP ranks {list(groups.cp_ranks)}, "
-            f"from cp_rank {groups.cp_rank}) failed: {exc}. A rank died or is stuck, or the ranks built "
-            f"their SAP groups differently (every rank must create them alike, e.g. the same init_sap_groups sizes)"
-        ) from exc
+    _all_reduce(values, group, dist.ReduceOp.MAX, groups, "agreement check", "plan hashes",
+                "the ranks built their SAP groups differently (every rank must create them alike, e.g. the same "
+                "init_sap_groups sizes)")
     high, low = int(values[0]), -int(values[1])
     if high != low:
         raise RuntimeError(
