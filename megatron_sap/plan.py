@@ -70,6 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--lengths-from and --lengths-file need --tokens")
     if args.cu_seqlens and args.tokens is not None:
         parser.error("--tokens only applies to --lengths-from/--lengths-file; --cu-seqlens gives T itself")
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.rows < 1 or (args.rows > 1 and not packed):
         parser.error("--rows must be >= 1, and more than one row needs --lengths-from or --lengths-file")
     if args.cp_size is not None and (args.inner_size != 1 or args.png):

@@ -1187,6 +1187,12 @@ def test_cli_needs_tokens_with_lengths_from(capsys):
     assert "--lengths-from and --lengths-file need --tokens" in capsys.readouterr().err
 
 
+def test_cli_names_a_negative_seed(capsys):
+    with pytest.raises(SystemExit):
+        plan_cli(["--lengths-from", "stdlib", "--tokens", "4096", "--seed", "-1", "--outer-size", "2"])
+    assert "--seed must be >= 0, got -1" in capsys.readouterr().err
+
+
 def test_cli_shows_one_row_per_layout(capsys):
     with pytest.raises(SystemExit):
         plan_cli(["--lengths-from", "stdlib", "--tokens", "4096", "--rows", "3", "--outer-size", "2"])
