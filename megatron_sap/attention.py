@@ -316,10 +316,11 @@ def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: SAP
     problem = None
     for name, t in (("q", q), ("k", k), ("v", v)):
         bad = ~torch.isfinite(t)
-        if problem is None and bad.any():
+        if bad.any():
             token, head, _ = (int(i) for i in torch.nonzero(bad)[0])
             problem = (f"{name} contains {int(bad.sum())} NaN or Inf values, the first at local token {token}, "
                        f"head {head}")
+            break
     others: list[int] = []
     if groups is not None and groups.world_size > 1:
         counts = torch.zeros(groups.world_size, dtype=torch.int64, device=collective_device(groups.cp_group))
@@ -346,8 +347,7 @@ def _all_reduce(values: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceO
     except Exception as exc:  # a dead or stuck rank: the backend's error type varies (gloo, NCCL)
         raise RuntimeError(
             f"SAP {check} (all-reduce of {of} over CP ranks {list(groups.cp_ranks)}, from cp_rank {groups.cp_rank}) "
-            f"failed: {exc}. "
-            f"A rank died or is stuck, or {cause}"
+            f"failed: {exc}. A rank died or is stuck, or {cause}"
         ) from exc
 
 

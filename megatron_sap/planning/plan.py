@@ -410,9 +410,8 @@ def _cache_key_values(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[int, ..
     """The cu_seqlens as a tuple of ints when that is cheap and unambiguous, else None."""
     if isinstance(cu_seqlens, torch.Tensor):
         dtype = cu_seqlens.dtype
-        if cu_seqlens.is_nested or cu_seqlens.layout != torch.strided:
-            return None
-        if cu_seqlens.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool or cu_seqlens.is_meta:
+        if (cu_seqlens.is_nested or cu_seqlens.layout != torch.strided or cu_seqlens.dim() != 1
+                or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool or cu_seqlens.is_meta):
             return None  # cu_seqlens_to_list names the problem
         return tuple(cu_seqlens.tolist())
     if isinstance(cu_seqlens, np.ndarray):
