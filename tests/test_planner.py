@@ -884,6 +884,19 @@ def test_ordered_contiguous_layouts_only_where_every_document_fits_on_a_rank():
         [(0, 0, 72), (2, 200, 256)], [(0, 72, 100), (1, 100, 200)]]
 
 
+def test_passes_at_different_slacks_have_different_names():
+    """Slacks that print alike in short form (0.1 and 0.1000001) still name their passes
+    apart; the default slacks keep their short names."""
+    model = CostModel.preset("h100")
+    cu = [0, 300, 1000, 1500, 2048]
+    names = [n for b in candidates(cu[:-1], np.diff(cu).tolist(), 64, cu[-1] // 64, model, (0.1, 0.1000001, 0.25))
+             for n in b.names]
+    assert len(names) == len(set(names))
+    assert {"greedy(slack=0.1, zigzag)", "greedy(slack=0.1000001, zigzag)", "greedy(slack=0.25, zigzag, fill)"} <= set(names)
+    default = {n for b in candidates(cu[:-1], np.diff(cu).tolist(), 64, cu[-1] // 64, model, DEFAULT_SLACKS) for n in b.names}
+    assert {"greedy(slack=0, contiguous)", "greedy(slack=1, zigzag, fill)"} <= default
+
+
 def pruned_count(seed: int, outer: int, inner: int) -> int:
     """Plan a realistic row; check the plan against the choice among every candidate
     built and evaluated; return how many candidates pruning gave up."""

@@ -65,7 +65,12 @@ def greedy(
 
 
 def greedy_name(slack: float, split: str, spread: bool = False, fill: bool = False) -> str:
-    return f"greedy(slack={slack:g}, {split}{', spread' if spread else ''}{', fill' if fill else ''})"
+    """The pass's candidate name; the slack short (``0.25``) where that reads back as the
+    same number, else in full, so that passes at different slacks never share a name."""
+    text = f"{slack:g}"
+    if float(text) != slack:
+        text = repr(float(slack))
+    return f"greedy(slack={text}, {split}{', spread' if spread else ''}{', fill' if fill else ''})"
 
 
 class _Member(NamedTuple):
