@@ -137,6 +137,20 @@ def error_messages(rank: int, world_size: int) -> list[str]:
     return messages
 
 
+def adopt_a_group_without_this_rank(rank: int, world_size: int) -> str:
+    """Every rank makes a CP group of ranks 0 and 1 (torch.distributed.new_group gives the
+    others a placeholder) and adopts it: "ok" where it is a member, else the error."""
+    cp = dist.new_group([0, 1])
+    try:
+        SAPGroups.from_process_groups(cp)
+        return "ok"
+    except ValueError as error:
+        return str(error)
+    finally:
+        if isinstance(cp, dist.ProcessGroup):
+            destroy(cp)
+
+
 def warnings_of(rank: int, world_size: int, **kwargs: Any) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -266,6 +280,14 @@ def test_errors_are_clear(dist_pool: WorkerPool) -> None:
     for rank_messages in messages:
         for message, fragment in zip(rank_messages, expected, strict=True):
             assert fragment in message
+
+
+@pytest.mark.parametrize("dist_pool", [4], indirect=True)
+def test_a_group_this_rank_is_not_in_is_named(dist_pool: WorkerPool) -> None:
+    results = dist_pool.run(adopt_a_group_without_this_rank)
+    assert results[:2] == ["ok", "ok"]
+    for rank, message in enumerate(results[2:], start=2):
+        assert f"the CP group given to global rank {rank} is -100, not a process group it belongs to" in message
 
 
 @pytest.mark.parametrize("dist_pool", [4], indirect=True)

@@ -67,6 +67,13 @@ class SAPGroups:
         outer group (inner_size 1), like Megatron's plain context parallelism. ValueError when the
         groups do not form SAP's layout around this rank.
         """
+        for level, group in (("CP", cp_group), ("inner", inner_group), ("outer", outer_group)):
+            if not (isinstance(group, ProcessGroup) or (group is None and level != "CP")):
+                raise ValueError(
+                    f"the {level} group given to global rank {dist.get_rank()} is {group!r}, not a process group it "
+                    f"belongs to (torch.distributed.new_group gives ranks outside a group a placeholder): pass each "
+                    f"rank the groups that hold it"
+                )
         cp_ranks = tuple(dist.get_process_group_ranks(cp_group))
         cp_size = len(cp_ranks)
         inner_size = None if inner_group is None else inner_group.size()

@@ -61,6 +61,9 @@ def merge_into(acc_out: Tensor, acc_lse: Tensor, rows: Tensor | None, out_part: 
     in float32 avoids rounding partial sums to bf16.
     """
     n = acc_out.shape[0] if rows is None else rows.numel()
+    if acc_out.dim() != 3 or acc_lse.shape != (acc_out.shape[1], acc_out.shape[0]):
+        raise ValueError(f"merge_into: acc_lse must be [H, T] = {tuple(acc_out.shape[1::-1])} for acc_out "
+                         f"{tuple(acc_out.shape)} [T, H, D], got {tuple(acc_lse.shape)}")
     if ((rows is not None and rows.dim() != 1) or out_part.shape != (n, *acc_out.shape[1:])
             or lse_part.shape != (acc_lse.shape[0], n)):
         raise ValueError(
