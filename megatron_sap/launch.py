@@ -27,7 +27,8 @@ def main(argv: list[str]) -> None:
         raise SystemExit(0)
     script = Path(argv[0]).resolve()
     if not script.is_file():
-        raise SystemExit(f"training script {argv[0]!r} not found\n{USAGE}")
+        why = "is a directory, not a training script" if script.is_dir() else "not found"
+        raise SystemExit(f"training script {argv[0]!r} {why}\n{USAGE}")
     roots = [str(script.parent)]
     if os.environ.get("MEGATRON_LM_PATH"):
         roots.insert(0, str(Path(os.environ["MEGATRON_LM_PATH"]).resolve()))

@@ -72,6 +72,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--tokens only applies to --lengths-from/--lengths-file; --cu-seqlens gives T itself")
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
+    if args.tokens is not None and args.tokens < 1:
+        parser.error(f"--tokens must be >= 1, got {args.tokens}")
+    if args.tensor_parallel_size < 1:
+        parser.error(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     if args.rows < 1 or (args.rows > 1 and not packed):
         parser.error("--rows must be >= 1, and more than one row needs --lengths-from or --lengths-file")
     if args.cp_size is not None and (args.inner_size != 1 or args.png):
@@ -107,6 +111,8 @@ def read_lengths(path: Path) -> np.ndarray:
         raise ValueError(f"cannot read document lengths from {path}: {err}") from None
     if lengths.ndim != 1 or lengths.size == 0 or not np.issubdtype(lengths.dtype, np.integer) or (lengths < 0).any():
         raise ValueError(f"{path} must hold a non-empty list of non-negative integer document lengths")
+    if not (lengths > 0).any():
+        raise ValueError(f"{path} holds no document of one token or more (every length is 0)")
     return lengths[lengths > 0]
 
 
@@ -274,7 +280,7 @@ def draw(plan: Plan, path: Path) -> None:
     ax.set_xlabel("local token position")
     ax.set_title(
         f"{plan.strategy}: modelled {plan.stats()['modelled_time_s'] * 1e3:.3f} ms, "
-        f"ideal {plan.evaluation.ideal_s * 1e3:.3f} ms (T={plan.total_tokens}, P={R}x{plan.inner_size})",
+        f"ideal {plan.evaluation.ideal_s * 1e3:.3f} ms (T={plan.total_tokens}, U x R = {plan.inner_size} x {R})",
         fontsize=9,
     )
     fig.tight_layout()

@@ -13,7 +13,10 @@ set -euo pipefail
 : "${NPROC:=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}"  # the visible GPUs
 if [ "${NPROC:-0}" -lt 1 ]; then echo "no visible GPU (NPROC=${NPROC:-})" >&2; exit 2; fi
 : "${SAP_INNER:=$(( NPROC % 2 == 0 ? 2 : 1 ))}"
-: "${SEQ_LENGTH:=8192}"
+: "${SEQ_LENGTH:=$(( 8192 / (2 * NPROC) * 2 * NPROC ))}"  # about 8K, divisible by 2 x CP as Megatron-LM requires
+if [ $(( SEQ_LENGTH % (2 * NPROC) )) -ne 0 ]; then
+    echo "SEQ_LENGTH=$SEQ_LENGTH must be divisible by 2 x CP = $(( 2 * NPROC ))" >&2; exit 2
+fi
 : "${TRAIN_ITERS:=30}"
 SAP_OUTER=$((NPROC / SAP_INNER))
 LOG="${LOG:-smoke_train_sap.log}"

@@ -124,7 +124,10 @@ def test_levels_default_from_hierarchical_sizes(flags: str, levels: tuple[int, i
     [
         ("--context-parallel-size 8 --sap-inner-size 3", "--sap-inner-size 3 must divide --context-parallel-size 8"),
         ("--context-parallel-size 8 --sap-outer-size 16", "--sap-outer-size 16 must divide --context-parallel-size 8"),
-        ("--context-parallel-size 8 --sap-inner-size 4 --sap-outer-size 4", "must equal"),
+        ("--context-parallel-size 8 --sap-inner-size 4 --sap-outer-size 4",
+         "--sap-inner-size 4 x --sap-outer-size 4: the product must equal --context-parallel-size 8"),
+        ("--context-parallel-size 8 --hierarchical-context-parallel-sizes 2 2",
+         "--hierarchical-context-parallel-sizes 2 2: the product must equal --context-parallel-size 8"),
         ("--context-parallel-size 8 --hierarchical-context-parallel-sizes 4 2 --num-attention-heads 6 --hidden-size 384",
          r"heads of one tensor-parallel rank do not split over the SAP inner \(Ulysses\) size 4: query heads \(6\)"),
         ("--context-parallel-size 4 --sap-inner-size 2 --num-attention-heads 8 --hidden-size 512 --group-query-attention "
@@ -661,10 +664,13 @@ def test_spec_builder_hook_swaps_only_with_sap() -> None:
     assert core_attention(wrap_spec_builder(get_gpt_layer_local_spec, get_args=lambda: args)()) is not SAPDotProductAttention
 
 
-def test_launcher_rejects_a_missing_script() -> None:
+def test_launcher_rejects_a_missing_script(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-m", "megatron_sap.launch", "/nonexistent/pretrain_gpt.py"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "not found" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "megatron_sap.launch", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "is a directory, not a training script" in result.stderr
 
 
 def test_launcher_help_and_a_missing_megatron_lm(tmp_path) -> None:

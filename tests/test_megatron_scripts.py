@@ -105,3 +105,28 @@ def test_gpu_workflow_runs_existing_scripts() -> None:
     commands = " ".join(step.get("run", "") for step in steps)
     for script in ("scripts/gpu_check.sh", "scripts/smoke_train_sap.sh"):
         assert script in commands and (SCRIPTS.parent / script).is_file()
+
+
+@pytest.mark.parametrize("nproc", [1, 4, 6, 7])
+def test_smoke_script_picks_a_sequence_length_its_cp_size_divides(tmp_path: Path, nproc: int) -> None:
+    """The smoke run's default sequence length divides by 2 x CP for any GPU count (Megatron-LM's
+    check, and SAP's T / P); one given that does not is refused before anything starts. The
+    training command is recorded by a stand-in interpreter that logs two falling losses."""
+    stand_in = tmp_path / "python"
+    stand_in.write_text(
+        "#!/bin/bash\n"
+        'if [ "$1" = "-m" ]; then printf "%s\\n" "$@" > "$ARGS_FILE"; echo "lm loss: 2.0"; echo "lm loss: 1.0"; exit 0; fi\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    stand_in.chmod(0o755)
+    env = {**os.environ, "MEGATRON_LM_PATH": str(tmp_path), "PYTHON": str(stand_in), "NPROC": str(nproc),
+           "ARGS_FILE": str(tmp_path / "args"), "LOG": str(tmp_path / "log")}
+    result = subprocess.run(["bash", str(SCRIPTS / "smoke_train_sap.sh")], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    args = (tmp_path / "args").read_text().splitlines()
+    seq = int(args[args.index("--seq-length") + 1])
+    inner, outer = int(args[args.index("--sap-inner-size") + 1]), int(args[args.index("--sap-outer-size") + 1])
+    assert inner * outer == nproc and seq % (2 * nproc) == 0 and 8192 - 2 * nproc < seq <= 8192
+    refused = subprocess.run(["bash", str(SCRIPTS / "smoke_train_sap.sh")], capture_output=True, text=True,
+                             env={**env, "SEQ_LENGTH": str(seq + 1)}, timeout=120)
+    assert refused.returncode == 2 and f"must be divisible by 2 x CP = {2 * nproc}" in refused.stderr

@@ -1200,10 +1200,26 @@ def test_cli_needs_tokens_with_lengths_from(capsys):
     assert "--lengths-from and --lengths-file need --tokens" in capsys.readouterr().err
 
 
-def test_cli_names_a_negative_seed(capsys):
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lengths-from", "stdlib", "--tokens", "4096", "--seed", "-1", "--outer-size", "2"], "--seed must be >= 0, got -1"),
+        (["--lengths-from", "stdlib", "--tokens", "0", "--outer-size", "2"], "--tokens must be >= 1, got 0"),
+        (["--cu-seqlens", "0,8192", "--outer-size", "2", "--tensor-parallel-size", "-2"],
+         "--tensor-parallel-size must be >= 1, got -2"),
+    ],
+)
+def test_cli_names_a_flag_out_of_range(argv, message, capsys):
     with pytest.raises(SystemExit):
-        plan_cli(["--lengths-from", "stdlib", "--tokens", "4096", "--seed", "-1", "--outer-size", "2"])
-    assert "--seed must be >= 0, got -1" in capsys.readouterr().err
+        plan_cli(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_cli_names_a_lengths_file_of_empty_documents(tmp_path, capsys):
+    path = tmp_path / "zeros.txt"
+    path.write_text("0\n0\n")
+    assert plan_cli(["--lengths-file", str(path), "--tokens", "8192", "--outer-size", "4"]) == 2
+    assert f"{path} holds no document of one token or more" in capsys.readouterr().err
 
 
 def test_cli_shows_one_row_per_layout(capsys):

@@ -117,9 +117,9 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
     if outer is None:
         outer = cp_size // inner
     if inner < 1 or outer < 1 or inner * outer != cp_size:
-        raise ValueError(
-            f"--sap-inner-size {inner} x --sap-outer-size {outer} must equal --context-parallel-size {cp_size}"
-        )
+        given = (f"--hierarchical-context-parallel-sizes {inner} {outer}" if hierarchical
+                 else f"--sap-inner-size {inner} x --sap-outer-size {outer}")
+        raise ValueError(f"{given}: the product must equal --context-parallel-size {cp_size}")
     shape = model_shape_from_args(args)
     if shape is not None:  # at start-up, not at the first attention after the model is built
         try:
