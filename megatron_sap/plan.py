@@ -111,9 +111,10 @@ def read_lengths(path: Path) -> np.ndarray:
         raise ValueError(f"cannot read document lengths from {path}: {err}") from None
     if lengths.ndim != 1 or lengths.size == 0 or not np.issubdtype(lengths.dtype, np.integer) or (lengths < 0).any():
         raise ValueError(f"{path} must hold a non-empty list of non-negative integer document lengths")
-    if not (lengths > 0).any():
+    documents = lengths[lengths > 0]
+    if not documents.size:
         raise ValueError(f"{path} holds no document of one token or more (every length is 0)")
-    return lengths[lengths > 0]
+    return documents
 
 
 @dataclass(frozen=True)
