@@ -6,6 +6,8 @@ offending number, so a check that fires for the wrong reason does not pass.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -125,6 +127,33 @@ def test_plan_sequences_rejects_bad_options(kwargs: dict, error: type, pattern: 
 def test_cost_model_rejects_bad_fields(fields: dict, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         sap.CostModel(**fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "pattern"),
+    [
+        (dict(attention_tflops=5e-324), r"kernel times out of range: a pair's forward takes inf s with attention_tflops=4.94066e-324"),
+        (dict(attention_tflops=1e-300), r"kernel times out of range: a row's forward takes inf s"),
+        (dict(attention_tflops=1e300), r"kernel times out of range: a pair's forward takes 0 s"),
+        (dict(backward_factor=1.7e308), r"a pair's backward takes inf s .*backward_factor=1.7e\+308"),
+        (dict(pipelined_kernel_factor=1e300), r"a row's pipelined backward takes inf s"),
+        (dict(inter_node_gbps=5e-324, gpus_per_node=1), r"inter_node_gbps = 4.94066e-324 gives transfer times out of range"),
+        (dict(intra_node_gbps=1e300), r"intra_node_gbps = 1e\+300 gives transfer times out of range \(0 s per byte"),
+        (dict(message_latency_us=1.7e308), r"message_latency_us = 1.7e\+308 gives message times out of range"),
+        (dict(head_dim=10**400), r"CostModel fields too large for its times"),
+    ],
+)
+def test_cost_model_rejects_rates_whose_times_overflow_or_vanish(fields: dict, pattern: str) -> None:
+    # Each once planned (inf or NaN times: a KeyError compiling, `min()` of nothing choosing).
+    with pytest.raises(ValueError, match=pattern):
+        sap.CostModel.preset("h100", **fields)
+
+
+def test_cost_model_takes_extreme_rates_whose_times_stay_finite() -> None:
+    model = sap.CostModel.preset("h100", attention_tflops=1e-9, backward_factor=1e-9, inter_node_gbps=1e-6,
+                                 intra_node_gbps=1e9, message_latency_us=5e-324, gpus_per_node=1)
+    plan = sap.plan_sequences([0, 3, 40, 64], outer_size=4, cost_model=model, cache=None)
+    assert math.isfinite(plan.stats()["modelled_time_s"]) and plan.program(1).num_tokens == 16
 
 
 def test_cost_model_takes_numpy_numbers_and_no_latency() -> None:

@@ -19,6 +19,9 @@ import numpy as np
 
 LINK_INTRA = "intra"
 LINK_INTER = "inter"
+# The longest row the model's times must stay finite for: int32 cu_seqlens (the kernels')
+# hold fewer tokens.
+LARGEST_ROW_TOKENS = 2**31
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,40 @@ class CostModel:
             raise ValueError(
                 f"CostModel.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        self._check_times()
+
+    def _check_times(self) -> None:
+        """Finite fields can still give times that overflow to infinity or vanish to zero
+        (1e-300 TFLOP/s, a bandwidth of 1e-320 GB/s), and then every candidate's modelled
+        time is inf or NaN: the rates must keep the times of a row of up to
+        LARGEST_ROW_TOKENS tokens finite, and a pair's kernel time and a byte's transfer
+        time above zero."""
+        row = float(LARGEST_ROW_TOKENS)
+        try:
+            kernel = {
+                "a pair's forward": self.compute_seconds(1.0),
+                "a pair's backward": self.compute_seconds(1.0, backward=True),
+                "a pair's pipelined backward": self.compute_seconds(1.0, backward=True) * self.pipelined_kernel_factor,
+                "a row's forward": self.compute_seconds(row * row),
+                "a row's pipelined backward": self.compute_seconds(row * row, backward=True) * self.pipelined_kernel_factor,
+            }
+            links = {field: (1.0 / self.bandwidth(link), row * self.kv_bytes_per_token / self.bandwidth(link))
+                     for field, link in (("intra_node_gbps", LINK_INTRA), ("inter_node_gbps", LINK_INTER))}
+        except OverflowError as exc:  # integer fields too large for a float
+            raise ValueError(f"CostModel fields too large for its times: {exc}") from None
+        for what, seconds in kernel.items():
+            if not 0.0 < seconds < math.inf:
+                raise ValueError(
+                    f"CostModel kernel times out of range: {what} takes {seconds:g} s with attention_tflops="
+                    f"{self.attention_tflops:g}, backward_factor={self.backward_factor:g}, pipelined_kernel_factor="
+                    f"{self.pipelined_kernel_factor:g} and {self.num_heads} heads of {self.head_dim} (a row holds up to "
+                    f"{LARGEST_ROW_TOKENS} tokens; every time must be finite and above zero)")
+        for field, (per_byte, row_seconds) in links.items():
+            if not (0.0 < per_byte and row_seconds < math.inf):
+                raise ValueError(f"CostModel.{field} = {getattr(self, field):g} gives transfer times out of range "
+                                 f"({per_byte:g} s per byte, {row_seconds:g} s for a row's K/V)")
+        if not self.message_latency_us * 1e-6 * row < math.inf:
+            raise ValueError(f"CostModel.message_latency_us = {self.message_latency_us:g} gives message times out of range")
 
     # ---- construction -------------------------------------------------------------
     @classmethod
