@@ -732,6 +732,39 @@ def test_zigzag_deals_each_document_to_the_ranks_holding_the_fewest_extra_tokens
     assert [a + b for a, b in zip(chunks[:outer], reversed(chunks[outer:]))] == [sum(lengths) - even - e for e in held]
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([(2, 1), (3, 1), (8, 1), (4, 2), (64, 1)]),
+       st.lists(st.sampled_from([0, 1, 1, 1, 2, 3, 7, 64, 65, 127, 128, 129, 300]), max_size=60))
+def test_zigzag_layout_is_the_ring_layout_of_every_document(layout, lengths):
+    """Documents of at most R tokens (only their first slots' head chunks hold a token) are
+    kept over those slots alone, and the one-token documents left are tallied in one
+    step: the pieces and the tally are still those of every document's 2R ring chunks,
+    chunk pair i on `ranks[d][i]`."""
+    outer, inner = layout
+    lengths = [*lengths, 2000]  # the longest, which absorbs the rounding
+    total = sum(lengths) + (-sum(lengths)) % outer
+    lengths[-1] += total - sum(lengths)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+    model = CostModel.preset("h100", gpus_per_node=2 * inner)
+    zigzag = ZigzagBuild(0, starts, lengths, whole_pairs(lengths, model.tile).tolist(), total // outer, Tally(outer, inner, model))
+    placement = build_all([zigzag])["zigzag"]
+    expected, tally = [[] for _ in range(outer)], Tally(outer, inner, model)
+    for d, n in enumerate(lengths):
+        if not n:
+            continue
+        cut = Cut(zigzag.absorber_chunks, True, model.tile) if d == zigzag.absorber else ring_cut(n, outer, model.tile)
+        ranks = zigzag.ranks[d]
+        tally.add(ranks, cut)
+        for r, slot in zip(ranks, cut.slots()):
+            expected[r] += [(starts[d] + o, starts[d] + o + size) for o, size in slot]
+    assert [[(p.start, p.end) for p in held] for held in placement.ranks] == [sorted(e) for e in expected]
+    for name in ("tiles", "local", "messages", "sends_to", "receives_from", "tokens"):
+        assert getattr(placement.tally, name) == getattr(tally, name), name
+    for name in ("send_s", "recv_s"):
+        np.testing.assert_allclose(getattr(placement.tally, name), getattr(tally, name), rtol=1e-12, atol=1e-18)
+    assert placement.tally.floor_s == pytest.approx(tally.floor_s, rel=1e-12)
+
+
 @pytest.mark.parametrize("outer,inner", [(8, 1), (4, 2), (16, 1)])
 def test_a_row_of_short_documents_gives_up_the_zigzag_layout_before_laying_it_out(outer, inner):
     """Hundreds of documents shorter than 2R tokens: the zigzag layout would put each token

@@ -120,7 +120,9 @@ class ZigzagBuild(Build):
     document order. The longest document comes last and absorbs the rounding so that
     every rank ends with exactly `capacity` tokens; the layout is impossible when the
     others leave a rank over capacity. The first step lays out the slot sizes; each
-    step then cuts and tallies one document, the longest first. Its floor before the
+    step then cuts and tallies one document, the longest first (a document of n <= R
+    tokens over its n occupied slots only), and one last step all the one-token
+    documents left. Its floor before the
     first step is the larger of its transfers' (`_transfer_floor_s`) and its chunks'
     compute (`_chunk_floor_s`, from the documents' whole `costs`); then the larger of
     that and its tally's."""
@@ -172,11 +174,28 @@ class ZigzagBuild(Build):
     def step(self) -> list[Build]:
         if self.ranks is None and not self._lay_out():
             return []
-        d = self.pending.pop()
         tile, R = self.tally.model.tile, len(self.tally.tiles)
-        cut = Cut(self.absorber_chunks, True, tile) if d == self.absorber else ring_cut(self.lengths[d], R, tile)
-        record = self.records[d] = Record(d, self.starts[d], self.ranks[d], cut)
-        self.tally.add(record.ranks, record.cut)
+        d = self.pending[-1]
+        n = self.lengths[d]
+        if n == 1 and d != self.absorber:
+            # The rest are one-token documents, each whole on the first rank of its turn,
+            # nothing moved: tallied in one step (a row can hold hundreds of thousands).
+            cut = split_cut(1, 1, "contiguous", tile)
+            ranks = [self.ranks[d][0] for d in self.pending]
+            for d, r in zip(self.pending, ranks):
+                self.records[d] = Record(d, self.starts[d], (r,), cut)
+            self.tally.add_whole(ranks, [cut.costs[0]] * len(ranks))
+            self.pending = []
+        else:
+            self.pending.pop()
+            if d == self.absorber:
+                cut, ranks = Cut(self.absorber_chunks, True, tile), self.ranks[d]
+            elif n <= R:  # a token in each of the first n slots' head chunks: those slots only
+                cut, ranks = split_cut(n, n, "contiguous", tile), self.ranks[d][:n]
+            else:
+                cut, ranks = ring_cut(n, R, tile), self.ranks[d]
+            self.records[d] = Record(d, self.starts[d], ranks, cut)
+            self.tally.add(ranks, cut)
         self.floor_s = max(self._layout_floor, self.tally.floor_s)
         if not self.pending:
             records = [self.records[d] for d in sorted(self.records) if d != self.absorber] + [self.records[self.absorber]]
