@@ -392,6 +392,56 @@ def test_backward_is_deterministic_on_cpu():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+def _computed_scores(cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool) -> tuple[int, int, tuple[int, int]]:
+    """(scores the torch backend's tiles compute, scores the rows see, tile sizes) of one call."""
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    plan = torch_backend._build_plan(cu_q.long(), cu_k.long(), causal, total_q, total_k, torch.device("cpu"))
+    return sum(plan.active) * plan.block_q * plan.block_k, int((plan.hi - plan.lo).sum()), (plan.block_q, plan.block_k)
+
+
+def test_segments_that_tiles_straddle_get_smaller_tiles():
+    """Segments of a few hundred rows (a rank's pieces of several documents) straddle tiles
+    of 128, their typical size: smaller tiles compute far fewer masked scores. Long
+    segments keep the large tiles."""
+    pieces = _cu([200, 300, 150, 400, 250, 180, 320, 248])
+    computed, visible, blocks = _computed_scores(pieces, pieces, causal=True)
+    assert blocks[0] < 128 and computed < 1.7 * visible
+    keys = _cu([700, 1000, 450, 1200, 900, 500, 1100, 800])  # full blocks: each piece over its earlier keys
+    computed, visible, blocks = _computed_scores(pieces, keys, causal=False)
+    assert blocks[0] < 128 and computed < 1.3 * visible
+    long = _cu([3000, 5000])
+    assert _computed_scores(long, long, causal=True)[2] == (128, 128)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("blocks", [(16, 16), (32, 32), (64, 64), (128, 128), (16, 128), (128, 32)])
+def test_every_tile_size_matches_the_dense_reference(monkeypatch, causal, blocks):
+    """The result does not depend on the tile sizes a call is computed in: each of them, on
+    query boundaries that differ from the key ones (each segment's queries the last rows of
+    its document, bottom-right causal), against the float64 reference of the whole documents."""
+    monkeypatch.setattr(torch_backend, "_block_size", lambda lengths, sizes=iter(blocks * 2): next(sizes))
+    monkeypatch.setattr(torch_backend, "BLOCK_CHOICES", ())
+    torch_backend._plans.clear()
+    gen = torch.Generator().manual_seed(sum(blocks) + causal)
+    len_q, len_k = [37, 0, 150, 1, 90, 64], [80, 3, 150, 9, 200, 64]
+    cu_q, cu_k = _cu(len_q), _cu(len_k)
+    rows = torch.cat([torch.arange(int(end) - n, int(end)) for n, end in zip(len_q, cu_k[1:])])
+    q_all = _random(sum(len_k), 4, 8, torch.float64, gen)
+    k, v = (_random(sum(len_k), 2, 8, torch.float64, gen) for _ in range(2))
+    dout = _random(sum(len_q), 4, 8, torch.float64, gen)
+    leaves = [t.clone().requires_grad_() for t in (q_all, k, v)]
+    ref_out, ref_lse = dense_attention(*leaves, cu_k, causal=causal)
+    ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref_out[rows], leaves, dout)
+    q = q_all[rows]
+    out, lse = varlen_forward(q, k, v, cu_q, cu_k, max(len_q), max(len_k), causal=causal)
+    assert next(reversed(torch_backend._plans.values())).block_q == blocks[0]
+    grads = varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(len_q), max(len_k), causal=causal)
+    wanted = (ref_out[rows], ref_lse[:, rows], ref_dq[rows], ref_dk, ref_dv)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), wanted):
+        _close(got, want.detach(), torch.float64, name)
+    torch_backend._plans.clear()
+
+
 def test_plan_cache_is_bounded():
     q = torch.randn(8, 1, 4)
     for n in range(torch_backend.PLAN_CACHE_SIZE + 5):
