@@ -12,7 +12,7 @@ def megatron_core_version() -> tuple[int, int]:
 
 
 def packed_get_batch() -> bool:
-    """Whether Megatron-LM's `pretrain_gpt.get_batch` has a packed (THD) path (core_v0.16), found
+    """Whether Megatron-LM's `pretrain_gpt.get_batch` has a packed (THD) path (core_v0.16, core_v0.17), found
     by the split it calls there; before, the SAP hooks split every row themselves."""
     return hasattr(core_utils, "get_thd_batch_on_this_cp_rank")
 
