@@ -7,8 +7,10 @@ Python loop over documents. Tile sizes are powers of two from 16 to 128, near
 the length of the segment an average token belongs to: short documents get
 small tiles, which wastes less work on masked scores. Where those tiles would
 still compute over 1/8 more scores than the rows see (segments of a few hundred
-rows, which tiles of 128 straddle), smaller equal tiles are weighed too, and
-the sizes that compute the call fastest by a per-tile overhead are taken.
+rows, which tiles of 128 straddle), those sizes and smaller equal ones are
+weighed, each with the rows one after another or with every segment starting a
+tile of its own (padding slots at each segment's end, as flash kernels tile segments), and
+the layout that computes the call fastest by a per-tile overhead is taken.
 
 Query row i of segment s may see the key interval [lo_i, hi_i): the keys of
 segment s, cut by the bottom-right causal bound when causal. Both ends are
@@ -92,12 +94,18 @@ class _TilePlan:
     chunk of work is a rectangle of the table: accumulators are updated through
     slices, not scatters. Entries past a tile's count hold the dummy tile
     n_k_tiles, whose keys lie beyond every row's visible interval.
+
+    Rows lie in their tiles one after another (row i at slot i), or, where each
+    segment starts a tile of its own (`q_slots`, `k_slots`: the slot of every row),
+    with padding slots at each segment's end; row_lo and row_hi are in key slots.
     """
 
     block_q: int
     block_k: int
     n_q_tiles: int
     n_k_tiles: int
+    q_slots: Tensor | None  # [total_q] int64: the slot of each query row; None: row i at slot i
+    k_slots: Tensor | None  # [total_k] int64: likewise for the keys
     order: Tensor  # [n_q_tiles] int64: q tile at each compute position
     inverse: Tensor  # [n_q_tiles] int64: compute position of each q tile
     lo: Tensor  # [total_q] int64: first key row each query row sees
@@ -132,37 +140,70 @@ def _tile_pairs(lo: Tensor, hi: Tensor, n_q_tiles: int, block_q: int, block_k: i
     return pair_q[keep], pair_k[keep]
 
 
-def _padded_intervals(lo: Tensor, hi: Tensor, total_q: int, total_k: int, block_q: int) -> tuple[int, Tensor, Tensor]:
-    """(n_q_tiles, lo, hi) with the padding rows of the last q tile seeing nothing (the interval at total_k)."""
-    n_q_tiles = -(-total_q // block_q)
-    padding = torch.full((n_q_tiles * block_q - total_q,), total_k, dtype=torch.int64)
-    return n_q_tiles, torch.cat([lo, padding]), torch.cat([hi, padding])
+def _segment_slots(cu: Tensor, block: int) -> tuple[int, Tensor]:
+    """(tiles, slot of each row) when every segment starts a tile of its own."""
+    lengths = torch.diff(cu)
+    tiles = -(-lengths // block)
+    first_tile = torch.cumsum(tiles, 0) - tiles
+    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    rows = torch.arange(int(cu[-1]))
+    return int(tiles.sum()), first_tile[seg] * block + rows - cu[seg]
 
 
-def _choose_blocks(lo: Tensor, hi: Tensor, len_q: Tensor, len_k: Tensor, total_q: int, total_k: int
-                   ) -> tuple[int, int, int, Tensor, Tensor, Tensor, Tensor]:
-    """Tile sizes for a call: those near each side's typical segment (`_block_size`), unless
-    their tiles compute over 1/8 more scores than the rows see; then the sizes among those
-    and the smaller equal ones of BLOCK_CHOICES that compute the call fastest, each kept
-    (q tile, k tile) pair costing its block_q * block_k scores plus TILE_OVERHEAD_SCORES.
-    Tiles over segment boundaries compute masked scores, so a call of many short segments
-    (a rank's pieces of several documents) runs fastest on smaller tiles than its typical
-    segment suggests. Returns the sizes with n_q_tiles, the padded intervals and the kept
-    pairs."""
-    typical = (_block_size(len_q), _block_size(len_k))
+def _slot_intervals(lo: Tensor, hi: Tensor, q_slots: Tensor | None, k_slots: Tensor | None, n_q_tiles: int,
+                    block_q: int, total_k: int) -> tuple[Tensor, Tensor]:
+    """Each query slot's key interval in key slots; a padding slot sees nothing (an empty
+    interval where the row before it ends, so that both ends stay non-decreasing)."""
+    if k_slots is not None:
+        end = torch.cat([k_slots + 1, k_slots.new_tensor([int(k_slots[-1]) + 1 if total_k else 0])])
+        start = torch.cat([k_slots, end[-1:]])
+        lo, hi = start[lo], torch.where(hi > lo, end[hi - 1], start[lo])
+    slots = n_q_tiles * block_q
+    if q_slots is None:
+        padding = torch.full((slots - lo.numel(),), total_k, dtype=torch.int64)
+        return torch.cat([lo, padding]), torch.cat([hi, padding])
+    slot_hi = torch.full((slots,), -1, dtype=torch.int64).index_copy_(0, q_slots, hi)
+    slot_hi = torch.cummax(slot_hi.clamp_min(0), 0).values  # padding: the hi of the row before it
+    slot_lo = slot_hi.clone().index_copy_(0, q_slots, lo)
+    return slot_lo, slot_hi
+
+
+def _choose_blocks(lo: Tensor, hi: Tensor, cu_q: Tensor, cu_k: Tensor) -> tuple:
+    """The tile layout for a call: tiles near each side's typical segment (`_block_size`),
+    rows one after another, unless those tiles compute over 1/8 more scores than the rows
+    see; then, of those sizes and the smaller equal ones of BLOCK_CHOICES, each with rows one
+    after another or each segment starting a tile of its own, the layout that computes the
+    call fastest, each kept (q tile, k tile) pair costing its block_q * block_k scores plus
+    TILE_OVERHEAD_SCORES. Tiles over segment boundaries compute masked scores, so a call of
+    many short segments (a rank's pieces of several documents) runs fastest on smaller or
+    segment-aligned tiles. Returns (block_q, block_k, n_q_tiles, n_k_tiles, q_slots, k_slots,
+    slot_lo, slot_hi, pair_q, pair_k)."""
+    typical = (_block_size(torch.diff(cu_q)), _block_size(torch.diff(cu_k)))
     visible = int((hi - lo).sum())
-    options = [typical] + [(b, b) for b in BLOCK_CHOICES if b < max(typical)]
-    best = None
-    for block_q, block_k in options:
-        n_q_tiles, lo_p, hi_p = _padded_intervals(lo, hi, total_q, total_k, block_q)
-        pair_q, pair_k = _tile_pairs(lo_p, hi_p, n_q_tiles, block_q, block_k)
-        scores = pair_q.numel() * block_q * block_k
-        cost = scores + pair_q.numel() * TILE_OVERHEAD_SCORES
-        if best is None or cost < best[0]:
-            best = (cost, block_q, block_k, n_q_tiles, lo_p, hi_p, pair_q, pair_k)
-        if (block_q, block_k) == typical and 8 * scores <= 9 * visible:  # little masked: keep them
-            break
-    return best[1:]
+    sizes = [typical] + [(b, b) for b in BLOCK_CHOICES if b < max(typical)]
+    best, best_cost = None, None
+    for (block_q, block_k), aligned in [(size, False) for size in sizes] + [(size, True) for size in sizes]:
+        layout = _tile_layout(lo, hi, cu_q, cu_k, block_q, block_k, aligned)
+        pairs = layout[-1].numel()
+        cost = pairs * (block_q * block_k + TILE_OVERHEAD_SCORES)
+        if best is None or cost < best_cost:
+            best, best_cost = layout, cost
+        if (block_q, block_k) == typical and not aligned and 8 * pairs * block_q * block_k <= 9 * visible:
+            break  # little masked: keep them
+    return best
+
+
+def _tile_layout(lo: Tensor, hi: Tensor, cu_q: Tensor, cu_k: Tensor, block_q: int, block_k: int, aligned: bool) -> tuple:
+    """`_choose_blocks`'s result for these tile sizes, rows one after another or (`aligned`)
+    each segment starting a tile of its own."""
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    if aligned:
+        (n_q_tiles, q_slots), (n_k_tiles, k_slots) = _segment_slots(cu_q, block_q), _segment_slots(cu_k, block_k)
+    else:
+        n_q_tiles, n_k_tiles, q_slots, k_slots = -(-total_q // block_q), -(-total_k // block_k), None, None
+    slot_lo, slot_hi = _slot_intervals(lo, hi, q_slots, k_slots, n_q_tiles, block_q, total_k)
+    pair_q, pair_k = _tile_pairs(slot_lo, slot_hi, n_q_tiles, block_q, block_k)
+    return block_q, block_k, n_q_tiles, n_k_tiles, q_slots, k_slots, slot_lo, slot_hi, pair_q, pair_k
 
 
 def _build_plan(cu_q: Tensor, cu_k: Tensor, causal: bool, total_q: int, total_k: int, device: torch.device) -> _TilePlan:
@@ -176,8 +217,7 @@ def _build_plan(cu_q: Tensor, cu_k: Tensor, causal: bool, total_q: int, total_k:
         pos = torch.arange(total_q) - cu_q[seg]
         hi = torch.maximum(torch.minimum(hi, lo + pos + (len_k - len_q)[seg] + 1), lo)
     rows_lo, rows_hi = lo, hi
-    block_q, block_k, n_q_tiles, lo, hi, pair_q, pair_k = _choose_blocks(lo, hi, len_q, len_k, total_q, total_k)
-    n_k_tiles = -(-total_k // block_k)
+    block_q, block_k, n_q_tiles, n_k_tiles, q_slots, k_slots, lo, hi, pair_q, pair_k = _choose_blocks(lo, hi, cu_q, cu_k)
 
     count = torch.bincount(pair_q, minlength=n_q_tiles)
     order = torch.argsort(count, descending=True, stable=True)
@@ -192,6 +232,8 @@ def _build_plan(cu_q: Tensor, cu_k: Tensor, causal: bool, total_q: int, total_k:
         block_k=block_k,
         n_q_tiles=n_q_tiles,
         n_k_tiles=n_k_tiles,
+        q_slots=None if q_slots is None else q_slots.to(device),
+        k_slots=None if k_slots is None else k_slots.to(device),
         order=order.to(device),
         inverse=inverse.to(device),
         lo=rows_lo.to(device),
@@ -253,7 +295,10 @@ def _q_tiles(x: Tensor, plan: _TilePlan, heads_kv: int, dtype: torch.dtype, fill
     total, heads_q, *rest = x.shape
     groups = heads_q // heads_kv
     padded = x.new_full((plan.n_q_tiles * plan.block_q, heads_q, *rest), fill, dtype=dtype)
-    padded[:total] = x
+    if plan.q_slots is None:
+        padded[:total] = x
+    else:
+        padded.index_copy_(0, plan.q_slots, x.to(dtype))
     tiles = padded.view(plan.n_q_tiles, plan.block_q, heads_kv, groups, *rest).movedim(1, 3)
     return tiles.reshape(plan.n_q_tiles, heads_kv, groups * plan.block_q, *rest).index_select(0, plan.order)
 
@@ -262,21 +307,26 @@ def _q_rows(tiles: Tensor, plan: _TilePlan, total: int, heads_q: int) -> Tensor:
     """Inverse of _q_tiles: [n_q_tiles, Hkv, G * block_q, *rest] in compute order -> [total, Hq, *rest]."""
     n_tiles, heads_kv, _, *rest = tiles.shape
     tiles = tiles.index_select(0, plan.inverse).view(n_tiles, heads_kv, heads_q // heads_kv, plan.block_q, *rest)
-    return tiles.movedim(3, 1).reshape(n_tiles * plan.block_q, heads_q, *rest)[:total]
+    rows = tiles.movedim(3, 1).reshape(n_tiles * plan.block_q, heads_q, *rest)
+    return rows[:total] if plan.q_slots is None else rows.index_select(0, plan.q_slots)
 
 
 def _k_tiles(x: Tensor, plan: _TilePlan, dtype: torch.dtype) -> Tensor:
     """[Tk, Hkv, D] -> [n_k_tiles + 1, Hkv, block_k, D], zero padded; the last tile is the dummy."""
     total, heads_kv, dim = x.shape
     padded = x.new_zeros(((plan.n_k_tiles + 1) * plan.block_k, heads_kv, dim), dtype=dtype)
-    padded[:total] = x
+    if plan.k_slots is None:
+        padded[:total] = x
+    else:
+        padded.index_copy_(0, plan.k_slots, x.to(dtype))
     return padded.view(plan.n_k_tiles + 1, plan.block_k, heads_kv, dim).transpose(1, 2).contiguous()
 
 
-def _k_rows(tiles: Tensor, total: int) -> Tensor:
+def _k_rows(tiles: Tensor, plan: _TilePlan, total: int) -> Tensor:
     """Inverse of _k_tiles."""
     n_tiles, heads_kv, block_k, dim = tiles.shape
-    return tiles.transpose(1, 2).reshape(n_tiles * block_k, heads_kv, dim)[:total]
+    rows = tiles.transpose(1, 2).reshape(n_tiles * block_k, heads_kv, dim)
+    return rows[:total] if plan.k_slots is None else rows.index_select(0, plan.k_slots)
 
 
 def _gather_keys(tiles: Tensor, k_idx: Tensor) -> Tensor:
@@ -473,7 +523,7 @@ def backward(
         _scatter_keys(dk_t, k_idx, torch.matmul(dscores.transpose(-1, -2), q_c))
 
     dq = _q_rows(dq_t.mul_(softmax_scale), plan, total_q, heads_q).to(q.dtype)
-    dk, dv = _k_rows(dk_t, total_k).to(k.dtype), _k_rows(dv_t, total_k).to(v.dtype)
+    dk, dv = _k_rows(dk_t, plan, total_k).to(k.dtype), _k_rows(dv_t, plan, total_k).to(v.dtype)
     if exact:
         for grad, bad in zip((dq, dk, dv), poison):
             grad.masked_fill_(bad if bad.dim() == 3 else bad[..., None], float("nan"))
