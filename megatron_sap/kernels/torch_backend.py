@@ -1,16 +1,17 @@
 """Varlen attention in plain PyTorch: tiled, vectorised, bounded memory, CPU or GPU.
 
-The query rows of a call are cut into fixed tiles of block_q rows and the key
-rows into tiles of block_k rows, regardless of segment boundaries, so a batch
-of thousands of one-token documents costs a handful of tiles rather than a
-Python loop over documents. Tile sizes are powers of two from 16 to 128, near
+The query rows of a call are cut into tiles of block_q rows and the key rows
+into tiles of block_k rows, by default regardless of segment boundaries, so a
+batch of thousands of one-token documents costs a handful of tiles rather than
+a Python loop over documents. Tile sizes are powers of two from 16 to 128, near
 the length of the segment an average token belongs to: short documents get
 small tiles, which wastes less work on masked scores. Where those tiles would
 still compute over 1/8 more scores than the rows see (segments of a few hundred
 rows, which tiles of 128 straddle), those sizes and smaller equal ones are
 weighed, each with the rows one after another or with every segment starting a
-tile of its own (padding slots at each segment's end, as flash kernels tile segments), and
-the layout that computes the call fastest by a per-tile overhead is taken.
+tile of its own (padding slots at each segment's end, as flash kernels tile
+segments), and the layout that computes the call fastest by a per-tile overhead
+is taken.
 
 Query row i of segment s may see the key interval [lo_i, hi_i): the keys of
 segment s, cut by the bottom-right causal bound when causal. Both ends are
