@@ -274,21 +274,7 @@ def _gathered_backward(ctx, program: RankProgram, dout, q, k, v, out, lse, saved
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, groups: SAPGroups | None) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q and k/v must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
-    if q.shape[2] == 0:
-        raise ValueError(f"head_dim must be positive, got shape {tuple(q.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    check_qkv(q, k, v)
     if not isinstance(plan, Plan):
         raise ValueError(f"plan must be a megatron_sap Plan from plan_sequences, got {type(plan).__name__}")
     if groups is not None and not all(hasattr(groups, a) for a in ("world_size", "inner_size", "cp_rank")):
@@ -307,6 +293,26 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
                 f"{plan.total_tokens}/{plan.world_size} = {plan.local_tokens}"
             )
     check_heads(q.shape[1], k.shape[1], inner)
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q [tokens, Hq, D] and k/v [tokens, Hkv, D]: one dtype and device, k and v alike, a
+    positive head_dim shared by all, query heads a multiple of key/value heads."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k/v must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
+    if q.shape[2] == 0:
+        raise ValueError(f"head_dim must be positive, got shape {tuple(q.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
 
 
 def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: SAPGroups | None) -> None:
@@ -452,8 +458,11 @@ def sap_attention(
         raise ValueError("sap_attention computes causal attention only (causal=False is not supported)")
     _check_inputs(q, k, v, plan, groups)
     check_schedule(schedule, allow_auto=True)
-    if not isinstance(recompute_kv, bool):
-        raise TypeError(f"recompute_kv must be True or False, got {recompute_kv!r}")
+    for name, flag in (("recompute_kv", recompute_kv), ("check_agreement", check_agreement)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if check_finite is not None and not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be True, False or None (MEGATRON_SAP_CHECK_FINITE), got {check_finite!r}")
     scale = resolve_softmax_scale(q.shape[2], softmax_scale)
     # The backend and dtype are checked here, before any exchange is posted: an error
     # raised between posting and waiting would leave the peers' transfers pending.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import _accumulation_dtype, _backward_calls, _forward_calls, _local_forward, _write_forward
+from .attention import _accumulation_dtype, _backward_calls, _forward_calls, _local_forward, _write_forward, check_qkv
 from .kernels import resolve_softmax_scale
 from .planning import Plan
 
@@ -78,12 +78,15 @@ def simulate_plan(
     schedule: str = "pipelined",
 ) -> SimulatedResult:
     """Causal attention of the whole packed batch (q [T, Hq, D], k/v [T, Hkv, D]) by `plan`'s programs
-    in `schedule`.
+    in `schedule` ("auto": each outer rank in `plan.schedule(outer_rank)`, as `sap_attention` runs).
 
     With `dout`, also the gradients. Per-rank kernel time is recorded (CUDA events on GPU).
     """
+    if not isinstance(plan, Plan):
+        raise ValueError(f"plan must be a megatron_sap Plan from plan_sequences, got {type(plan).__name__}")
+    check_qkv(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3 or t.shape[0] != plan.total_tokens:
+        if t.shape[0] != plan.total_tokens:
             raise ValueError(f"{name} must be the whole batch [T={plan.total_tokens}, heads, head_dim], "
                              f"got shape {tuple(t.shape)}")
     scale = resolve_softmax_scale(q.shape[2], softmax_scale)
@@ -103,11 +106,12 @@ def simulate_plan(
         return kvs[step.recv_peer].index_select(0, sender_step(step.recv_peer, step.round).send_rows)
 
     outs, lses, fwd_timers = [], [], []
+    gathered = [program.schedule == "gathered" for program in programs]
     for r in range(R):
         recvs = [received(s) if s.recv_tokens else None for s in programs[r].transfers]
-        source = _source(kvs[r], recvs) if schedule == "gathered" else None  # the executor receives into it
+        source = _source(kvs[r], recvs) if gathered[r] else None  # the executor receives into it
         t0 = start()
-        if schedule == "gathered":
+        if gathered[r]:
             acc_out = torch.empty_like(qs[r])
             acc_lse = torch.empty((q.shape[1], len(qs[r])), dtype=acc_dtype, device=device)
             _write_forward(programs[r].local_calls, qs[r], kvs[r], acc_out, acc_lse, scale, backend)
@@ -136,9 +140,9 @@ def simulate_plan(
         douts = dout.index_select(0, idx[r])
         recvs = [received(s) if s.recv_tokens else None for s in programs[r].transfers]
         grads = []
-        source = _source(kvs[r], recvs) if schedule == "gathered" else None  # kept from forward by the executor
+        source = _source(kvs[r], recvs) if gathered[r] else None  # kept from forward by the executor
         t0 = start()
-        if schedule == "gathered":
+        if gathered[r]:
             grad_source = torch.zeros(source.shape, dtype=acc_dtype, device=device)
             for step in programs[r].transfers:
                 _backward_calls(step.calls, douts, qs[r], outs[r], lses[r], source, dqs[r], grad_source, scale, backend)
@@ -148,7 +152,7 @@ def simulate_plan(
                 if step.recv_tokens:
                     grads.append((step, grad))
         for step, recv in zip(programs[r].transfers, recvs):  # the executor's order: remote blocks first
-            if recv is not None and schedule == "pipelined":
+            if recv is not None and not gathered[r]:
                 grad = torch.zeros(recv.shape, dtype=acc_dtype, device=device)
                 _backward_calls(step.calls, douts, qs[r], outs[r], lses[r], recv, dqs[r], grad, scale, backend)
                 grads.append((step, grad))

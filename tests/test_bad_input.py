@@ -15,7 +15,7 @@ import torch
 import megatron_sap as sap
 from megatron_sap.comm.groups import SAPGroups
 from megatron_sap.kernels import varlen_backward, varlen_forward
-from megatron_sap.planning import PlanCache
+from megatron_sap.planning import CostModel, PlanCache
 from megatron_sap.reference import dense_attention
 
 
@@ -308,6 +308,65 @@ def test_sap_attention_rejects_other_groups_and_flags() -> None:
         sap.sap_attention(q, k, v, plan, recompute_kv="yes")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        (dict(check_finite="no"), r"check_finite must be True, False or None \(MEGATRON_SAP_CHECK_FINITE\), got 'no'"),
+        (dict(check_finite=1), r"check_finite must be True, False or None .*, got 1"),
+        (dict(check_agreement="no"), r"check_agreement must be True or False, got 'no'"),
+        (dict(softmax_scale="0.3"), r"softmax_scale must be a finite number, got '0.3'"),
+        (dict(softmax_scale=b"0.3"), r"softmax_scale must be a finite number, got b'0.3'"),
+        (dict(softmax_scale=True), r"softmax_scale must be a finite number, got True"),
+        (dict(softmax_scale=1 + 0j), r"softmax_scale must be a finite number, got \(1\+0j\)"),
+    ],
+)
+def test_sap_attention_rejects_flags_and_scales_of_another_type(kwargs: dict, pattern: str) -> None:
+    """A string flag would read as True (and the finite check is collective: a flag that
+    differs between ranks hangs them), a string or bool scale as a number."""
+    with pytest.raises(TypeError, match=pattern):
+        sap.sap_attention(*_qkv(8), _plan([0, 8]), **kwargs)
+
+
+def test_sap_attention_takes_numpy_and_integer_scales() -> None:
+    q, k, v = _qkv(8)
+    plan = _plan([0, 8])
+    want = sap.sap_attention(q, k, v, plan, softmax_scale=0.5)
+    for scale in (np.float32(0.5), np.float64(0.5)):
+        assert torch.equal(sap.sap_attention(q, k, v, plan, softmax_scale=scale), want)
+    sap.sap_attention(q, k, v, plan, softmax_scale=1)
+
+
+def test_plan_methods_reject_a_non_bool_recompute_kv_and_an_absent_device() -> None:
+    plan = _plan([0, 5, 16], outer=2)
+    with pytest.raises(TypeError, match="recompute_kv must be True or False, got 'no'"):
+        plan.schedule(0, recompute_kv="no")
+    with pytest.raises(TypeError, match="recompute_kv must be True or False, got 0"):
+        plan.program(0, schedule="pipelined", recompute_kv=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device cuda:0 is not available here \(torch.cuda.is_available\(\) is False\)"):
+            plan.program(0, device="cuda:0")
+
+
+def test_memory_bytes_takes_a_preset_by_name() -> None:
+    plan = _plan([0, 5, 16], outer=2)
+    assert plan.memory_bytes(1, "h200") == plan.memory_bytes(1, CostModel.preset("h200"))
+    with pytest.raises(TypeError, match="cost_model must be a CostModel or a preset name, got int"):
+        plan.memory_bytes(1, 3)
+
+
+def test_simulate_plan_checks_its_tensors_as_sap_attention_does() -> None:
+    from megatron_sap.simulate import simulate_plan
+
+    plan = _plan([0, 5, 16], outer=2)
+    q, k, v = _qkv(16)
+    with pytest.raises(ValueError, match=r"head_dim must be positive"):
+        simulate_plan(q[..., :0], k[..., :0], v[..., :0], plan)
+    with pytest.raises(ValueError, match=r"k and v must have the same shape, got \(16, 2, 8\) and \(16, 2, 4\)"):
+        simulate_plan(q, k, v[..., :4], plan)
+    with pytest.raises(ValueError, match=r"plan must be a megatron_sap Plan from plan_sequences, got list"):
+        simulate_plan(q, k, v, [0, 16])
+
+
 def test_simulate_plan_needs_the_whole_batch() -> None:
     from megatron_sap.simulate import simulate_plan
 
@@ -561,6 +620,17 @@ def _split(cu: list[int], batch: dict[str, torch.Tensor] | None = None, groups: 
 def test_batch_splitter_rejects_bad_cu_seqlens(cu: list[int], pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         _split(cu)
+
+
+def test_batch_splitter_rejects_arguments_of_another_kind() -> None:
+    from megatron_sap.megatron import sap_split_batch
+
+    row = torch.arange(8).unsqueeze(0)
+    with pytest.raises(TypeError, match="cp_group must be a CP process group, SAPGroups or None, got int"):
+        sap_split_batch({"tokens": row}, [0, 8], 3)
+    for batch in ([row], row):
+        with pytest.raises(TypeError, match=r"batch must be a mapping of names to \[1, T\] tensors .*, got (list|Tensor)"):
+            sap_split_batch(batch, [0, 8])
 
 
 def test_batch_splitter_rejects_bad_batches() -> None:

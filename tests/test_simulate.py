@@ -40,6 +40,22 @@ def simulation_matching_reference(cu: list[int], plan: sap.Plan, seed: int):
     return sim
 
 
+def test_each_rank_runs_its_own_schedule_under_auto():
+    """schedule="auto": every outer rank's program in the schedule it runs by default, as
+    `sap_attention` does, on a plan whose ranks do not all choose alike."""
+    cu = [0, 138, 408]
+    plan = sap.plan_sequences(cu, outer_size=4, inner_size=2, cost_model="cpu", cache=None)
+    schedules = [plan.schedule(r) for r in range(4)]
+    assert set(schedules) == {"pipelined", "gathered"}, schedules
+    q, k, v, dout = make_inputs(cu, 4, 2, 8, seed=5)
+    sim = simulate_plan(q, k, v, plan, dout, schedule="auto")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    ref, _ = dense_attention(q, k, v, torch.tensor(cu), causal=True)
+    ref.backward(dout)
+    for got, want in ((sim.out, ref), (sim.dq, q.grad), (sim.dk, k.grad), (sim.dv, v.grad)):
+        assert (got - want).abs().max().item() < 1e-10
+
+
 def test_simulation_takes_inputs_that_require_grad():
     """The simulated programs compute gradients themselves; inputs tracked by autograd are fine."""
     cu = [0, 7, 30, 31, 64]

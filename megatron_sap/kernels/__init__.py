@@ -158,8 +158,11 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
 
 
 def resolve_softmax_scale(head_dim: int, softmax_scale: float | None) -> float:
-    """The scale of the scores: `softmax_scale`, default head_dim ** -0.5; checked finite
-    (a NaN or infinite scale would make every output NaN)."""
+    """The scale of the scores: `softmax_scale`, default head_dim ** -0.5; checked a finite
+    real number (a NaN or infinite scale would make every output NaN; a string or a bool is
+    a mistake that `float` would accept)."""
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)):
+        raise TypeError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")

@@ -38,6 +38,8 @@ def resolve_groups(cp_group: GroupsLike) -> Optional["sap.SAPGroups"]:
     """
     if isinstance(cp_group, sap.SAPGroups):
         return cp_group if cp_group.world_size > 1 else None
+    if cp_group is not None and not isinstance(cp_group, dist.ProcessGroup):
+        raise TypeError(f"cp_group must be a CP process group, SAPGroups or None, got {type(cp_group).__name__}")
     megatron_ready = parallel_state.model_parallel_is_initialized()
     if cp_group is None:
         return sap_groups_from_parallel_state() if megatron_ready else None
@@ -114,6 +116,8 @@ def sap_split_batch(
     host, as the hooks read them from the data loader's CPU copy) is planned from without a
     device read; a device tensor is read back, which waits for the GPU.
     """
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch must be a mapping of names to [1, T] tensors (the batch dict), got {type(batch).__name__}")
     lengths = {key: value.shape for key, value in batch.items() if _is_token_tensor(key, value)}
     if not lengths:
         raise ValueError("batch holds no tensors to split")

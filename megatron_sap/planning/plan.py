@@ -188,9 +188,12 @@ class Plan:
         `self.schedule(outer_rank, recompute_kv)`."""
         check_schedule(schedule, allow_auto=True)
         outer_rank = self._check_outer(outer_rank)
+        _check_recompute_kv(recompute_kv)
         if schedule == "auto":
             schedule = self.schedule(outer_rank, recompute_kv)
         device = torch.device(device or "cpu")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device} is not available here (torch.cuda.is_available() is False)")
         key = (outer_rank, str(device), schedule)
         if key not in self._programs:
             cpu_key = (outer_rank, "cpu", schedule)
@@ -238,7 +241,7 @@ class Plan:
 
     def _timing(self, outer_rank: int, recompute_kv: bool = False) -> dict[str, RankSchedule]:
         """An outer rank's modelled times in each schedule (`timeline`), computed once."""
-        key = (self._check_outer(outer_rank), bool(recompute_kv))
+        key = (self._check_outer(outer_rank), _check_recompute_kv(recompute_kv))
         if key not in self._timings:
             self._timings[key] = {
                 s: rank_schedule(self.program(key[0], schedule=s), self.inner_size, self.capacity, self.cost_model,
@@ -308,10 +311,11 @@ class Plan:
         }
 
 
-    def memory_bytes(self, outer_rank: int, cost_model: CostModel | None = None,
+    def memory_bytes(self, outer_rank: int, cost_model: CostModel | str | None = None,
                      schedule: str = "auto") -> dict[str, float]:
         """Modelled extra memory of the op on one rank of an outer group (docs/architecture.md),
-        in `schedule` ("auto": the rank's `schedule`).
+        in `schedule` ("auto": the rank's `schedule`), for the shape of `cost_model` (a
+        CostModel or a preset name; default the plan's).
 
         Buffers alive at the peak of the forward and of the backward pass, beyond q, k,
         v and the output, for the cost model's shape; accumulators are fp32. Kernel
@@ -319,7 +323,7 @@ class Plan:
         `recompute_kv`, so do the backward's copies of the rows sent again (as many as
         the forward's).
         """
-        m = cost_model or self.cost_model
+        m = self.cost_model if cost_model is None else _cost_model(cost_model)
         outer_rank = self._check_outer(outer_rank)
         gathered = (self.schedule(outer_rank) if schedule == "auto" else check_schedule(schedule)) == "gathered"
         U = self.inner_size
@@ -435,6 +439,13 @@ def _outmoved(build: Build, floor_s: float, evaluated: list[tuple[int, Placement
     fastest time; it can never be chosen."""
     tokens = build.tally.tokens
     return any(ev.makespan_s <= floor_s and ev.traffic_total < tokens for _, _, ev in evaluated)
+
+
+def _check_recompute_kv(recompute_kv: bool) -> bool:
+    """`recompute_kv`, checked a bool (a string such as "no" would read as True)."""
+    if not isinstance(recompute_kv, bool):
+        raise TypeError(f"recompute_kv must be True or False, got {recompute_kv!r}")
+    return recompute_kv
 
 
 def _cost_model(cost_model: CostModel | str | None) -> CostModel:
