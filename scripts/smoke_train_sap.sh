@@ -6,6 +6,10 @@
 # CP = all visible GPUs (NPROC), split SAP_INNER x (NPROC / SAP_INNER). Mock documents of random
 # lengths end in EOD; --reset-position-ids makes them separate documents for SAP. Fails unless
 # every logged loss is finite and the last one is below the first.
+#
+# Variables: NPROC (the visible GPUs), SAP_INNER (2 where NPROC is even, else 1), SEQ_LENGTH
+# (about 8K, a multiple of 2 x CP), TRAIN_ITERS (30), LOG (the run's output, default
+# ./smoke_train_sap.log), PYTHON (python).
 set -euo pipefail
 
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to core_v0.19)}"

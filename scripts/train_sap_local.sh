@@ -6,7 +6,9 @@
 #                                           # GPUs: the SLURM job's Megatron-LM training, one node
 #
 # CPU variables: NPROC (4), SAP_INNER (2), SAP_OUTER (NPROC / SAP_INNER), STEPS (20).
-# CUDA variables: those of sap_llama3_8b_flags.sh; NPROC defaults to the visible GPU count.
+# CUDA variables: those of sap_llama3_8b_flags.sh, with one node's defaults in place of its
+# own: NPROC the visible GPU count, TP (1), SAP_INNER (NPROC / TP), SAP_OUTER (1) and
+# SEQ_LENGTH (32768).
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "$0")" && pwd)"
@@ -19,6 +21,7 @@ case "$DEVICE" in
     cpu)
         : "${NPROC:=4}"
         : "${SAP_INNER:=2}"
+        if (( SAP_INNER < 1 )); then echo "SAP_INNER=$SAP_INNER must be >= 1" >&2; exit 2; fi
         : "${SAP_OUTER:=$((NPROC / SAP_INNER))}"
         : "${STEPS:=20}"
         if (( NPROC < 1 || SAP_INNER < 1 || SAP_OUTER < 1 || NPROC % (SAP_INNER * SAP_OUTER) )); then

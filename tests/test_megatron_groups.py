@@ -112,6 +112,10 @@ def bad_levels_rank(rank: int, world_size: int) -> str:
         initialize_sap_parallel(inner_size=2, outer_size=2, context_parallel_size=4)
     with pytest.raises(ValueError, match=">= 1"):
         initialize_sap_parallel(inner_size=0)
+    with pytest.raises(TypeError, match="inner_size must be an integer, got 2.0"):
+        initialize_sap_parallel(inner_size=2.0)
+    with pytest.raises(TypeError, match="outer_size must be an integer, got '2'"):
+        initialize_sap_parallel(inner_size=2, outer_size="2")
     return "ok"
 
 

@@ -145,6 +145,29 @@ def test_bad_flag_combinations_are_rejected(flags: str, match: str) -> None:
         sap_settings_from_args(_parse(flags))
 
 
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        ("--context-parallel-size 8 --hierarchical-context-parallel-sizes 4 4",
+         "--hierarchical-context-parallel-sizes 4 4: the product must equal --context-parallel-size 8"),
+        ("--context-parallel-size 8 --hierarchical-context-parallel-sizes -2 -4",
+         "--hierarchical-context-parallel-sizes -2 -4: each size must be >= 1"),
+        ("--context-parallel-size 8 --hierarchical-context-parallel-sizes 8", "two hierarchical CP levels"),
+    ],
+)
+def test_sap_levels_are_checked_when_the_flags_are_parsed(flags: str, match: str) -> None:
+    """With --cp-comm-type sap the levels are checked by the parser, before Megatron-LM's
+    `validate_args` asserts their product without a message; other CP methods are left to it."""
+    with pytest.raises(ValueError, match=match):
+        _parse(f"{flags} --cp-comm-type sap")
+    with pytest.raises(ValueError, match=match):
+        sap_settings_from_args(_parse(flags))
+    assert _parse(f"{flags} --cp-comm-type p2p").hierarchical_context_parallel_sizes
+    namespace, extras = chain_args_providers(add_sap_args)(_megatron_like_parser()).parse_known_args(
+        "--context-parallel-size 8 --cp-comm-type sap --hierarchical-context-parallel-sizes 2 4 --unknown".split())
+    assert namespace.hierarchical_context_parallel_sizes == [2, 4] and extras == ["--unknown"]
+
+
 def test_a_calibration_file_is_read_when_the_flags_are(tmp_path) -> None:
     """A broken calibration file fails at start-up, not at the first batch; a good one is taken."""
     broken = tmp_path / "broken.json"

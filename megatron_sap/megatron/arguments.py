@@ -63,7 +63,39 @@ def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="pipelined: each exchange's kernel calls overlap the next exchange; gathered: each query piece "
         "once all its keys are in, as one kernel segment (no merges); auto: what the cost model times faster",
     )
+    _check_levels_when_parsed(parser)
     return parser
+
+
+def _check_levels_when_parsed(parser: argparse.ArgumentParser) -> None:
+    """Check SAP's CP levels as soon as the flags are parsed: Megatron-LM's `validate_args`
+    asserts the product of `--hierarchical-context-parallel-sizes` without a message, before
+    any SAP hook runs. (`parse_args` goes through `parse_known_args`.)"""
+    parse_known_args = parser.parse_known_args
+
+    def parse_and_check(*args, **kwargs):
+        namespace, extras = parse_known_args(*args, **kwargs)
+        comm = getattr(namespace, "cp_comm_type", None)
+        if comm == "sap" or (isinstance(comm, (list, tuple)) and "sap" in comm):
+            check_hierarchical_sizes(getattr(namespace, "hierarchical_context_parallel_sizes", None),
+                                     getattr(namespace, "context_parallel_size", 1) or 1)
+        return namespace, extras
+
+    parser.parse_known_args = parse_and_check
+
+
+def check_hierarchical_sizes(hierarchical: Optional[list[int]], cp_size: int) -> None:
+    """`--hierarchical-context-parallel-sizes` as SAP takes it: none, or [inner, outer], each
+    >= 1, whose product is the CP size."""
+    if not hierarchical:
+        return
+    if len(hierarchical) != 2:
+        raise ValueError(f"SAP needs two hierarchical CP levels [inner, outer], got {hierarchical}")
+    if min(hierarchical) < 1:
+        raise ValueError(f"--hierarchical-context-parallel-sizes {hierarchical[0]} {hierarchical[1]}: each size must be >= 1")
+    if hierarchical[0] * hierarchical[1] != cp_size:
+        raise ValueError(f"--hierarchical-context-parallel-sizes {hierarchical[0]} {hierarchical[1]}: "
+                         f"the product must equal --context-parallel-size {cp_size}")
 
 
 def chain_args_providers(*providers: Optional[ArgsProvider]) -> ArgsProvider:
@@ -95,8 +127,7 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
     """
     cp_size = getattr(args, "context_parallel_size", 1) or 1
     hierarchical = getattr(args, "hierarchical_context_parallel_sizes", None)
-    if hierarchical and len(hierarchical) != 2:
-        raise ValueError(f"SAP needs two hierarchical CP levels [inner, outer], got {hierarchical}")
+    check_hierarchical_sizes(hierarchical, cp_size)
     inner, outer = args.sap_inner_size, args.sap_outer_size
     for flag, value in (("--sap-inner-size", inner), ("--sap-outer-size", outer)):
         if value is not None and value < 1:

@@ -11,6 +11,7 @@ acceptance test uses too.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import queue
 import socket
@@ -286,6 +287,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
+    if dist.get_rank() == 0:  # the SAP layer's line saying what runs (layout, kernels), as Megatron-LM logs it
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("megatron_sap").setLevel(logging.INFO)
     try:
         curve = train_sap(args.inner_size, args.outer_size, args.steps)
         if dist.get_rank() == 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
@@ -100,6 +101,9 @@ def initialize_sap_parallel(
     `hierarchical_context_parallel_sizes=[U, R]` so the SAP levels are Megatron's own groups (a level
     of size 1 included). Returns the groups (None at CP 1).
     """
+    for name, size in (("inner_size", inner_size), ("outer_size", outer_size)):
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(f"{name} must be an integer, got {size!r}")
     if inner_size < 1 or outer_size < 1:
         raise ValueError(f"inner_size and outer_size must be >= 1, got {inner_size} and {outer_size}")
     for name in ("context_parallel_size", "hierarchical_context_parallel_sizes"):
