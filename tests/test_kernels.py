@@ -368,23 +368,26 @@ def test_nonfinite_values_stay_in_their_document(monkeypatch, causal, where, val
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_scores_that_overflow_stay_in_their_document(causal, dtype):
-    """Finite q and k so large that a score overflows to +-Inf: the documents sharing its
-    tiles are bitwise as with a modest value there (+Inf plus the hidden key's -Inf would
-    be NaN)."""
+@pytest.mark.parametrize("where", ["k", "v", "dout"])
+def test_products_that_overflow_stay_in_their_document(where, causal, dtype):
+    """Finite inputs so large that a product overflows to +-Inf: a score (huge k), or the
+    backward's dout . v (huge v, or huge dout) for pairs across documents. The documents
+    sharing its tiles are bitwise as with a modest value there (+Inf plus the hidden key's
+    -Inf, or a hidden pair's probability 0 times Inf, would be NaN)."""
     gen = torch.Generator().manual_seed(23 + causal)
     cu = _cu([5, 6, 3])
-    q, k, v, dout = (_random(14, heads, 16, torch.float32, gen).to(dtype) for heads in (4, 2, 2, 4))
-    q = q.abs()
-    huge_k = k.clone()
-    huge_k[2] = 1e38  # in document 0
+    clean = dict(zip(("q", "k", "v", "dout"), (_random(14, heads, 16, torch.float32, gen).to(dtype) for heads in (4, 2, 2, 4))))
+    clean["q"] = clean["q"].abs()
+    huge = dict(clean, **{where: clean[where].clone()})
+    huge[where][2] = 3e38 if where != "k" else 1e38  # in document 0
     runs = []
-    for keys in (k, huge_k):
-        out, lse = varlen_forward(q, keys, v, cu, cu, 6, 6, causal=causal)
-        runs.append((out, lse.T, *varlen_backward(dout, q, keys, v, out, lse, cu, cu, 6, 6, causal=causal)))
-    for name, clean, huge in zip(("out", "lse", "dq", "dk", "dv"), *runs):
-        assert torch.equal(huge[5:], clean[5:]), f"{name} changed outside document 0"
-    assert not torch.isfinite(runs[1][0][2:5]).all()  # inside, rows that see the key overflow
+    for t in (clean, huge):
+        out, lse = varlen_forward(t["q"], t["k"], t["v"], cu, cu, 6, 6, causal=causal)
+        runs.append((out, lse.T, *varlen_backward(t["dout"], t["q"], t["k"], t["v"], out, lse, cu, cu, 6, 6, causal=causal)))
+    for name, want, got in zip(("out", "lse", "dq", "dk", "dv"), *runs):
+        assert torch.equal(got[5:], want[5:]), f"{name} changed outside document 0"
+    if where == "k":
+        assert not torch.isfinite(runs[1][0][2:5]).all()  # inside, rows that see the key overflow
 
 
 def test_backward_is_deterministic_on_cpu():

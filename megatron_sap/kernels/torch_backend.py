@@ -44,7 +44,10 @@ That is where flash gives NaN or Inf, except that a row whose score with an
 Inf key is -inf, which flash treats as a hidden key, is marked NaN too. Finite
 inputs never take that path and give the same results, bitwise, as without it.
 Finite inputs so large that a score overflows to +-Inf keep it inside their
-document too: a hidden score is -inf whatever the product was.
+document too: a hidden score is -inf whatever the product was. So do a dout and
+v so large that dout . v could overflow in the backward: a hidden pair's dS is
+then set to 0 (which a visible pair whose probability underflowed to 0 gets too,
+where flash would give NaN if its dout . v overflowed).
 
 On a GPU that check is a host sync, like the plan lookup (which reads
 cu_seqlens on the host): this backend is a fallback there, the flash backends
@@ -378,6 +381,15 @@ def _sanitise_(*tensors: Tensor) -> None:
         t.nan_to_num_(0.0, 0.0, 0.0)
 
 
+def _could_overflow(dout: Tensor, v: Tensor, dtype: torch.dtype) -> bool:
+    """Whether some dout . v (or delta = dout . out, out an average of v's rows) could reach
+    the largest float of `dtype`: 2 * head_dim * max|dout| * max|v| (finite inputs)."""
+    if dout.numel() == 0 or v.numel() == 0:
+        return False
+    bound = 2.0 * dout.shape[-1] * dout.abs().amax().double() * v.abs().amax().double()
+    return bool(bound >= torch.finfo(dtype).max)
+
+
 def _nonfinite_rows(x: Tensor) -> Tensor:
     """[T, H, D] -> [T, H] bool: the row holds a NaN or Inf."""
     return ~torch.isfinite(x).all(-1)
@@ -510,6 +522,11 @@ def backward(
     k_t, v_t = _k_tiles(k, plan, dtype), _k_tiles(v, plan, dtype)
     if exact:
         _sanitise_(q_t, dout_t, k_t, v_t)
+    # dS = P * (dout . v - delta) is 0 for a hidden pair, unless dout . v overflows there (finite
+    # but huge dout or v in another document): 0 * inf is NaN, which would reach the other
+    # document's dq and dk. Where |dout . v| and |delta| (out is an average of v) could reach
+    # the largest float, hidden pairs' dS is set to 0 (`_could_overflow`).
+    guard = _could_overflow(dout_t, v_t, dtype)
     dq_t, dk_t, dv_t = torch.zeros_like(q_t), torch.zeros_like(k_t), torch.zeros_like(v_t)
 
     for start, end, k_idx in _chunks(plan, heads_q):
@@ -520,6 +537,8 @@ def backward(
         _scatter_keys(dv_t, k_idx, torch.matmul(probs.transpose(-1, -2), dout_c))
         dscores = torch.matmul(dout_c, v_c.transpose(-1, -2))
         dscores.sub_(delta_t[start:end].unsqueeze(-1)).mul_(probs)
+        if guard:
+            dscores.masked_fill_(probs == 0, 0.0)
         dq_t[start:end].add_(torch.matmul(dscores, k_c))
         _scatter_keys(dk_t, k_idx, torch.matmul(dscores.transpose(-1, -2), q_c))
 
