@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .spawned import gather_results
+
 WORLD = 4
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
 
@@ -84,12 +86,7 @@ def _run_workers(batches: list[list[int]]) -> list[tuple]:
         procs = [ctx.Process(target=_worker, args=(r, os.path.join(tmp, "store"), batches, results)) for r in range(WORLD)]
         for p in procs:
             p.start()
-        got = [results.get(timeout=600) for _ in range(WORLD * len(batches))]
-        for p in procs:
-            p.join(timeout=60)
-            if p.exitcode != 0:
-                raise RuntimeError(f"demo worker exited with {p.exitcode}")
-    return got
+        return gather_results(results, procs, WORLD * len(batches), 600, "demo attention run")
 
 
 def attention_demo(total: int = 8192, num_batches: int = 3, seed: int = 0, corpus: str = "sharegpt") -> None:
@@ -134,6 +131,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--corpus", choices=("sharegpt", "stdlib"), default="sharegpt")
     parser.add_argument("--skip-training", action="store_true")
     args = parser.parse_args(argv)
+    if args.tokens < WORLD or args.tokens % WORLD:
+        parser.error(f"--tokens must be a positive multiple of the {WORLD} ranks, got {args.tokens}")
+    if args.batches < 1:
+        parser.error(f"--batches must be >= 1, got {args.batches}")
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
     attention_demo(args.tokens, args.batches, args.seed, args.corpus)
     if not args.skip_training:
         from megatron_sap.megatron.demo_train import run_demo_training

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_sap.bench.__main__ import BENCH_BATCHES, BENCH_SEED, BENCH_T  # noqa: E402
 from megatron_sap.bench.data import CORPORA, document_lengths  # noqa: E402
 from megatron_sap.bench.packing import pack  # noqa: E402
-from megatron_sap.planning import CostModel, plan_sequences  # noqa: E402
+from megatron_sap.planning import PRESETS, CostModel, plan_sequences  # noqa: E402
 from megatron_sap.planning.candidates import candidates  # noqa: E402
 from megatron_sap.planning.evaluate import evaluate  # noqa: E402
 from megatron_sap.planning.placement import build_all  # noqa: E402
@@ -58,10 +58,17 @@ def main() -> int:
     parser.add_argument("--outer", type=int, default=8, help="outer size R")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(BENCH_T))
     parser.add_argument("--rows", type=int, default=BENCH_BATCHES, help="packed rows per corpus and T")
-    parser.add_argument("--preset", default="h100")
+    parser.add_argument("--preset", default="h100", choices=sorted(PRESETS))
     parser.add_argument("--bands", type=float, nargs="+", default=[0.01, 0.03, 0.05, 0.10],
                         help="bands over the fastest modelled time")
     args = parser.parse_args()
+    if args.inner < 1 or args.outer < 1 or args.rows < 1:
+        parser.error(f"--inner, --outer and --rows must be >= 1, got {args.inner}, {args.outer} and {args.rows}")
+    for total in args.tokens:
+        if total < 1 or total % (args.inner * args.outer):
+            parser.error(f"--tokens {total} must be a positive multiple of P = {args.inner} x {args.outer}")
+    if any(not 0 <= band < float("inf") for band in args.bands):
+        parser.error(f"--bands must be finite and >= 0, got {args.bands}")
     model = CostModel.preset(args.preset)
     print(f"{args.inner} x {args.outer}, {args.preset}: forward K/V tokens moved over the ring's (P - 1) T")
     for corpus in CORPORA:

@@ -706,6 +706,10 @@ def main() -> int:
         return 2
     args.out = args.out or Path("docs/gpu_results.json")
     CALIBRATION_OUT = args.out.with_name("calibration.json")
+    if args.out.name == CALIBRATION_OUT.name or args.out.is_dir():
+        parser.error(f"--out {args.out} must be a file other than calibration.json (which is written beside it)")
+    if args.mirror is not None:
+        args.mirror.mkdir(parents=True, exist_ok=True)  # a missing folder must not stop a GPU session at its first check
     CALIBRATION_OUT.unlink(missing_ok=True)  # what this run leaves is its own (the report is rewritten below)
 
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -53,7 +54,11 @@ def _cached(path: str, fill) -> str:
         partial = f"{path}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
-        fill(partial)
+        try:
+            fill(partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         os.rename(partial, path)
     return path
 
@@ -63,7 +68,13 @@ def main() -> int:
     parser.add_argument("version", help="megatron-core release, e.g. 0.15.3")
     parser.add_argument("cache", help="folder for the releases (.cache)")
     args = parser.parse_args()
-    paths = [_cached(os.path.join(args.cache, f"megatron-core-{args.version}"), lambda t: _fetch(args.version, t))]
+    if not re.fullmatch(r"\d+\.\d+\.\d+", args.version):
+        parser.error(f"version must be a release such as 0.16.1, got {args.version!r}")
+    try:
+        paths = [_cached(os.path.join(args.cache, f"megatron-core-{args.version}"), lambda t: _fetch(args.version, t))]
+    except subprocess.CalledProcessError:
+        print(f"megatron-core {args.version}: pip could not install it (no such release here?)", file=sys.stderr)
+        return 2
     if _release(args.version) >= (0, 18):
         paths.append(_cached(os.path.join(args.cache, f"triton-{TRITON}"),
                              lambda t: _pip("install", "--no-deps", "--target", t, f"triton=={TRITON}")))

@@ -16,6 +16,7 @@ the median fresh-plan time of each and their ratio.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import io
 import statistics
@@ -56,6 +57,14 @@ def main() -> int:
     parser.add_argument("--uniform", nargs=2, type=int, metavar=("MIN", "MAX"),
                         help="instead of the corpora, rows of document lengths drawn uniformly from [MIN, MAX]")
     args = parser.parse_args()
+    for layout in args.layouts:
+        sizes = layout.split("x")
+        if len(sizes) != 2 or not all(x.isdigit() and int(x) > 0 for x in sizes):
+            parser.error(f"layouts are UxR with positive integers, e.g. 8x8; got {layout!r}")
+    if args.rows < 1:
+        parser.error(f"--rows must be >= 1, got {args.rows}")
+    if args.uniform and not 1 <= args.uniform[0] <= args.uniform[1]:
+        parser.error(f"--uniform MIN MAX needs 1 <= MIN <= MAX, got {args.uniform[0]} {args.uniform[1]}")
 
     from megatron_sap.bench.data import CORPORA, document_lengths
     from megatron_sap.bench.packing import pack
@@ -76,6 +85,7 @@ def main() -> int:
                     order = (("rev", old), ("now", new)) if i % 2 == 0 else (("now", new), ("rev", old))
                     pieces = {}
                     for name, module in order:
+                        gc.collect()  # a collection of what earlier rows left would be counted to one version
                         start = time.process_time()
                         plan = module.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
                         times[name].append(time.process_time() - start)

@@ -312,3 +312,41 @@ def test_gpu_section_renders_the_gpu_check_report(tmp_path):
     assert "| stdlib/T=32768 | p2p | 10.00 | 9.00 | 1.111 | 2.00x |" in body
     assert "Peak memory" not in body  # the failed check has no table
     assert "CPU (Some CPU, one thread)" in body and "| stdlib | 8x8 | 4.1 | 3.0 | 12 | 2.1 | 1.3 |" in body
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (["--batches", "0"], "--batches must be >= 1, got 0"),
+        (["--scale-batches", "0"], "--scale-batches must be >= 1, got 0"),
+        (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    ],
+)
+def test_bench_rejects_bad_sizes_before_any_work(capsys, args, pattern):
+    from megatron_sap.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2 and pattern in capsys.readouterr().err
+
+
+def test_bench_rejects_paths_it_cannot_use_before_any_work(tmp_path, capsys):
+    """A report or plot folder under a file, or a GPU report that is not one, fails at once,
+    not after minutes of benchmarks."""
+    from megatron_sap.bench.__main__ import main
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    not_json = tmp_path / "gpu.json"
+    not_json.write_text("{not json")
+    no_checks = tmp_path / "empty.json"
+    no_checks.write_text("{}")
+    for args, pattern in (
+        (["--report", str(blocker / "r.md"), "--img-dir", str(tmp_path / "img")], "FileExistsError"),
+        (["--img-dir", str(blocker / "img")], "NotADirectoryError"),
+        (["--gpu-results", str(not_json), "--img-dir", str(tmp_path / "img")], "is not JSON"),
+        (["--gpu-results", str(no_checks), "--img-dir", str(tmp_path / "img")], "has no 'checks'"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        assert exit_info.value.code == 2 and pattern in capsys.readouterr().err, args

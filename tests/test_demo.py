@@ -13,3 +13,17 @@ def test_attention_demo_agrees_with_the_reference(capsys):
     assert len(errors) == 2 * 4 and max(errors) < 1e-12, out
     for sap_bytes, plan_bytes in re.findall(r"SAP (\[[^\]]*\]) \(plan (\[[^\]]*\])\)", out):
         assert sap_bytes == plan_bytes  # bytes counted at the send sites equal the plan's
+
+
+def test_demo_rejects_a_row_the_ranks_cannot_share(capsys):
+    """A row that 4 ranks cannot split evenly is refused before any worker starts (a worker
+    that raised used to leave the demo waiting for its results)."""
+    import pytest
+
+    from megatron_sap.demo import main
+
+    for args, pattern in ((["--tokens", "8190"], "--tokens must be a positive multiple of the 4 ranks, got 8190"),
+                          (["--batches", "0"], "--batches must be >= 1, got 0")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, "--skip-training"])
+        assert exit_info.value.code == 2 and pattern in capsys.readouterr().err

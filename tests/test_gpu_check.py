@@ -20,9 +20,25 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
 def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("gpu_check") / "report.json"
     # Two threads: the suite runs one test at a time, and the torch ops here are most of it.
-    result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)],
+    # The mirror folder does not exist yet, as gpu_check.sh's $OUT may not on a fresh machine.
+    mirror = out.parent / "mirror" / "nested"
+    result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--mirror", str(mirror)],
                             capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
     return result, out
+
+
+def test_the_mirror_gets_the_report_and_the_calibration(dry_run):
+    result, out = dry_run
+    mirror = out.parent / "mirror" / "nested"
+    assert (mirror / "report.json").read_text() == out.read_text()
+    assert (mirror / "calibration.json").read_text() == out.with_name("calibration.json").read_text()
+
+
+@pytest.mark.parametrize("name", ["calibration.json", "."])
+def test_a_report_path_that_is_the_calibration_or_a_folder_is_refused(tmp_path, name):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path / name)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "must be a file other than calibration.json" in result.stderr
 
 
 def _expected_checks() -> list[str]:

@@ -177,8 +177,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-results", default="docs/gpu_results.json",
                         help="the GPU check's report, shown as its own section when present")
     args = parser.parse_args(argv)
-    img_dir = Path(args.img_dir)
-    img_dir.mkdir(parents=True, exist_ok=True)
+    for flag, value in (("--batches", args.batches), ("--repeats", args.repeats), ("--scale-batches", args.scale_batches)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    img_dir, report = Path(args.img_dir), Path(args.report)
+    try:  # before minutes of work: where the plots and the report go
+        img_dir.mkdir(parents=True, exist_ok=True)
+        report.parent.mkdir(parents=True, exist_ok=True)
+        gpu_section(Path(args.gpu_results))
+    except (OSError, ValueError, KeyError) as exc:
+        parser.error(f"{exc.__class__.__name__}: {exc}")
+    if report.is_dir():
+        parser.error(f"--report {report} is a directory")
     start = time.perf_counter()
     sections: list[str] = []
 

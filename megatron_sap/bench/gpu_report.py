@@ -17,7 +17,12 @@ def gpu_section(path: Path) -> tuple[str, str] | None:
     """(title, markdown body) of the GPU measurements in `path`, or None when there is no report."""
     if not path.exists():
         return None
-    report = json.loads(path.read_text())
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the GPU check's report {path} is not JSON: {exc}") from None
+    if not isinstance(report, dict) or not isinstance(report.get("checks"), dict):
+        raise ValueError(f"the GPU check's report {path} has no 'checks' (write it with scripts/gpu_check.sh)")
     checks = report["checks"]
     title = (f"Measured on one GPU: {report['device']}, {report['date'][:10]} "
              f"(torch {report['torch']}, CUDA {report['cuda']}, flash-attn {report['flash_attn'] or 'not installed'})")

@@ -10,7 +10,6 @@ for the same shape.
 from __future__ import annotations
 
 import os
-import queue
 import statistics
 import tempfile
 import time
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from megatron_sap.planning.cost_model import CostModel
+from megatron_sap.spawned import gather_results
 
 from . import scale
 from .data import CORPORA, document_lengths
@@ -145,28 +145,12 @@ def measured_points(repeats: int) -> list[Measured]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     expected = len(batches) * len(measured_runs()) * MEASURED_WORLD
-    got = []
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_worker, args=(r, os.path.join(tmp, "store"), batches, repeats, results))
                  for r in range(MEASURED_WORLD)]
         for p in procs:
             p.start()
-        try:
-            deadline = time.monotonic() + WORKER_TIMEOUT_S
-            while len(got) < expected:
-                try:
-                    got.append(results.get(timeout=5))
-                except queue.Empty:
-                    if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                        codes = [p.exitcode for p in procs]
-                        raise RuntimeError(f"measured run failed: {len(got)}/{expected} results, exit codes {codes}")
-            for p in procs:
-                p.join(timeout=60)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=10)
+        got = gather_results(results, procs, expected, WORKER_TIMEOUT_S, "measured run")
     model = measured_cost_model()
     out = []
     for corpus, cu in batches.items():

@@ -384,6 +384,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.batches < 1:
         parser.error(f"--batches must be >= 1, got {args.batches}")
+    if args.img_dir is not None:
+        try:  # before the projection: where the plots go
+            Path(args.img_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--img-dir {args.img_dir}: {exc}")
     start = time.perf_counter()
     if args.quick:
         points = project(corpora=("sharegpt",), presets=("h100",), Ps=(8, 64, 512), Ts=(128 * 1024, 1 << 20),
