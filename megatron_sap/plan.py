@@ -288,9 +288,18 @@ def draw(plan: Plan, path: Path) -> None:
     fig.savefig(path, dpi=120, format="png")  # PNG whatever the name ends in
 
 
+# From this many outer ranks the report's timeline (`Plan.stats`, every rank's program
+# compiled and timed together) takes seconds; one document over all of them has R^2 steps.
+SLOW_OUTER_SIZE = 256
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (2 on invalid input)."""
     args = parse_args(argv)
+    outer = args.cp_size if args.cp_size is not None else args.outer_size
+    if outer >= SLOW_OUTER_SIZE:
+        print(f"note: up to {outer} outer ranks: the report times every rank's program together, which takes "
+              f"minutes (and GBs) from about {SLOW_OUTER_SIZE * 4} outer ranks", file=sys.stderr)
     try:
         model = CostModel.preset(args.preset)
         model = model.with_shape(  # a value given (even 0, which the cost model refuses) replaces the preset's

@@ -1405,3 +1405,15 @@ def test_cu_seqlens_must_be_a_sequence_of_integers(values):
     sap.plan_sequences([0, 8], outer_size=2)  # a cached plan that a misread input could hit
     with pytest.raises(ValueError, match="cu_seqlens must"):
         sap.plan_sequences(values, outer_size=2)
+
+
+def test_plan_cli_says_when_the_report_will_be_slow(monkeypatch, capsys):
+    """Many outer ranks: the report times every rank's program together (minutes from about
+    a thousand), so the CLI says so before it starts."""
+    import megatron_sap.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "SLOW_OUTER_SIZE", 4)
+    assert plan_cli(["--cu-seqlens", "0,64", "--outer-size", "4"]) == 0
+    assert "note: up to 4 outer ranks" in capsys.readouterr().err
+    assert plan_cli(["--cu-seqlens", "0,64", "--outer-size", "2"]) == 0
+    assert "note:" not in capsys.readouterr().err
