@@ -75,13 +75,23 @@ def _check_levels_when_parsed(parser: argparse.ArgumentParser) -> None:
 
     def parse_and_check(*args, **kwargs):
         namespace, extras = parse_known_args(*args, **kwargs)
-        comm = getattr(namespace, "cp_comm_type", None)
-        if comm == "sap" or (isinstance(comm, (list, tuple)) and "sap" in comm):
+        if sap_requested(namespace):
             check_hierarchical_sizes(getattr(namespace, "hierarchical_context_parallel_sizes", None),
                                      getattr(namespace, "context_parallel_size", 1) or 1)
         return namespace, extras
 
     parser.parse_known_args = parse_and_check
+
+
+def sap_requested(args: argparse.Namespace) -> bool:
+    """True when `--cp-comm-type` is `sap` (for every layer; mixing with other types is refused)."""
+    comm = getattr(args, "cp_comm_type", None)
+    types = [comm] if isinstance(comm, str) or comm is None else list(comm)
+    if "sap" not in types:
+        return False
+    if any(t != "sap" for t in types):
+        raise ValueError(f"--cp-comm-type sap cannot be mixed with other CP types per layer, got {types}")
+    return True
 
 
 def check_hierarchical_sizes(hierarchical: Optional[list[int]], cp_size: int) -> None:

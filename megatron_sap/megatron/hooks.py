@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .arguments import add_sap_args, chain_args_providers, sap_settings_from_args
+from .arguments import add_sap_args, chain_args_providers, sap_requested, sap_settings_from_args
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_packed_seq_params, sap_split_batch
 from .compat import (MLA_ROPE_TABLE_REFUSED, TRAINING_LAYOUT_REFUSED, chunk_aware_get_batch, mla_keeps_packed_rope_table,
                      mtp_takes_packed_rows, packed_get_batch, sft_split_on_every_stage, training_layout)
@@ -64,17 +64,6 @@ from .stages import documents_for, reads_no_data, send_documents
 from .specs import swap_core_attention, use_sap_core_attention
 
 _INSTALLED = False
-
-
-def sap_requested(args: Any) -> bool:
-    """True when `--cp-comm-type` is `sap` (for every layer; mixing with other types is refused)."""
-    comm = getattr(args, "cp_comm_type", None)
-    types = [comm] if isinstance(comm, str) or comm is None else list(comm)
-    if "sap" not in types:
-        return False
-    if any(t != "sap" for t in types):
-        raise ValueError(f"--cp-comm-type sap cannot be mixed with other CP types per layer, got {types}")
-    return True
 
 
 def _megatron_args() -> Any:
