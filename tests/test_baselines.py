@@ -173,6 +173,51 @@ def test_ulysses_head_errors(dist_pool, heads_q, heads_kv, match):
     assert all(match in message for message in dist_pool.run(ulysses_error, heads_q, heads_kv))
 
 
+def layout_errors(rank: int, world_size: int) -> list[str]:
+    """Every method's ValueError for a layout made for another world size or another method,
+    or rows of another rank count; a2a+p2p's for its groups given as (outer, inner)."""
+    cu = _cu([37, 50])
+    messages = []
+    for name in METHODS:
+        module, group = get(name), _groups(name, 2)
+        other = "all_gather" if name != "all_gather" else "p2p"
+        for layout, rows in ((module.layout(cu, 2 * world_size, **_layout_kwargs(name, 2)), None),
+                             (get(other).layout(cu, world_size), None),
+                             (module.layout(cu, world_size, **_layout_kwargs(name, 2)), 5)):
+            n = layout.local_tokens if rows is None else rows
+            q = torch.zeros(n, 4, HEAD_DIM, dtype=torch.float64)
+            with pytest.raises(ValueError) as err:
+                module.attention(q, q[:, :2], q[:, :2], layout, group)
+            messages.append(str(err.value))
+        if name == "a2a+p2p":
+            layout = module.layout(cu, world_size, inner_size=2)
+            q = torch.zeros(layout.local_tokens, 4, HEAD_DIM, dtype=torch.float64)
+            with pytest.raises(ValueError) as err:
+                module.attention(q, q[:, :2], q[:, :2], layout, group[::-1])
+            messages.append(str(err.value))
+    return messages
+
+
+@pytest.mark.parametrize("dist_pool", [4], indirect=True)
+def test_layouts_of_another_size_or_method_are_refused(dist_pool):
+    """A layout made for another world size or method, or the wrong rows, would run and give
+    a wrong answer (tokens never computed, rows read as another layout's): each is refused."""
+    for messages in dist_pool.run(layout_errors):
+        assert len(messages) == 13
+        for i, name in enumerate(METHODS):
+            size, method, rows = messages[3 * i: 3 * i + 3]
+            assert "the layout was made for 8 ranks, but the group has 4" in size
+            assert f"{name} attention got a layout made for" in method
+            assert "q, k and v hold 5 rows, but the layout gives each rank" in rows
+        assert "group must be (inner, outer): inner 2 consecutive ranks" in messages[-1]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_an_empty_row_is_refused(name):
+    with pytest.raises(ValueError, match=r"cu_seqlens describes an empty batch \(0 tokens\)"):
+        get(name).layout(_cu([0]), 2, **_layout_kwargs(name, 2))
+
+
 def test_kv_heads_per_rank():
     assert kv_heads_per_rank(8, 4, 2) == 2  # sharded
     assert kv_heads_per_rank(8, 2, 4) == 1  # replicated twice

@@ -21,6 +21,7 @@ from megatron_sap.baselines.common import (
     BaselineLayout,
     all_gather_single,
     causal_pairs,
+    check_layout,
     collective_seconds,
     contiguous_layout,
     cu_tensor,
@@ -121,6 +122,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: BaselineLayout, group: di
               softmax_scale: float | None = None, backend: str = "auto") -> Tensor:
     """`all_gather` attention of this rank's contiguous rows; padding rows come back zero."""
     rank = dist.get_rank(group)
+    check_layout(layout, NAME, dist.get_world_size(group), q.shape[0])
     out = AllGatherAttention.apply(q, k, v, Segments.of(layout, rank), group, softmax_scale, backend)
     return zero_padding_rows(out, layout.positions[rank])
 

@@ -58,7 +58,22 @@ def as_cu_seqlens(cu_seqlens: Tensor | Sequence[int]) -> Tensor:
     if cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
         raise ValueError(f"cu_seqlens must hold at least two entries, start at 0 and never decrease; "
                          f"got {cu.numel()} entries starting {cu[:8].tolist()}")
+    if int(cu[-1]) == 0:
+        raise ValueError("cu_seqlens describes an empty batch (0 tokens)")
     return cu
+
+
+def check_layout(layout: BaselineLayout, method: str, world_size: int, rows: int) -> None:
+    """What a method's `attention` is given: a layout made by that method for `world_size`
+    ranks (the group's), and this rank's `rows` of it (`shard`). Anything else would run
+    and give a wrong answer."""
+    if layout.method != method:
+        raise ValueError(f"{method} attention got a layout made for {layout.method!r}: use {method}'s own layout()")
+    if layout.world_size != world_size:
+        raise ValueError(f"the layout was made for {layout.world_size} ranks, but the group has {world_size}")
+    if rows != layout.local_tokens:
+        raise ValueError(f"q, k and v hold {rows} rows, but the layout gives each rank {layout.local_tokens} "
+                         "(pass shard(x, layout, rank))")
 
 
 def check_world_size(world_size: int) -> None:

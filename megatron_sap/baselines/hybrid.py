@@ -15,7 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_sap.baselines.common import causal_pairs, check_world_size, collective_seconds, summarize, zero_padding_rows
+from megatron_sap.baselines.common import (
+    causal_pairs,
+    check_layout,
+    check_world_size,
+    collective_seconds,
+    summarize,
+    zero_padding_rows,
+)
 from megatron_sap.baselines.ring_p2p import (
     Ring,
     RingShape,
@@ -26,6 +33,7 @@ from megatron_sap.baselines.ring_p2p import (
     zigzag_layout,
 )
 from megatron_sap.baselines.ulysses import exchange_bytes, kv_heads_per_rank, replicate_kv_heads
+from megatron_sap.comm.groups import group_ranks
 from megatron_sap.comm.ulysses import GatherHeads, ScatterHeads
 from megatron_sap.planning.cost_model import CostModel
 
@@ -71,8 +79,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout,
     """
     inner, outer = group
     size = dist.get_world_size(inner)
+    check_layout(layout, NAME, size * dist.get_world_size(outer), q.shape[0])
     if size != layout.inner_size:
         raise ValueError(f"inner group has {size} ranks but the layout was made for {layout.inner_size}")
+    inner_ranks, outer_ranks = group_ranks(inner), group_ranks(outer)
+    spacing = {b - a for a, b in zip(outer_ranks, outer_ranks[1:])}
+    if inner_ranks != list(range(inner_ranks[0], inner_ranks[0] + size)) or spacing - {size}:
+        raise ValueError(f"group must be (inner, outer): inner {size} consecutive ranks, outer the ranks {size} apart; "
+                         f"got inner {inner_ranks} and outer {outer_ranks}")
     k, v = replicate_kv_heads(k, v, q.shape[1], size)
     q_h, k_h, v_h = ScatterHeads.apply(inner, STEP, q, k, v)
     order = outer_order(layout.chunk_sizes, size, q.device)

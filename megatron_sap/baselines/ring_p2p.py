@@ -33,6 +33,7 @@ from megatron_sap.baselines.common import (
     accumulation_dtype,
     as_cu_seqlens,
     causal_pairs,
+    check_layout,
     check_world_size,
     cu_tensor,
     summarize,
@@ -239,6 +240,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout, group: dist
               softmax_scale: float | None = None, backend: str = "auto") -> Tensor:
     """`p2p` attention of this rank's zigzag rows; padding rows come back zero."""
     ring = Ring.of(group)
+    check_layout(layout, NAME, ring.size, q.shape[0])
     shape = RingShape.from_chunks(layout.chunk_sizes, q.device)
     out = ZigzagRingAttention.apply(q, k, v, shape, ring, softmax_scale, backend)
     return zero_padding_rows(out, layout.positions[ring.rank])
