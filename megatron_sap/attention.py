@@ -27,6 +27,7 @@ from .comm.ulysses import GatherHeads, ScatterHeads, check_heads, replicate_kv_h
 from .kernels import merge_into, resolve_backend, resolve_softmax_scale, varlen_backward, varlen_forward
 from .planning import Plan, RankProgram
 from .planning.program import check_schedule
+from .validation import check_bool
 
 _BACKWARD_TAG = 1 << 20
 _REFETCH_TAG = 2 << 20
@@ -458,9 +459,8 @@ def sap_attention(
         raise ValueError("sap_attention computes causal attention only (causal=False is not supported)")
     _check_inputs(q, k, v, plan, groups)
     check_schedule(schedule, allow_auto=True)
-    for name, flag in (("recompute_kv", recompute_kv), ("check_agreement", check_agreement)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    check_bool(recompute_kv, "recompute_kv")
+    check_bool(check_agreement, "check_agreement")
     if check_finite is not None and not isinstance(check_finite, bool):
         raise TypeError(f"check_finite must be True, False or None (MEGATRON_SAP_CHECK_FINITE), got {check_finite!r}")
     scale = resolve_softmax_scale(q.shape[2], softmax_scale)

@@ -1,7 +1,8 @@
 """Input checks shared by the public entry points.
 
-Every check raises ValueError naming the problem and the offending values, so that bad
-input fails loudly at the entry point instead of producing a wrong answer or a hang.
+Every check raises ValueError (TypeError for a value of the wrong kind) naming the problem
+and the offending values, so that bad input fails loudly at the entry point instead of
+producing a wrong answer or a hang.
 """
 from __future__ import annotations
 
@@ -74,3 +75,10 @@ def check_divisible(total: int, parts: int, what: str, by: str) -> None:
     """Raise, naming both sizes, unless `parts` (positive) divides `total`."""
     if total % parts:
         raise ValueError(f"{what} ({total}) must be divisible by {by} ({parts})")
+
+
+def check_bool(value: object, name: str) -> bool:
+    """`value`, checked to be True or False: a flag such as the string "no" would read as True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value

@@ -33,6 +33,7 @@ import re
 import torch
 from torch import Tensor
 
+from ..validation import check_bool
 from . import aten_flash, torch_backend  # aten_flash imports only torch; flash_attn_backend stays lazy
 from .merge import merge_into, merge_partials
 from .torch_backend import check_cu_seqlens
@@ -171,8 +172,7 @@ def resolve_softmax_scale(head_dim: int, softmax_scale: float | None) -> float:
 
 def _call_scale(q: Tensor, causal: bool, softmax_scale: float | None) -> float:
     """`resolve_softmax_scale` for a kernel call, with `causal` checked a bool."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
+    check_bool(causal, "causal")
     return resolve_softmax_scale(q.shape[2], softmax_scale)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..validation import check_divisible, cu_seqlens_to_list
+from ..validation import check_bool, check_divisible, cu_seqlens_to_list
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, ulysses_cost, whole_documents_s
 from .order import exchange_order
@@ -188,7 +188,7 @@ class Plan:
         `self.schedule(outer_rank, recompute_kv)`."""
         check_schedule(schedule, allow_auto=True)
         outer_rank = self._check_outer(outer_rank)
-        _check_recompute_kv(recompute_kv)
+        check_bool(recompute_kv, "recompute_kv")
         if schedule == "auto":
             schedule = self.schedule(outer_rank, recompute_kv)
         device = torch.device(device or "cpu")
@@ -241,7 +241,7 @@ class Plan:
 
     def _timing(self, outer_rank: int, recompute_kv: bool = False) -> dict[str, RankSchedule]:
         """An outer rank's modelled times in each schedule (`timeline`), computed once."""
-        key = (self._check_outer(outer_rank), _check_recompute_kv(recompute_kv))
+        key = (self._check_outer(outer_rank), check_bool(recompute_kv, "recompute_kv"))
         if key not in self._timings:
             self._timings[key] = {
                 s: rank_schedule(self.program(key[0], schedule=s), self.inner_size, self.capacity, self.cost_model,
@@ -439,13 +439,6 @@ def _outmoved(build: Build, floor_s: float, evaluated: list[tuple[int, Placement
     fastest time; it can never be chosen."""
     tokens = build.tally.tokens
     return any(ev.makespan_s <= floor_s and ev.traffic_total < tokens for _, _, ev in evaluated)
-
-
-def _check_recompute_kv(recompute_kv: bool) -> bool:
-    """`recompute_kv`, checked a bool (a string such as "no" would read as True)."""
-    if not isinstance(recompute_kv, bool):
-        raise TypeError(f"recompute_kv must be True or False, got {recompute_kv!r}")
-    return recompute_kv
 
 
 def _cost_model(cost_model: CostModel | str | None) -> CostModel:
