@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import queue
 import socket
 import sysconfig
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
+
+from megatron_sap.spawned import gather_results
 
 VOCAB_SIZE = 256  # byte-level tokens
 DEMO_DOC_LENGTHS = (301, 17, 64, 95, 1, 34)  # a long document, a one-token one, ... : 512 tokens
@@ -241,24 +241,7 @@ def _run(inner: int, outer: int, steps: int, timeout: float) -> list[float]:
     ]
     for proc in procs:
         proc.start()
-    deadline = time.monotonic() + timeout
-    curve = None
-    try:
-        while curve is None:
-            try:
-                curve = results.get(timeout=1.0)
-            except queue.Empty:
-                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if failed:
-                    raise RuntimeError(f"demo worker(s) exited with {failed}") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"demo training with {world_size} processes took over {timeout} s") from None
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
+    (curve,) = gather_results(results, procs, 1, timeout, f"demo training with {world_size} processes")
     return curve
 
 
