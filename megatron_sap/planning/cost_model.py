@@ -154,7 +154,7 @@ class CostModel:
 
         A causal block is bottom-right aligned (k_len >= q_len): the lower triangle of
         tiles of its last q_len keys, plus every tile of the q_len x (k_len - q_len)
-        rectangle before them (as `piece_cost`). A full block is every tile of the
+        rectangle before them (as `cuts.tile_pairs`). A full block is every tile of the
         q_len x k_len rectangle.
         """
         if q_len <= 0 or k_len <= 0:

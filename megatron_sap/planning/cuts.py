@@ -15,23 +15,17 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .cost_model import CostModel
-
-
-def piece_cost(model: CostModel, offset: int, length: int) -> int:
-    """Tile-rounded pairs of a piece at `offset` in its document: its causal diagonal
-    block plus one full block over every earlier key of the document."""
-    return tile_pairs(model.tile, offset, length)
-
 
 def tile_pairs(t: int, offset: int, length: int) -> int:
-    """`piece_cost` for a tile of t tokens."""
+    """Tile-rounded pairs (tile of t tokens) of a piece of `length` tokens at `offset` in its
+    document: its causal diagonal block plus one full block over every earlier key of the
+    document (docs/planner.md, "piece_cost")."""
     nq = -(-length // t)
     return t * t * (nq * (nq + 1) // 2 + nq * -(-offset // t))
 
 
 def whole_pairs(lengths: Sequence[int], tile: int) -> np.ndarray:
-    """Each document's tile-rounded pairs computed whole (`piece_cost` at offset 0), int64:
+    """Each document's tile-rounded pairs computed whole (`tile_pairs` at offset 0), int64:
     one array operation for rows of thousands of documents."""
     tiles = -(-np.asarray(lengths, dtype=np.int64) // tile)
     return tile * tile * (tiles * (tiles + 1) // 2)
