@@ -9,8 +9,10 @@ each query piece once all its keys are in, written without a merge (`planning.pr
 Saved for backward (per rank): q, k, v, the output and its lse (fp32, [H, T/R]) and,
 unless `recompute_kv=True`, the K/V rows received from other ranks (gathered: the one
 buffer that holds them after the local K/V). With
-`recompute_kv=True` those rows are fetched again during backward (less memory, one
-more forward-sized exchange).
+`recompute_kv=True` those rows are fetched again during backward (one more
+forward-sized exchange), and the op holds the rows of a few steps at a time, not all
+it receives: a window of exchanges in flight (`RECOMPUTE_KV_AHEAD`), in the pipelined
+forward and in every backward (`Plan.memory_bytes`).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from .comm.p2p import PendingExchange, collective_device, mark_ready, post_excha
 from .comm.ulysses import GatherHeads, ScatterHeads, check_heads, replicate_kv_heads
 from .kernels import merge_into, resolve_backend, resolve_softmax_scale, varlen_backward, varlen_forward
 from .planning import Plan, RankProgram
-from .planning.program import check_schedule
+from .planning.program import RECOMPUTE_KV_AHEAD, check_schedule
 from .validation import check_bool
 
 _BACKWARD_TAG = 1 << 20
@@ -168,14 +170,24 @@ class _SAPOuterAttention(torch.autograd.Function):
             return out
         kv = torch.stack([k, v], 1)  # [T/R, 2, Hkv, D]: one message per step
         received: list[torch.Tensor] = []
-        # Every exchange is posted before any kernel runs: they follow one another on the
-        # link as soon as each peer has posted its side, whatever the kernels are doing.
-        posted = [_post_kv(program, i, kv, outer, 0) for i in range(len(program.transfers))]
+        # Keeping the K/V for backward, every exchange is posted before any kernel runs: they
+        # follow one another on the link as soon as each peer has posted its side, whatever
+        # the kernels are doing. With recompute_kv, a window of them (`RECOMPUTE_KV_AHEAD`).
+        n = len(program.transfers)
+        ahead = RECOMPUTE_KV_AHEAD if recompute_kv else n
+        posted: list = [_post_kv(program, i, kv, outer, 0) for i in range(min(ahead, n))]
         acc_out, acc_lse = _local_forward(program, q, kv, scale, backend)
-        for step, (handle, recv) in zip(program.transfers, posted):
+        for i, step in enumerate(program.transfers):
+            handle, recv = posted[i]
+            posted[i] = None  # its send copy and, unless kept, its received rows go once used
             handle.wait()
+            del handle
+            if i + ahead < n:
+                posted.append(_post_kv(program, i + ahead, kv, outer, 0))
             _forward_calls(step.calls, q, recv, acc_out, acc_lse, scale, backend)
-            received.append(recv)
+            if not recompute_kv:
+                received.append(recv)
+            del recv
         out = acc_out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc_lse, *([] if recompute_kv else received))
         return out
@@ -185,52 +197,100 @@ class _SAPOuterAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, *saved = ctx.saved_tensors
         outer, scale, backend = ctx.outer, ctx.scale, ctx.backend
-        program = ctx.plan.program(outer.rank, q.device, ctx.schedule)
         dout = dout.contiguous()
-        acc_dtype = _accumulation_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        n = len(program.transfers)
+        dq = torch.zeros(q.shape, dtype=_accumulation_dtype(q.dtype), device=q.device)
+        if ctx.recompute_kv:
+            # Every rank, whatever its forward schedule, runs the pipelined steps with a
+            # window of exchanges in flight: the same pattern on every rank keeps the
+            # windows free of deadlock, and the memory bounded (`_refetched_backward`).
+            program = ctx.plan.program(outer.rank, q.device, "pipelined")
+            dkv = _refetched_backward(program, dout, q, k, v, out, lse, dq, outer, scale, backend)
+            return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None, None, None
+        program = ctx.plan.program(outer.rank, q.device, ctx.schedule)
         if ctx.schedule == "gathered":
-            kv, dkv, grads = _gathered_backward(ctx, program, dout, q, k, v, out, lse, saved, dq)
+            kv, dkv, grads = _gathered_backward(program, dout, q, out, lse, saved[0], dq, scale, backend)
         else:
             kv = torch.stack([k, v], 1)
-            dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
-            # The local blocks run while something is in flight: first, under the refetched K/V;
-            # else last, under the gradients returning to their owners (the cost model's pipeline).
-            if ctx.recompute_kv:
-                fetched = [_post_kv(program, i, kv, outer, _REFETCH_TAG) for i in range(n)]
-                _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
-        returns: list[tuple[PendingExchange, torch.Tensor | None]] = []
+            dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)
+        returns: list[tuple[PendingExchange, torch.Tensor | None] | None] = []
         for i, step in enumerate(program.transfers):
             if ctx.schedule == "gathered":
                 grad_recv = grads[i]
             else:
-                if ctx.recompute_kv:
-                    handle, recv = fetched[i]
-                    handle.wait()
-                else:
-                    recv = saved[i]
-                grad_recv = torch.zeros(recv.shape, dtype=acc_dtype, device=q.device)
-                _backward_calls(step.calls, dout, q, out, lse, recv, dq, grad_recv, scale, backend)
-            # Gradients of the received rows go back to their owner (the reverse of the forward step).
-            grad_in = None if step.send_rows is None else kv.new_empty((len(step.send_rows), *kv.shape[1:]))
-            handle = post_exchange(
-                grad_recv.to(kv.dtype) if step.recv_tokens else None,
-                None if step.recv_peer is None else outer.peer(step.recv_peer),
-                grad_in,
-                None if step.send_peer is None else outer.peer(step.send_peer),
-                outer.group,
-                _BACKWARD_TAG + step.round,
-                f"backward step {i + 1} of {n} (round {step.round}) on outer rank {outer.rank}",
-            )
-            returns.append((handle, grad_in))
-        if not ctx.recompute_kv:
-            _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
-        for step, (handle, grad_in) in zip(program.transfers, returns):
-            handle.wait()
-            if grad_in is not None:
-                dkv.index_add_(0, step.send_rows, grad_in.to(acc_dtype))
+                grad_recv = torch.zeros(saved[i].shape, dtype=dq.dtype, device=q.device)
+                _backward_calls(step.calls, dout, q, out, lse, saved[i], dq, grad_recv, scale, backend)
+            returns.append(_return_gradients(program, i, grad_recv, kv, outer))
+        # The local blocks run last, under the gradients returning to their owners.
+        _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
+        for i, step in enumerate(program.transfers):
+            _add_returned(step, returns, i, dkv)
         return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None, None, None
+
+
+def _return_gradients(program: RankProgram, index: int, grad_recv: torch.Tensor, kv: torch.Tensor,
+                      outer: _Outer) -> tuple[PendingExchange, torch.Tensor | None]:
+    """Post step `index` of the backward: the gradients of the rows it received go back to
+    their owner, and those of the rows it sent come in (the reverse of the forward step);
+    returns the handle and the buffer they come into."""
+    step, n = program.transfers[index], len(program.transfers)
+    grad_in = None if step.send_rows is None else kv.new_empty((len(step.send_rows), *kv.shape[1:]))
+    handle = post_exchange(
+        grad_recv.to(kv.dtype) if step.recv_tokens else None,
+        None if step.recv_peer is None else outer.peer(step.recv_peer),
+        grad_in,
+        None if step.send_peer is None else outer.peer(step.send_peer),
+        outer.group,
+        _BACKWARD_TAG + step.round,
+        f"backward step {index + 1} of {n} (round {step.round}) on outer rank {outer.rank}",
+    )
+    return handle, grad_in
+
+
+def _refetched_backward(program: RankProgram, dout, q, k, v, out, lse, dq, outer: _Outer, scale, backend):
+    """The backward with `recompute_kv`, in the pipelined program's steps: the gradient
+    accumulator of the local K/V ([n, 2, Hkv, D]; dq accumulates into `dq`). The K/V are fetched again `RECOMPUTE_KV_AHEAD` steps ahead of the one whose
+    calls run (the local calls run under the first), and the gradients of step i go back while
+    the next steps run; step i - RECOMPUTE_KV_AHEAD's are waited for and added after step i's
+    are posted. A rank holds the rows of at most 2 RECOMPUTE_KV_AHEAD + 1 steps.
+
+    Deadlock-free when every rank runs this: an exchange waited for is posted by both its
+    ranks, or one of them waits for an exchange earlier in the one order of rank pairs
+    (a pair's refetch before its return), and the earliest of those has been posted by both.
+    Each pair's refetch precedes its return on both ranks, as NCCL's in-order matching needs.
+    """
+    kv = torch.stack([k, v], 1)
+    dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)
+    steps, ahead = program.transfers, RECOMPUTE_KV_AHEAD
+    fetched: list = [_post_kv(program, i, kv, outer, _REFETCH_TAG) for i in range(min(ahead, len(steps)))]
+    _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
+    returns: list = []
+    for i, step in enumerate(steps):
+        handle, recv = fetched[i]
+        fetched[i] = None
+        handle.wait()
+        del handle
+        if i + ahead < len(steps):
+            fetched.append(_post_kv(program, i + ahead, kv, outer, _REFETCH_TAG))
+        grad_recv = torch.zeros(recv.shape, dtype=dq.dtype, device=q.device)
+        _backward_calls(step.calls, dout, q, out, lse, recv, dq, grad_recv, scale, backend)
+        del recv
+        returns.append(_return_gradients(program, i, grad_recv, kv, outer))
+        del grad_recv
+        if i >= ahead:
+            _add_returned(steps[i - ahead], returns, i - ahead, dkv)
+    for i in range(max(len(steps) - ahead, 0), len(steps)):
+        _add_returned(steps[i], returns, i, dkv)
+    return dkv
+
+
+def _add_returned(step, returns: list, index: int, dkv: torch.Tensor) -> None:
+    """Wait for the gradients of the rows sent in step `index` and add them at those rows;
+    the step's buffers go."""
+    handle, grad_in = returns[index]
+    returns[index] = None
+    handle.wait()
+    if grad_in is not None:
+        dkv.index_add_(0, step.send_rows, grad_in.to(dkv.dtype))
 
 
 def _gathered_forward(program: RankProgram, q, k, v, outer: _Outer, scale, backend):
@@ -249,28 +309,17 @@ def _gathered_forward(program: RankProgram, q, k, v, outer: _Outer, scale, backe
     return out, lse, source
 
 
-def _gathered_backward(ctx, program: RankProgram, dout, q, k, v, out, lse, saved, dq):
-    """The gathered schedule's calls in backward: (local K/V, their gradient accumulator,
-    each step's received-row gradients). With `recompute_kv` the K/V are fetched again
-    into a new source buffer while the local calls run."""
-    outer, scale, backend = ctx.outer, ctx.scale, ctx.backend
-    if ctx.recompute_kv:
-        source, slices = _gathered_source(program, k, v)
-        fetched = _post_all(program, source, slices, outer, _REFETCH_TAG)
-    else:
-        (source,) = saved
-    kv = source[: len(k)]
+def _gathered_backward(program: RankProgram, dout, q, out, lse, source, dq, scale, backend):
+    """The gathered schedule's calls in backward, on the `source` buffer the forward kept
+    (the local rows, then every step's received rows): (local K/V, their gradient
+    accumulator, each step's received-row gradients). A piece's keys may come from
+    several steps, so every step's calls run before any gradient goes back."""
+    kv = source[: program.num_tokens]
     grad_source = torch.zeros(source.shape, dtype=dq.dtype, device=q.device)
-    dkv = grad_source[: len(k)]
-    if ctx.recompute_kv:
-        _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
-        for handle, _ in fetched:
-            handle.wait()
-    # A piece's keys may come from earlier steps too: every step's calls run before any
-    # gradient goes back.
+    dkv = grad_source[: program.num_tokens]
     for step in program.transfers:
         _backward_calls(step.calls, dout, q, out, lse, source, dq, grad_source, scale, backend)
-    grads = torch.split(grad_source[len(k):], [step.recv_tokens for step in program.transfers])
+    grads = torch.split(grad_source[program.num_tokens:], [step.recv_tokens for step in program.transfers])
     return kv, dkv, grads
 
 
@@ -377,10 +426,21 @@ def _shape_key(shape: Sequence) -> tuple:
     return (*(int(x) for x in sizes), dtype_name(kind) if isinstance(kind, (str, torch.dtype)) else int(kind))
 
 
+# id(CP group) -> (the plan last checked on it, the (recompute_kv, attention shape) checked with it).
+_LAST_CHECKED: dict[int, tuple[Plan, set[tuple[bool, tuple | None]]]] = {}
+
+
 def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: tuple[int, int, int, str]) -> None:
-    """`verify_plan_agreement` once per (plan, group, recompute_kv, attention shape): on
-    plan-cache misses, unless a batch split already checked this shape."""
-    if (id(groups.cp_group), bool(recompute_kv), shape) not in plan.__dict__.get("_agreed_groups", ()):
+    """`verify_plan_agreement` unless it was last run on this CP group for this very plan,
+    `recompute_kv` and attention shape (a batch split's check, or an earlier layer's).
+
+    Checking whenever a rank changes plan, not only on a plan's first use, is what keeps
+    ranks that agreed from parting silently: a rank that goes back to a plan it checked
+    before, while the others stay on theirs, enters the all-reduce alone and fails at the
+    group's timeout (the others fail waiting for its messages) instead of exchanging
+    messages of the right sizes for another batch."""
+    last = _LAST_CHECKED.get(id(groups.cp_group))
+    if last is None or last[0] is not plan or (bool(recompute_kv), shape) not in last[1]:
         verify_plan_agreement(plan, groups, recompute_kv, shape)
 
 
@@ -397,8 +457,8 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
     hashes, instead of deadlocking in P2P or computing garbage. A batch splitter calls it
     once per micro-batch (with the model's shape where it knows it), which also catches a
     rank that reuses a cached plan while another plans a new batch; `sap_attention` calls
-    it on the first use of a plan with a group, a `recompute_kv` and a shape not checked
-    yet. (Ranks may run different schedules: both exchange the same rows in the same
+    it when the plan, `recompute_kv` or shape differs from what was last checked on the
+    group. (Ranks may run different schedules: both exchange the same rows in the same
     order.)
     """
     recompute_kv = bool(recompute_kv)
@@ -419,7 +479,11 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
             f"{plan.cost_model.name!r}, attention shape (heads, kv heads, head dim, dtype) {shape}, "
             f"recompute_kv={recompute_kv}), the group has hashes from {low:x} to {high:x}"
         )
-    plan.__dict__.setdefault("_agreed_groups", set()).add((id(groups.cp_group), recompute_kv, shape))
+    last = _LAST_CHECKED.get(id(groups.cp_group))
+    if last is not None and last[0] is plan:
+        last[1].add((recompute_kv, shape))
+    else:
+        _LAST_CHECKED[id(groups.cp_group)] = (plan, {(recompute_kv, shape)})
     mark_ready(group)  # the CP group (and the outer group when it is the CP group, U = 1), or the host group
 
 
@@ -446,11 +510,14 @@ def sap_attention(
     results merged by lse), "gathered" (each query piece once all its keys are in, as one
     kernel segment over all of them, nothing merged; see `planning.program`) or "auto"
     (`plan.schedule(outer_rank, recompute_kv)`, what the cost model times faster).
-    `check_agreement`: on the first use of a plan with these groups, `recompute_kv` and
-    attention shape, all-reduce a hash of them (`verify_plan_agreement`) so that ranks that
-    planned different batches fail together; later calls trust it, so a caller that can
-    hand one rank a cached plan while another plans a new batch (without Megatron's batch
-    split, which checks every micro-batch) should call `verify_plan_agreement` per micro-batch.
+    `check_agreement`: when the plan, `recompute_kv` or attention shape differs from what
+    was last checked on these groups, all-reduce a hash of them (`verify_plan_agreement`)
+    so that ranks that planned different batches fail together; the layers of one
+    micro-batch check once. A rank that keeps its plan while another changes does not
+    enter the all-reduce: both fail at the group's timeout, so a caller that can hand one
+    rank a cached plan while another plans a new batch (without Megatron's batch split,
+    which checks every micro-batch) should call `verify_plan_agreement` per micro-batch for
+    a clear message.
     `check_finite` (default: the MEGATRON_SAP_CHECK_FINITE variable, "1" for on): raise on
     every rank when q, k or v of any rank holds NaN or Inf (one all-reduce and a host sync;
     on alike on every rank).

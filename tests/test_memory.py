@@ -40,7 +40,7 @@ def measure(rank: int, world: int, cu: list[int], inner: int, recompute_kv: bool
         out = sap.sap_attention(ql, kl, vl, plan, groups, recompute_kv=recompute_kv, schedule=schedule)
         out.backward(grad)
         del out
-    model = plan.memory_bytes(groups.outer_rank, plan.cost_model.with_shape(HEADS, KV_HEADS, DIM, 4), schedule)
+    model = plan.memory_bytes(groups.outer_rank, plan.cost_model.with_shape(HEADS, KV_HEADS, DIM, 4), schedule, recompute_kv)
     gradients = 3 * ql.numel() * 4  # dq, dk, dv returned to autograd (q-sized upper bound each)
     output = ql.numel() * 4
     return {"peak": peak.peak_bytes, "model": model, "io": gradients + output,
@@ -71,10 +71,13 @@ def kernel_workspace(plan, outer_rank: int, schedule: str) -> int:
     return worst
 
 
-@pytest.mark.parametrize("inner, schedule", [(1, "pipelined"), (2, "pipelined"), (1, "gathered"), (2, "gathered")])
-def test_peak_memory_matches_formula(pool4, inner, schedule):
+@pytest.mark.parametrize("inner, schedule, recompute_kv", [
+    (1, "pipelined", False), (2, "pipelined", False), (1, "gathered", False), (2, "gathered", False),
+    (1, "pipelined", True), (2, "pipelined", True), (1, "gathered", True),
+])
+def test_peak_memory_matches_formula(pool4, inner, schedule, recompute_kv):
     cu = random_cu_seqlens(random.Random(3), 4 * 512, "long")
-    for r in pool4.run(measure, cu, inner, False, schedule):
+    for r in pool4.run(measure, cu, inner, recompute_kv, schedule):
         model = max(r["model"]["forward"], r["model"]["backward"])
         # The formula's buffers are all allocated, and nothing else of comparable size:
         # on top come only the returned gradients/output and one kernel call's workspace.
@@ -171,3 +174,46 @@ def test_single_process_rank_memory_equals_the_distributed_run(pool4):
         ring_alone = ring_rank_memory(cu, 4, rank, HEADS, KV_HEADS, DIM)
         ring_together = ring_runs[rank]["peak"]
         assert abs(ring_alone.measured - ring_together) <= 0.02 * ring_together, (rank, ring_alone, ring_together)
+
+
+def test_recompute_kv_holds_a_window_of_steps_not_the_document():
+    """With recompute_kv the pipelined executor keeps a few steps' rows in flight, not every
+    received row: one rank of a 16-rank plan of one long document, run alone, allocates at
+    most the windowed formula (plus its returned tensors and one kernel call's scratch) and
+    less than when it keeps the received K/V by at least their bytes."""
+    import megatron_sap as sap
+    from megatron_sap.bench.rank_memory import sap_rank_memory
+
+    small_kernel_chunks()
+    R, cu = 16, [0, 16 * 256]
+    plan = sap.plan_sequences(cu, outer_size=R)
+    received = plan.stats()["recv_tokens_per_outer_rank"]
+    rank = max(range(R), key=received.__getitem__)
+    keep = sap_rank_memory(cu, R, rank, HEADS, KV_HEADS, DIM, schedule="pipelined")
+    again = sap_rank_memory(cu, R, rank, HEADS, KV_HEADS, DIM, schedule="pipelined", recompute_kv=True)
+    assert again.measured <= again.formula + again.output_and_grads + kernel_workspace(plan, rank, "pipelined"), again
+    assert keep.measured - again.measured >= received[rank] * 2 * KV_HEADS * DIM * 4, (keep, again)
+
+
+@pytest.mark.parametrize("outer", [4, 8, 16, 32, 64])
+def test_recompute_kv_memory_does_not_grow_with_the_document(outer):
+    """One document over every rank, T/R tokens each: kept K/V grow with the document (about
+    T), the windowed formula stays within the rows of 2W + 1 steps of at most T/R received
+    and T/R sent, plus one step's gradient accumulator."""
+    import megatron_sap as sap
+    from megatron_sap.planning.program import RECOMPUTE_KV_AHEAD
+
+    tokens = 1024
+    plan = sap.plan_sequences([0, tokens * outer], outer_size=outer, cache=None)
+    model = plan.cost_model
+    row = 2 * model.num_kv_heads * model.head_dim * model.bytes_per_element
+    steps = 2 * RECOMPUTE_KV_AHEAD + 1
+    window_bound = steps * 2 * tokens * row + tokens * row * (1 + 4 / model.bytes_per_element)
+    for rank in range(outer):
+        keep = plan.memory_bytes(rank, schedule="pipelined")
+        again = plan.memory_bytes(rank, schedule="pipelined", recompute_kv=True)
+        assert again["received_kv"] == 0
+        base = keep["backward"] - keep["received_kv"] - plan.stats()["sent_tokens_per_outer_rank"][rank] * row
+        base -= plan.stats()["recv_tokens_per_outer_rank"][rank] * row * (1 + 4 / model.bytes_per_element)
+        assert again["backward"] <= base + window_bound
+        assert again["forward"] <= keep["forward"] and again["backward"] <= keep["backward"]

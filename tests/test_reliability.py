@@ -155,7 +155,7 @@ def test_a_nan_on_one_rank_raises_on_every_rank(pool4: WorkerPool, inner: int) -
 
 
 def count_agreement_job(rank: int, world: int, check: bool) -> list[int]:
-    """all_reduce calls per forward: fresh plan, same plan again, then another fresh plan."""
+    """all_reduce calls per forward: fresh plan, same plan again, another fresh plan, the first again."""
     import torch.distributed as dist
 
     import megatron_sap as sap
@@ -181,7 +181,7 @@ def count_agreement_job(rank: int, world: int, check: bool) -> list[int]:
     second = sap.plan_sequences(cu, outer_size=world, cache=PlanCache())
     dist.all_reduce = counting
     try:
-        for plan in (first, first, second):
+        for plan in (first, first, second, first):
             before = calls
             q, k, v, _ = _local_inputs(plan, groups.cp_rank, cu, 2, 1, seed=1)
             sap.sap_attention(q, k, v, plan, groups, check_agreement=check)
@@ -191,9 +191,52 @@ def count_agreement_job(rank: int, world: int, check: bool) -> list[int]:
     return counts
 
 
-def test_agreement_check_runs_once_per_plan_and_can_be_switched_off(pool2: WorkerPool) -> None:
-    assert pool2.run(count_agreement_job, True) == [[1, 0, 1]] * 2
-    assert pool2.run(count_agreement_job, False) == [[1, 0, 0]] * 2
+def test_agreement_check_runs_when_the_plan_changes_and_can_be_switched_off(pool2: WorkerPool) -> None:
+    assert pool2.run(count_agreement_job, True) == [[1, 0, 1, 1]] * 2
+    assert pool2.run(count_agreement_job, False) == [[1, 0, 0, 0]] * 2
+
+
+def switch_back_job(rank: int, world: int) -> tuple[float, str]:
+    """Every rank runs batches A and B (both checked), then A again (error against the
+    reference); then rank 0 stays on A while the others go back to B. The two rows
+    exchange messages of the same sizes, so only the check can tell them apart."""
+    import megatron_sap as sap
+    from megatron_sap.planning import PlanCache
+
+    groups = sap.init_sap_groups(inner_size=1, outer_size=world, timeout=timedelta(seconds=SHORT_TIMEOUT_S))
+    dist.barrier()
+    rows = {"A": [0, 16 * world], "B": [0, 16 * world - 1, 16 * world]}
+    cache = PlanCache()
+    plans = {name: sap.plan_sequences(cu, outer_size=world, cache=cache) for name, cu in rows.items()}
+
+    def attend(name: str) -> float:
+        q, k, v, _ = make_inputs(rows[name], 4, 2, 8, 5)
+        idx = plans[name].local_indices(groups.cp_rank)
+        out = sap.sap_attention(q[idx], k[idx], v[idx], plans[name], groups)
+        return (out - dense_attention(q, k, v, torch.tensor(rows[name]))[0][idx]).abs().max().item()
+
+    attend("A"), attend("B")
+    error = attend("A")
+    try:
+        attend("A" if rank == 0 else "B")
+    except RuntimeError as exc:
+        return error, str(exc)
+    return error, "ok"
+
+
+def test_ranks_going_back_to_a_checked_plan_fail_instead_of_computing_garbage(pool4: WorkerPool) -> None:
+    """Checking only a plan's first use let ranks 1-3 run batch B's plan against rank 0's A
+    without an error (both checked before), with wrong outputs on every rank. Now the ranks
+    that change plan check it and rank 0, which does not, fails in its first step: all at
+    the group's timeout."""
+    start = time.monotonic()
+    results = pool4.run(switch_back_job, timeout=60)
+    assert time.monotonic() - start < FAILED_JOB_BOUND_S
+    assert all(error < 1e-10 for error, _ in results), results  # all going back together is checked and right
+    assert results[0][1].startswith("SAP step") and "Timed out" in results[0][1], results[0]
+    for _, message in results[1:]:
+        assert "SAP agreement check" in message, results
+    assert pool4.run(healthy_job) == pytest.approx([0.0] * 4, abs=1e-10)
 
 
 def split_agreement_job(rank: int, world: int, model_shape, attention_dtype=None) -> list[int]:

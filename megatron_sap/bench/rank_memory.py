@@ -57,17 +57,19 @@ def _peak(step, local: list[torch.Tensor], device) -> tuple[int, int]:
 
 
 def _sap_op(cu_seqlens: list[int], world_size: int, rank: int, heads: int, kv_heads: int, dim: int,
-            device: torch.device, dtype: torch.dtype, cost_model: CostModel | None) -> tuple[Callable, list[torch.Tensor], float]:
+            device: torch.device, dtype: torch.dtype, cost_model: CostModel | None, schedule: str = "auto",
+            recompute_kv: bool = False) -> tuple[Callable, list[torch.Tensor], float]:
     """(step, this rank's inputs, formula bytes) of one rank of a flat SAP plan."""
     plan = sap.plan_sequences(cu_seqlens, outer_size=world_size, cost_model=cost_model)
     groups = SimpleNamespace(world_size=world_size, inner_size=1, outer_rank=rank, cp_rank=rank,
                              outer_group=None, outer_peer=lambda r: r)
 
     def step(q, k, v):
-        return sap.sap_attention(q, k, v, plan, groups, check_agreement=False)
+        return sap.sap_attention(q, k, v, plan, groups, check_agreement=False, schedule=schedule,
+                                 recompute_kv=recompute_kv)
 
     shape = plan.cost_model.with_shape(heads, kv_heads, dim, torch.empty((), dtype=dtype).element_size())
-    formula = plan.memory_bytes(rank, shape)
+    formula = plan.memory_bytes(rank, shape, schedule, recompute_kv)
     return step, _inputs(plan.local_tokens, heads, kv_heads, dim, device, dtype), max(formula["forward"], formula["backward"])
 
 
@@ -89,10 +91,11 @@ def _ring_op(cu_seqlens: list[int], world_size: int, rank: int, heads: int, kv_h
 
 def sap_rank_memory(cu_seqlens: list[int], world_size: int, rank: int, heads: int, kv_heads: int, dim: int, *,
                     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                    cost_model: CostModel | None = None) -> RankMemory:
-    """One rank of a flat SAP plan over `world_size` ranks."""
+                    cost_model: CostModel | None = None, schedule: str = "auto", recompute_kv: bool = False) -> RankMemory:
+    """One rank of a flat SAP plan over `world_size` ranks, run in `schedule` with `recompute_kv`."""
     device = torch.device(device)
-    step, local, formula = _sap_op(cu_seqlens, world_size, rank, heads, kv_heads, dim, device, dtype, cost_model)
+    step, local, formula = _sap_op(cu_seqlens, world_size, rank, heads, kv_heads, dim, device, dtype, cost_model,
+                                   schedule, recompute_kv)
     return RankMemory(rank, *_peak_and_formula(step, local, device, formula))
 
 

@@ -337,6 +337,13 @@ def exchange_round(rank: int, peer: int, num_ranks: int) -> int:
     return (rank + peer) % num_ranks
 
 
+# With recompute_kv, the pipelined schedule's executor posts this many exchanges ahead of the
+# one whose rows the kernels work on, in forward and in backward (refetches, and gradients
+# going back), instead of all at once: a rank holds the rows of a few steps, each at most one
+# peer's T/R tokens, however long the documents (`Plan.memory_bytes`).
+RECOMPUTE_KV_AHEAD = 2
+
+
 def check_schedule(schedule: str, allow_auto: bool = False) -> str:
     """`schedule` if it names one of `SCHEDULES` (or "auto" where allowed), else ValueError."""
     known = SCHEDULES + (("auto",) if allow_auto else ())
