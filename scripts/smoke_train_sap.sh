@@ -15,8 +15,11 @@ set -euo pipefail
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to core_v0.19)}"
 : "${PYTHON:=python}"
 : "${NPROC:=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}"  # the visible GPUs
-if [ "${NPROC:-0}" -lt 1 ]; then echo "no visible GPU (NPROC=${NPROC:-})" >&2; exit 2; fi
+if ! [[ "${NPROC:-}" =~ ^[0-9]+$ ]] || [ "$NPROC" -lt 1 ]; then echo "no visible GPU (NPROC=${NPROC:-})" >&2; exit 2; fi
 : "${SAP_INNER:=$(( NPROC % 2 == 0 ? 2 : 1 ))}"
+if ! [[ "$SAP_INNER" =~ ^[0-9]+$ ]] || [ "$SAP_INNER" -lt 1 ] || [ $(( NPROC % SAP_INNER )) -ne 0 ]; then
+    echo "SAP_INNER=$SAP_INNER must be a positive divisor of NPROC=$NPROC" >&2; exit 2
+fi
 : "${SEQ_LENGTH:=$(( 8192 / (2 * NPROC) * 2 * NPROC ))}"  # about 8K, divisible by 2 x CP as Megatron-LM requires
 if [ $(( SEQ_LENGTH % (2 * NPROC) )) -ne 0 ]; then
     echo "SEQ_LENGTH=$SEQ_LENGTH must be divisible by 2 x CP = $(( 2 * NPROC ))" >&2; exit 2

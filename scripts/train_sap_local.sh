@@ -13,6 +13,15 @@ set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "$0")" && pwd)"
 : "${PYTHON:=python}"
+
+positive_ints() {  # exit unless each named variable holds a positive integer
+    for name in "$@"; do
+        if ! [[ "${!name}" =~ ^[0-9]+$ ]] || (( 10#${!name} < 1 )); then
+            echo "$name=${!name} must be a positive integer" >&2
+            exit 2
+        fi
+    done
+}
 if [ -z "${DEVICE:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=cuda; else DEVICE=cpu; fi
 fi
@@ -21,9 +30,10 @@ case "$DEVICE" in
     cpu)
         : "${NPROC:=4}"
         : "${SAP_INNER:=2}"
-        if (( SAP_INNER < 1 )); then echo "SAP_INNER=$SAP_INNER must be >= 1" >&2; exit 2; fi
+        positive_ints NPROC SAP_INNER
         : "${SAP_OUTER:=$((NPROC / SAP_INNER))}"
         : "${STEPS:=20}"
+        positive_ints SAP_OUTER STEPS
         if (( NPROC < 1 || SAP_INNER < 1 || SAP_OUTER < 1 || NPROC % (SAP_INNER * SAP_OUTER) )); then
             echo "NPROC=$NPROC must be a positive multiple of SAP_INNER*SAP_OUTER=$SAP_INNER*$SAP_OUTER (the rest is data parallelism)" >&2
             exit 2
@@ -36,9 +46,11 @@ case "$DEVICE" in
         : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to core_v0.19)}"
         : "${NPROC:=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}"  # the visible GPUs
         : "${TP:=1}"
+        positive_ints NPROC TP
         : "${SAP_INNER:=$((NPROC / TP))}"
         : "${SAP_OUTER:=1}"
         : "${SEQ_LENGTH:=32768}"
+        positive_ints SAP_INNER SAP_OUTER SEQ_LENGTH
         # shellcheck source=sap_llama3_8b_flags.sh
         source "$SCRIPT_DIR/sap_llama3_8b_flags.sh"
         export CUDA_DEVICE_MAX_CONNECTIONS=1

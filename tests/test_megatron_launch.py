@@ -844,6 +844,7 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
         (dict(tensor_model_parallel_size=2, sequence_parallel=True, seq_length=4098),
          "--sequence-parallel needs --seq-length divisible by CP x TP = 2 x 2 \\(got 4098\\)"),
         (dict(attention_dropout=0.1), "no attention dropout.*--attention-dropout 0"),
+        (dict(window_size=(128, 0)), "does not support sliding windows: drop --window-size"),
         (dict(overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
         (dict(context_parallel_size=1, overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
         (dict(enable_cuda_graph=True, cuda_graph_scope="full"), "CUDA graphs that capture attention"),

@@ -373,6 +373,17 @@ def test_te_layer_spec_gets_sap_core_attention() -> None:
     assert _core_attentions(get_gpt_layer_sap_spec(use_transformer_engine=True), []) == [SAPDotProductAttention]
 
 
+def test_te_layer_spec_without_transformer_engine_says_so(monkeypatch) -> None:
+    import importlib.util
+
+    from megatron_sap.megatron import get_gpt_layer_sap_spec
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformer_engine" else real(name, *a))
+    with pytest.raises(ImportError, match="needs Transformer Engine"):
+        get_gpt_layer_sap_spec(use_transformer_engine=True)
+
+
 def test_layers_reuse_the_split_plan_without_replanning(monkeypatch) -> None:
     import megatron_sap
 

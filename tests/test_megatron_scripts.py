@@ -45,7 +45,10 @@ def test_data_path_takes_one_prefix_or_a_blend() -> None:
 
 
 @pytest.mark.parametrize("env, match", [({"NPROC": "4", "SAP_INNER": "3"}, "SAP_INNER\\*SAP_OUTER=3\\*1"),
-                                        ({"NPROC": "6", "SAP_INNER": "2", "SAP_OUTER": "2"}, "NPROC=6")])
+                                        ({"NPROC": "6", "SAP_INNER": "2", "SAP_OUTER": "2"}, "NPROC=6"),
+                                        ({"NPROC": "abc"}, "NPROC=abc must be a positive integer"),
+                                        ({"SAP_INNER": "0"}, "SAP_INNER=0 must be a positive integer"),
+                                        ({"STEPS": "-1"}, "STEPS=-1 must be a positive integer")])
 def test_local_cpu_run_checks_its_sizes(env: dict, match: str) -> None:
     import re
 
@@ -130,3 +133,7 @@ def test_smoke_script_picks_a_sequence_length_its_cp_size_divides(tmp_path: Path
     refused = subprocess.run(["bash", str(SCRIPTS / "smoke_train_sap.sh")], capture_output=True, text=True,
                              env={**env, "SEQ_LENGTH": str(seq + 1)}, timeout=120)
     assert refused.returncode == 2 and f"must be divisible by 2 x CP = {2 * nproc}" in refused.stderr
+    for inner in ("0", str(nproc + 1)):
+        refused = subprocess.run(["bash", str(SCRIPTS / "smoke_train_sap.sh")], capture_output=True, text=True,
+                                 env={**env, "SAP_INNER": inner}, timeout=120)
+        assert refused.returncode == 2 and f"SAP_INNER={inner} must be a positive divisor of NPROC={nproc}" in refused.stderr

@@ -48,7 +48,8 @@ def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--sap-plan-cache-size", type=int, default=None, help="plans kept per process")
     group.add_argument(
         "--sap-check-agreement", action=argparse.BooleanOptionalAction, default=True,
-        help="check once per micro-batch that all CP ranks hold the same cu_seqlens",
+        help="check once per micro-batch that all CP ranks hold the same cu_seqlens, layout, cost model, "
+        "attention shape and --sap-recompute-kv",
     )
     group.add_argument(
         "--sap-plan-in-data-loader", action=argparse.BooleanOptionalAction, default=True,

@@ -220,6 +220,8 @@ def _refuse_unsupported(args: Any) -> None:
         )
     if (getattr(args, "micro_batch_size", 1) or 1) > 1:
         raise ValueError(f"SAP trains one packed row per micro-batch: use --micro-batch-size 1 (got {args.micro_batch_size})")
+    if getattr(args, "window_size", None) is not None:
+        raise ValueError(f"SAP attention does not support sliding windows: drop --window-size (got {args.window_size})")
     if getattr(args, "reset_attention_mask", False) and not getattr(args, "reset_position_ids", False):
         raise ValueError(
             "SAP finds the documents of a row from its position ids: add --reset-position-ids to "

@@ -7,6 +7,8 @@ the launcher does for `--cp-comm-type sap`.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import copy
 import dataclasses
 from typing import Any, Callable
@@ -59,6 +61,10 @@ def get_gpt_layer_sap_spec(use_transformer_engine: bool = False, **kwargs: Any) 
     """
     if use_transformer_engine:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        if importlib.util.find_spec("transformer_engine") is None:  # Megatron's builder fails with a NameError
+            raise ImportError("get_gpt_layer_sap_spec(use_transformer_engine=True) needs Transformer Engine, which is "
+                              "not installed: use the local spec (use_transformer_engine=False) or install it")
 
         return swap_core_attention(get_gpt_layer_with_transformer_engine_spec(**kwargs))
     return swap_core_attention(get_gpt_layer_local_spec(**kwargs))
