@@ -172,6 +172,15 @@ def _per_rank_rows(result: dict) -> list[str]:
     return lines
 
 
+MEMORY_NOTE = (
+    "Neither formula counts the kernels' own workspace and outputs, which is where the measured peaks exceed "
+    "them: for SAP, one call's gathered rows and outputs; for p2p, in each backward step, a kernel call's dq, dk "
+    "and dv, their stacked and fp32 copies, a zero-padded dK/dV, the third buffer of the dK/dV hop and the "
+    "kernel's own workspace (the flash backward's fp32 dq accumulator, and its dK/dV over every query head "
+    "under GQA, summed to the KV heads after)."
+)
+
+
 def _memory_table(result: dict) -> str:
     lines = [
         "Peak memory per rank (`torch.cuda.max_memory_allocated`; each rank run alone with local exchanges; output "
@@ -186,6 +195,7 @@ def _memory_table(result: dict) -> str:
             peaks = row["peak_MiB_per_rank"]
             lines.append(f"| {where} | {method} | {max(peaks):.0f} | {min(peaks):.0f} | "
                          f"{max(row['formula_plus_output_and_grads_MiB']):.0f} |")
+    lines += ["", MEMORY_NOTE]
     return "\n".join(lines)
 
 
