@@ -37,8 +37,8 @@ Built-in checks, in the order they run:
     pipelined_kernel_factor;
   * method_executor_times: every rank's whole op, SAP and the KV ring, forward and
     backward with local exchanges (the executors' compute without communication);
-  * rank_memory: every rank's peak memory for SAP and the KV ring (each rank run
-    alone with local exchanges), beside the formulas;
+  * rank_memory: every rank's peak memory for SAP (also with recompute_kv, pipelined)
+    and the KV ring (each rank run alone with local exchanges), beside the formulas;
   * torch_backend_accuracy: the torch backend's accuracy on the GPU in float32;
   * host_planning_time: planning on this machine's CPU, as `make bench` measures it
     (a fresh plan of packed 128K-token rows at P = 8 and 64, a cache hit, rank 0's
@@ -563,7 +563,8 @@ def method_executor_times() -> dict:
 
 
 def rank_memory() -> dict:
-    """Every rank's peak memory (torch.cuda.max_memory_allocated), SAP and the KV ring, beside the formulas.
+    """Every rank's peak memory (torch.cuda.max_memory_allocated), SAP (also with recompute_kv, pipelined)
+    and the KV ring, beside the formulas.
 
     Each rank runs alone with local exchanges (megatron_sap.bench.rank_memory): one GPU
     measures what every rank of an 8-rank job allocates.
@@ -577,8 +578,10 @@ def rank_memory() -> dict:
     results = {}
     for corpus, total in SIZES.method_rows:
         cu = pack(document_lengths(corpus), total, 1, seed=0)[0]
-        for name, measure in (("sap", sap_rank_memory), ("p2p", ring_rank_memory)):
-            kwargs = {"cost_model": CostModel.preset("h200")} if name == "sap" else {}
+        h200 = {"cost_model": CostModel.preset("h200")}
+        for name, measure, kwargs in (("sap", sap_rank_memory, h200),
+                                      ("sap-recompute-kv", sap_rank_memory, {**h200, "schedule": "pipelined", "recompute_kv": True}),
+                                      ("p2p", ring_rank_memory, {})):
             rows = [measure(cu, world, r, heads_q, heads_kv, dim, device=DEVICE, dtype=torch.bfloat16, **kwargs)
                     for r in range(world)]
             results[f"{corpus}/T={total}/{name}"] = {
