@@ -10,9 +10,9 @@ Saved for backward (per rank): q, k, v, the output and its lse (fp32, [H, T/R]) 
 unless `recompute_kv=True`, the K/V rows received from other ranks (gathered: the one
 buffer that holds them after the local K/V). With
 `recompute_kv=True` those rows are fetched again during backward (one more
-forward-sized exchange), and the op holds the rows of a few steps at a time, not all
-it receives: a window of exchanges in flight (`RECOMPUTE_KV_AHEAD`), in the pipelined
-forward and in every backward (`Plan.memory_bytes`).
+forward-sized exchange), and the pipelined forward holds the rows of a few steps at a
+time, not all it receives: a window of exchanges in flight (`RECOMPUTE_KV_AHEAD`;
+`Plan.memory_bytes`).
 """
 from __future__ import annotations
 
@@ -197,100 +197,52 @@ class _SAPOuterAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, *saved = ctx.saved_tensors
         outer, scale, backend = ctx.outer, ctx.scale, ctx.backend
-        dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=_accumulation_dtype(q.dtype), device=q.device)
-        if ctx.recompute_kv:
-            # Every rank, whatever its forward schedule, runs the pipelined steps with a
-            # window of exchanges in flight: the same pattern on every rank keeps the
-            # windows free of deadlock, and the memory bounded (`_refetched_backward`).
-            program = ctx.plan.program(outer.rank, q.device, "pipelined")
-            dkv = _refetched_backward(program, dout, q, k, v, out, lse, dq, outer, scale, backend)
-            return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None, None, None
         program = ctx.plan.program(outer.rank, q.device, ctx.schedule)
+        dout = dout.contiguous()
+        acc_dtype = _accumulation_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        n = len(program.transfers)
         if ctx.schedule == "gathered":
-            kv, dkv, grads = _gathered_backward(program, dout, q, out, lse, saved[0], dq, scale, backend)
+            kv, dkv, grads = _gathered_backward(ctx, program, dout, q, k, v, out, lse, saved, dq)
         else:
             kv = torch.stack([k, v], 1)
-            dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)
-        returns: list[tuple[PendingExchange, torch.Tensor | None] | None] = []
+            dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
+            # The local blocks run while something is in flight: first, under the refetched K/V;
+            # else last, under the gradients returning to their owners (the cost model's pipeline).
+            if ctx.recompute_kv:
+                fetched = [_post_kv(program, i, kv, outer, _REFETCH_TAG) for i in range(n)]
+                _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
+        returns: list[tuple[PendingExchange, torch.Tensor | None]] = []
         for i, step in enumerate(program.transfers):
             if ctx.schedule == "gathered":
                 grad_recv = grads[i]
             else:
-                grad_recv = torch.zeros(saved[i].shape, dtype=dq.dtype, device=q.device)
-                _backward_calls(step.calls, dout, q, out, lse, saved[i], dq, grad_recv, scale, backend)
-            returns.append(_return_gradients(program, i, grad_recv, kv, outer))
-        # The local blocks run last, under the gradients returning to their owners.
-        _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
-        for i, step in enumerate(program.transfers):
-            _add_returned(step, returns, i, dkv)
+                if ctx.recompute_kv:
+                    handle, recv = fetched[i]
+                    handle.wait()
+                else:
+                    recv = saved[i]
+                grad_recv = torch.zeros(recv.shape, dtype=acc_dtype, device=q.device)
+                _backward_calls(step.calls, dout, q, out, lse, recv, dq, grad_recv, scale, backend)
+            # Gradients of the received rows go back to their owner (the reverse of the forward step).
+            grad_in = None if step.send_rows is None else kv.new_empty((len(step.send_rows), *kv.shape[1:]))
+            handle = post_exchange(
+                grad_recv.to(kv.dtype) if step.recv_tokens else None,
+                None if step.recv_peer is None else outer.peer(step.recv_peer),
+                grad_in,
+                None if step.send_peer is None else outer.peer(step.send_peer),
+                outer.group,
+                _BACKWARD_TAG + step.round,
+                f"backward step {i + 1} of {n} (round {step.round}) on outer rank {outer.rank}",
+            )
+            returns.append((handle, grad_in))
+        if not ctx.recompute_kv:
+            _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
+        for step, (handle, grad_in) in zip(program.transfers, returns):
+            handle.wait()
+            if grad_in is not None:
+                dkv.index_add_(0, step.send_rows, grad_in.to(acc_dtype))
         return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None, None, None
-
-
-def _return_gradients(program: RankProgram, index: int, grad_recv: torch.Tensor, kv: torch.Tensor,
-                      outer: _Outer) -> tuple[PendingExchange, torch.Tensor | None]:
-    """Post step `index` of the backward: the gradients of the rows it received go back to
-    their owner, and those of the rows it sent come in (the reverse of the forward step);
-    returns the handle and the buffer they come into."""
-    step, n = program.transfers[index], len(program.transfers)
-    grad_in = None if step.send_rows is None else kv.new_empty((len(step.send_rows), *kv.shape[1:]))
-    handle = post_exchange(
-        grad_recv.to(kv.dtype) if step.recv_tokens else None,
-        None if step.recv_peer is None else outer.peer(step.recv_peer),
-        grad_in,
-        None if step.send_peer is None else outer.peer(step.send_peer),
-        outer.group,
-        _BACKWARD_TAG + step.round,
-        f"backward step {index + 1} of {n} (round {step.round}) on outer rank {outer.rank}",
-    )
-    return handle, grad_in
-
-
-def _refetched_backward(program: RankProgram, dout, q, k, v, out, lse, dq, outer: _Outer, scale, backend):
-    """The backward with `recompute_kv`, in the pipelined program's steps: the gradient
-    accumulator of the local K/V ([n, 2, Hkv, D]; dq accumulates into `dq`). The K/V are fetched again `RECOMPUTE_KV_AHEAD` steps ahead of the one whose
-    calls run (the local calls run under the first), and the gradients of step i go back while
-    the next steps run; step i - RECOMPUTE_KV_AHEAD's are waited for and added after step i's
-    are posted. A rank holds the rows of at most 2 RECOMPUTE_KV_AHEAD + 1 steps.
-
-    Deadlock-free when every rank runs this: an exchange waited for is posted by both its
-    ranks, or one of them waits for an exchange earlier in the one order of rank pairs
-    (a pair's refetch before its return), and the earliest of those has been posted by both.
-    Each pair's refetch precedes its return on both ranks, as NCCL's in-order matching needs.
-    """
-    kv = torch.stack([k, v], 1)
-    dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)
-    steps, ahead = program.transfers, RECOMPUTE_KV_AHEAD
-    fetched: list = [_post_kv(program, i, kv, outer, _REFETCH_TAG) for i in range(min(ahead, len(steps)))]
-    _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
-    returns: list = []
-    for i, step in enumerate(steps):
-        handle, recv = fetched[i]
-        fetched[i] = None
-        handle.wait()
-        del handle
-        if i + ahead < len(steps):
-            fetched.append(_post_kv(program, i + ahead, kv, outer, _REFETCH_TAG))
-        grad_recv = torch.zeros(recv.shape, dtype=dq.dtype, device=q.device)
-        _backward_calls(step.calls, dout, q, out, lse, recv, dq, grad_recv, scale, backend)
-        del recv
-        returns.append(_return_gradients(program, i, grad_recv, kv, outer))
-        del grad_recv
-        if i >= ahead:
-            _add_returned(steps[i - ahead], returns, i - ahead, dkv)
-    for i in range(max(len(steps) - ahead, 0), len(steps)):
-        _add_returned(steps[i], returns, i, dkv)
-    return dkv
-
-
-def _add_returned(step, returns: list, index: int, dkv: torch.Tensor) -> None:
-    """Wait for the gradients of the rows sent in step `index` and add them at those rows;
-    the step's buffers go."""
-    handle, grad_in = returns[index]
-    returns[index] = None
-    handle.wait()
-    if grad_in is not None:
-        dkv.index_add_(0, step.send_rows, grad_in.to(dkv.dtype))
 
 
 def _gathered_forward(program: RankProgram, q, k, v, outer: _Outer, scale, backend):
@@ -309,17 +261,28 @@ def _gathered_forward(program: RankProgram, q, k, v, outer: _Outer, scale, backe
     return out, lse, source
 
 
-def _gathered_backward(program: RankProgram, dout, q, out, lse, source, dq, scale, backend):
-    """The gathered schedule's calls in backward, on the `source` buffer the forward kept
-    (the local rows, then every step's received rows): (local K/V, their gradient
-    accumulator, each step's received-row gradients). A piece's keys may come from
-    several steps, so every step's calls run before any gradient goes back."""
-    kv = source[: program.num_tokens]
+def _gathered_backward(ctx, program: RankProgram, dout, q, k, v, out, lse, saved, dq):
+    """The gathered schedule's calls in backward: (local K/V, their gradient accumulator,
+    each step's received-row gradients). With `recompute_kv` the K/V are fetched again
+    into a new source buffer while the local calls run."""
+    outer, scale, backend = ctx.outer, ctx.scale, ctx.backend
+    if ctx.recompute_kv:
+        source, slices = _gathered_source(program, k, v)
+        fetched = _post_all(program, source, slices, outer, _REFETCH_TAG)
+    else:
+        (source,) = saved
+    kv = source[: len(k)]
     grad_source = torch.zeros(source.shape, dtype=dq.dtype, device=q.device)
-    dkv = grad_source[: program.num_tokens]
+    dkv = grad_source[: len(k)]
+    if ctx.recompute_kv:
+        _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
+        for handle, _ in fetched:
+            handle.wait()
+    # A piece's keys may come from earlier steps too: every step's calls run before any
+    # gradient goes back.
     for step in program.transfers:
         _backward_calls(step.calls, dout, q, out, lse, source, dq, grad_source, scale, backend)
-    grads = torch.split(grad_source[program.num_tokens:], [step.recv_tokens for step in program.transfers])
+    grads = torch.split(grad_source[len(k):], [step.recv_tokens for step in program.transfers])
     return kv, dkv, grads
 
 

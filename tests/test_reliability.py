@@ -457,3 +457,97 @@ def stale_plan_job(rank: int, world: int) -> str:
 def test_batch_splitter_catches_a_stale_cached_plan(pool2: WorkerPool) -> None:
     messages = pool2.run(stale_plan_job)
     assert all("CP ranks disagree" in m for m in messages), messages
+
+
+# ---- NCCL's order: each group's batched P2P calls run one after another -------------------------
+
+
+def in_order_p2p(stuck_after_s: float):
+    """Make `dist.batch_isend_irecv` run each process group's batches one after another, in the
+    order they are posted, each done only when its sends and receives are (as NCCL runs a
+    group's batches on one stream); a batch not done within `stuck_after_s` raises when waited
+    for. Returns a function that undoes it."""
+    import queue
+    import threading
+
+    real = dist.batch_isend_irecv
+    lanes: dict[int, queue.Queue] = {}
+
+    class Batch:
+        def __init__(self) -> None:
+            self.done, self.error = threading.Event(), None
+
+        def wait(self, timeout=None) -> bool:
+            if not self.done.wait(stuck_after_s):
+                raise RuntimeError(f"batched P2P not done after {stuck_after_s} s: the group's batches wait for each other")
+            if self.error is not None:
+                raise self.error
+            return True
+
+    def run_in_order(lane: queue.Queue) -> None:
+        while True:
+            ops, batch = lane.get()
+            try:
+                for work in real(ops):
+                    work.wait()
+            except Exception as exc:  # the backend's error type varies
+                batch.error = RuntimeError(str(exc))
+            batch.done.set()
+
+    def posted(ops):
+        group = id(ops[0].group)
+        if group not in lanes:
+            lanes[group] = queue.Queue()
+            threading.Thread(target=run_in_order, args=(lanes[group],), daemon=True).start()
+        batch = Batch()
+        lanes[group].put((ops, batch))
+        return [batch]
+
+    dist.batch_isend_irecv = posted
+
+    def undo() -> None:
+        dist.batch_isend_irecv = real
+
+    return undo
+
+
+def in_order_job(rank: int, world: int, cu: list[int], recompute_kv: bool, schedules: list[str]) -> float:
+    """Forward and backward on one outer group of `world` ranks with batched P2P run in order per
+    group, this rank in `schedules[rank]`: the largest error against the dense reference."""
+    import megatron_sap as sap
+    from megatron_sap.planning import PlanCache
+
+    groups = groups_for(1, world)
+    plan = sap.plan_sequences(cu, outer_size=world, cache=PlanCache())
+    q, k, v, dout = make_inputs(cu, 4, 2, 8, seed=len(cu))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    ref = dense_attention(q, k, v, torch.tensor(cu))[0]
+    expected = torch.autograd.grad(ref, (q, k, v), dout)
+    idx = plan.local_indices(groups.cp_rank)
+    local = [t.detach()[idx].requires_grad_() for t in (q, k, v)]
+    undo = in_order_p2p(stuck_after_s=20.0)
+    try:
+        out = sap.sap_attention(*local, plan, groups, recompute_kv=recompute_kv, schedule=schedules[rank])
+        out.backward(dout[idx])
+    finally:
+        undo()
+    errors = [(out - ref[idx]).abs().max()] + [(t.grad - g[idx]).abs().max() for t, g in zip(local, expected)]
+    return max(e.item() for e in errors)
+
+
+pool6 = make_pool_fixture(6, timeout=120)
+
+
+@pytest.mark.parametrize("recompute_kv", [False, True])
+def test_exchanges_complete_when_each_group_runs_its_batches_in_order(pool6: WorkerPool, recompute_kv: bool) -> None:
+    """NCCL runs a group's batched P2P calls one after another in the order each rank posts
+    them, so every rank must post its exchanges in one order that all ranks share (gloo lets
+    them progress in any order, which hides a mistake). One document over six ranks (whose
+    steps interleave so that a backward posting refetches and returns by each rank's own step
+    count waits in a cycle), and random rows, in every mix of schedules."""
+    rng = random.Random(66)
+    rows = [[0, 96], [0, 3072]] + [random_cu_seqlens(rng, 6 * rng.randint(16, 96), kind) for kind in ("long", "mixture")]
+    for cu in rows:
+        for schedules in (["pipelined"] * 6, ["gathered"] * 6, ["pipelined", "gathered", "auto"] * 2):
+            errors = pool6.run(in_order_job, cu, recompute_kv, schedules, timeout=60)
+            assert max(errors) < 1e-10, (cu, schedules, errors)

@@ -243,10 +243,10 @@ class Plan:
         """An outer rank's modelled times in each schedule (`timeline`), computed once."""
         key = (self._check_outer(outer_rank), check_bool(recompute_kv, "recompute_kv"))
         if key not in self._timings:
-            programs = {s: self.program(key[0], schedule=s) for s in SCHEDULES}
-            self._timings[key] = {  # with recompute_kv every rank's backward runs the pipelined program
-                s: rank_schedule(program, self.inner_size, self.capacity, self.cost_model, key[1], programs["pipelined"])
-                for s, program in programs.items()
+            self._timings[key] = {
+                s: rank_schedule(self.program(key[0], schedule=s), self.inner_size, self.capacity, self.cost_model,
+                                 key[1])
+                for s in SCHEDULES
             }
         return self._timings[key]
 
@@ -321,9 +321,9 @@ class Plan:
         v and the output, for the cost model's shape; accumulators are fp32. Kernel
         workspaces and one call's gathered rows come on top (bounded by one call).
         `received_kv` is what the op keeps from forward to backward. With `recompute_kv`
-        the backward (in either schedule) and the pipelined forward hold the rows of a window
-        of steps (`RECOMPUTE_KV_AHEAD`), each at most one peer's T/R tokens, however long
-        the documents.
+        nothing is kept, the pipelined forward holds the rows of a window of steps
+        (`RECOMPUTE_KV_AHEAD`), each at most one peer's T/R rows, however long the
+        documents, and the backward fetches every received row again at once.
         """
         m = self.cost_model if cost_model is None else _cost_model(cost_model)
         outer_rank = self._check_outer(outer_rank)
@@ -349,39 +349,29 @@ class Plan:
         # output is written in place: no fp32 output accumulator, only the lse
         accumulators = rows * heads * a if gathered else rows * heads * (m.head_dim + 1) * a
         forward = stacked_kv + accumulators + kept + sent + ulysses
-        backward_base = (
+        backward = (
             stacked_kv
+            + kept  # with recompute_kv: the rows fetched again, as many
+            + sent  # gradients of the rows sent, coming back
+            + (sent if recompute_kv else 0.0)  # copies of the rows sent again
             + rows * heads * m.head_dim * a  # dq accumulator
             + rows * kv_row * a  # dK/dV accumulator
+            + received * kv_row * (a + b)  # gradients of received rows until returned
             + rows * heads * a  # saved lse
             + 2 * ulysses
         )
-        if not recompute_kv:
-            # kept rows, gradients of the rows sent coming back, of the received rows until returned
-            backward = backward_base + kept + sent + received * kv_row * (a + b)
-        else:
-            # a window of steps in flight; every rank's backward runs the pipelined steps
-            window_forward, window_backward = self._recompute_windows(outer_rank, kv_row * b, a / b)
-            if not gathered:
-                forward = stacked_kv + accumulators + window_forward + ulysses
-            backward = backward_base + window_backward
+        if recompute_kv and not gathered:
+            forward = stacked_kv + accumulators + self._recompute_window(outer_rank, kv_row * b) + ulysses
         return {"forward": forward, "backward": backward, "received_kv": 0.0 if recompute_kv else kept}
 
-    def _recompute_windows(self, outer_rank: int, row_bytes: float, accumulate: float) -> tuple[float, float]:
-        """The most bytes of exchanged rows alive at once in the pipelined schedule with
-        `recompute_kv`, forward and backward. Forward, while step i's calls run: its received
-        rows and steps i+1 .. i+W posted (received rows and copies of the rows sent).
-        Backward, besides: steps i-W .. i's gradients going back (received rows' gradients
-        out, the sent rows' in) and step i's gradient accumulator (`accumulate` x the rows'
-        bytes)."""
+    def _recompute_window(self, outer_rank: int, row_bytes: float) -> float:
+        """The most bytes of exchanged rows alive at once in the pipelined forward with
+        `recompute_kv`: while step i's calls run, its received rows and, for steps i+1 ..
+        i+RECOMPUTE_KV_AHEAD, posted already, their received rows and copies of the rows sent."""
         steps = self.program(outer_rank, schedule="pipelined").transfers
         moved = [(step.recv_tokens + (0 if step.send_rows is None else len(step.send_rows))) * row_bytes
                  for step in steps]
-        ahead = RECOMPUTE_KV_AHEAD
-        forward = max((sum(moved[i:i + ahead + 1]) for i in range(len(steps))), default=0.0)
-        backward = max((sum(moved[max(i - ahead, 0):i + ahead + 1]) + step.recv_tokens * row_bytes * (1 + accumulate)
-                        for i, step in enumerate(steps)), default=0.0)
-        return forward, backward
+        return max((sum(moved[i:i + RECOMPUTE_KV_AHEAD + 1]) for i in range(len(steps))), default=0.0)
 
 
 class PlanCache:

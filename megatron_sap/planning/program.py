@@ -337,10 +337,11 @@ def exchange_round(rank: int, peer: int, num_ranks: int) -> int:
     return (rank + peer) % num_ranks
 
 
-# With recompute_kv, the pipelined schedule's executor posts this many exchanges ahead of the
-# one whose rows the kernels work on, in forward and in backward (refetches, and gradients
-# going back), instead of all at once: a rank holds the rows of a few steps, each at most one
-# peer's T/R tokens, however long the documents (`Plan.memory_bytes`).
+# With recompute_kv, the pipelined schedule's forward posts this many exchanges ahead of the
+# one whose rows the kernels work on, instead of all at once: a rank holds the rows of a few
+# steps, each at most one peer's T/R rows, however long the documents (`Plan.memory_bytes`).
+# Every rank posts its exchanges in the one order of rank pairs, which NCCL's in-order
+# execution of each group's batches needs (tests/test_reliability.py checks it in-order).
 RECOMPUTE_KV_AHEAD = 2
 
 

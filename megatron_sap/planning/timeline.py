@@ -9,19 +9,13 @@ instead, in the order `sap_attention` runs them:
   calls once its exchange is done (the exchanges run one after another on the link,
   whatever the kernels are doing);
 - backward: every step's calls run and its gradients are posted back at once; the
-  local calls run last. With `recompute_kv` every rank runs its pipelined program's
-  backward, whatever its forward schedule: the K/V are fetched again first, the local
-  calls run while they arrive, and each step's gradients go back after its calls.
-
-With `recompute_kv` the executor keeps only `RECOMPUTE_KV_AHEAD` exchanges posted ahead
-of the step whose calls run (and waits for a step's returning gradients that many steps
-later); the timeline counts every exchange as posted at once. With two exchanges queued
-the link idles only where one exchange takes longer than the calls of the steps before it.
+  local calls run last (with `recompute_kv`, the K/V are fetched again first and the
+  local calls run while they arrive).
 
 The gathered schedule runs the same forward with its own calls (each piece once,
-after the step that brings its last keys); backward (keeping the K/V), all its step
-calls run, then the gradients go back one step after another, the local calls under
-them.
+after the step that brings its last keys); backward, all its step calls run (after the
+refetch, with `recompute_kv`), then the gradients go back one step after another, the
+local calls under them.
 
 Exchanges of one rank go one after another (one NCCL stream per group); an exchange
 takes its larger side (send or receive) over its link plus a latency per message.
@@ -84,14 +78,12 @@ def _kernel_s(program: RankProgram, calls: Sequence[KernelCall], inner_size: int
 
 
 def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: CostModel,
-                  recompute_kv: bool = False, backward_program: RankProgram | None = None) -> RankSchedule:
-    """The forward and backward seconds of one outer rank's `program` (see module docstring);
-    with `recompute_kv` the backward is `backward_program`'s, the rank's pipelined program,
-    which the executor runs then whatever the forward's schedule (default: `program`)."""
+                  recompute_kv: bool = False) -> RankSchedule:
+    """The forward and backward seconds of one outer rank's `program` (see module docstring)."""
     U = inner_size
 
-    def compute(target: RankProgram, calls, backward: bool) -> float:
-        return _kernel_s(target, calls, U, model) * (model.backward_factor if backward else 1.0)
+    def compute(calls, backward: bool) -> float:
+        return _kernel_s(program, calls, U, model) * (model.backward_factor if backward else 1.0)
 
     steps = program.transfers
     x = [_exchange_s(program, s, U, model) for s in steps]
@@ -100,34 +92,33 @@ def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: C
     # Forward: every exchange posted, one after another on the link; the local calls, then
     # each step's calls once its exchange is done.
     done = 0.0
-    t = compute(program, program.local_calls, False)
+    t = compute(program.local_calls, False)
     for xi, step in zip(x, steps):
         done += xi
-        t = max(t, done) + compute(program, step.calls, False)
+        t = max(t, done) + compute(step.calls, False)
     forward = t + a2a_s
 
-    # Backward: with recompute_kv the K/V are fetched again under the local calls.
-    back = (backward_program or program) if recompute_kv else program
+    # Backward: with recompute_kv the K/V are fetched again (posted at once) under the local calls.
     t, link_free = 0.0, 0.0
     arrived = []
     if recompute_kv:
         for xi in x:
             link_free += xi
             arrived.append(link_free)
-        t = compute(back, back.local_calls, True)
-    if back.schedule == "gathered":
+        t = compute(program.local_calls, True)
+    if program.schedule == "gathered":
         # Every step's calls (a piece's keys may come from earlier steps too), then the
         # gradients go back one step after another.
-        t = max([t] + arrived[-1:]) + sum(compute(back, step.calls, True) for step in back.transfers)
+        t = max([t] + arrived[-1:]) + sum(compute(step.calls, True) for step in steps)
         link_free = t + sum(x)
     else:
-        for i, step in enumerate(back.transfers):
+        for i, step in enumerate(steps):
             if recompute_kv:
                 t = max(t, arrived[i])
-            t += compute(back, step.calls, True)
+            t += compute(step.calls, True)
             link_free = max(t, link_free) + x[i]  # the gradients go back to their owner
     if not recompute_kv:
-        t += compute(back, back.local_calls, True)
+        t += compute(program.local_calls, True)
     backward = max(t, link_free) + a2a_s
     return RankSchedule(forward, backward)
 
@@ -161,22 +152,18 @@ def _in_order(programs: Sequence[RankProgram], visit: Callable[[int, int, int, i
 
 
 def joint_schedule(programs: Sequence[RankProgram], inner_size: int, capacity: int, model: CostModel,
-                   recompute_kv: bool = False,
-                   backward_programs: Sequence[RankProgram] | None = None) -> list[RankSchedule]:
+                   recompute_kv: bool = False) -> list[RankSchedule]:
     """The forward and backward seconds of every outer rank's program (`programs[r]` is
     rank r's, each in its own schedule), all run together: an exchange starts when both
-    its ranks have posted it and both their streams are free (see the module docstring).
-    With `recompute_kv` the backward runs `backward_programs` (every rank's pipelined
-    program, as the executor does then; default `programs`)."""
+    its ranks have posted it and both their streams are free (see the module docstring)."""
     U, R = inner_size, len(programs)
     a2a_s = ulysses_cost(model, capacity, U)[1] / 2  # per pass
 
     x = [[_exchange_s(p, s, U, model) for s in p.transfers] for p in programs]
     forward_calls = [[_kernel_s(p, s.calls, U, model) for s in p.transfers] for p in programs]
+    backward_calls = [[model.backward_factor * f for f in steps] for steps in forward_calls]
     local_forward = [_kernel_s(p, p.local_calls, U, model) for p in programs]
-    back = backward_programs if recompute_kv and backward_programs is not None else programs
-    backward_calls = [[model.backward_factor * _kernel_s(p, s.calls, U, model) for s in p.transfers] for p in back]
-    local_backward = [model.backward_factor * _kernel_s(p, p.local_calls, U, model) for p in back]
+    local_backward = [model.backward_factor * f for f in local_forward]
 
     # Forward: every exchange posted at once; an exchange starts when both ranks' links are
     # done with their earlier ones, and a step's calls run once its exchange is done.
@@ -204,7 +191,7 @@ def joint_schedule(programs: Sequence[RankProgram], inner_size: int, capacity: i
         _in_order(programs, refetch)
     ready: list[list[float]] = []  # when each step's gradients can go back
     computed = []  # when each rank's kernels are done
-    for r, program in enumerate(back):
+    for r, program in enumerate(programs):
         t_r = local_backward[r] if recompute_kv else 0.0
         if program.schedule == "gathered":
             t_r = max([t_r] + arrived[r][-1:]) + sum(backward_calls[r])
@@ -231,5 +218,4 @@ def plan_schedule(plan: Plan, recompute_kv: bool = False, model: CostModel | Non
     ("auto": each rank's `plan.schedule`, with `recompute_kv`), compiling its programs."""
     model = model or plan.cost_model
     programs = [plan.program(r, schedule=schedule, recompute_kv=recompute_kv) for r in range(plan.outer_size)]
-    backward = [plan.program(r, schedule="pipelined") for r in range(plan.outer_size)] if recompute_kv else None
-    return joint_schedule(programs, plan.inner_size, plan.capacity, model, recompute_kv, backward)
+    return joint_schedule(programs, plan.inner_size, plan.capacity, model, recompute_kv)
