@@ -8,11 +8,12 @@ each query piece once all its keys are in, written without a merge (`planning.pr
 
 Saved for backward (per rank): q, k, v, the output and its lse (fp32, [H, T/R]) and,
 unless `recompute_kv=True`, the K/V rows received from other ranks (gathered: the one
-buffer that holds them after the local K/V). With
-`recompute_kv=True` those rows are fetched again during backward (one more
-forward-sized exchange), and the pipelined forward holds the rows of a few steps at a
-time, not all it receives: a window of exchanges in flight (`RECOMPUTE_KV_AHEAD`;
-`Plan.memory_bytes`).
+buffer that holds them after the local K/V). With `recompute_kv=True` those rows are
+fetched again during backward (one more forward-sized exchange), and each pass holds the
+rows of a few steps at a time, not all it receives (the gathered forward excepted): a
+window of exchanges in flight (`RECOMPUTE_KV_AHEAD`; `Plan.memory_bytes`). Each pass
+runs the events compiled with the program (`RankProgram.forward_events`,
+`backward_events`), whose exchanges come in one order that all ranks share.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from .comm.p2p import PendingExchange, collective_device, mark_ready, post_excha
 from .comm.ulysses import GatherHeads, ScatterHeads, check_heads, replicate_kv_heads
 from .kernels import merge_into, resolve_backend, resolve_softmax_scale, varlen_backward, varlen_forward
 from .planning import Plan, RankProgram
-from .planning.program import RECOMPUTE_KV_AHEAD, check_schedule
+from .planning.program import COMPUTE, FETCH, LOCAL, RETURN, check_schedule
 from .validation import check_bool
 
 _BACKWARD_TAG = 1 << 20
@@ -49,6 +50,24 @@ class _Outer:
         self.peer = (lambda r: r) if groups is None else groups.outer_peer
 
 
+def _post_step(program: RankProgram, index: int, send: torch.Tensor | None, recv: torch.Tensor | None,
+               outer: _Outer, tag: int, reverse: bool = False) -> PendingExchange:
+    """Post transfer `index` of the program: `send` to its send peer and `recv` from its
+    receive peer, or (`reverse`, backward's gradients) the other way round."""
+    step = program.transfers[index]
+    to, source = (step.recv_peer, step.send_peer) if reverse else (step.send_peer, step.recv_peer)
+    return post_exchange(
+        send,
+        None if to is None else outer.peer(to),
+        recv,
+        None if source is None else outer.peer(source),
+        outer.group,
+        tag + step.round,
+        f"{'backward ' if reverse else ''}step {index + 1} of {len(program.transfers)} (round {step.round}) "
+        f"on outer rank {outer.rank}",
+    )
+
+
 def _post_kv(program: RankProgram, index: int, kv: torch.Tensor, outer: _Outer, tag: int,
              recv: torch.Tensor | None = None) -> tuple[PendingExchange, torch.Tensor]:
     """Post transfer `index` of the forward program, receiving into `recv` (default: a new
@@ -57,16 +76,7 @@ def _post_kv(program: RankProgram, index: int, kv: torch.Tensor, outer: _Outer, 
     if recv is None:
         recv = kv.new_empty((step.recv_tokens, *kv.shape[1:]))
     send = None if step.send_rows is None else kv.index_select(0, step.send_rows)
-    pending = post_exchange(
-        send,
-        None if step.send_peer is None else outer.peer(step.send_peer),
-        recv,
-        None if step.recv_peer is None else outer.peer(step.recv_peer),
-        outer.group,
-        tag + step.round,
-        f"step {index + 1} of {len(program.transfers)} (round {step.round}) on outer rank {outer.rank}",
-    )
-    return pending, recv
+    return _post_step(program, index, send, recv, outer, tag), recv
 
 
 def _forward_calls(calls, q, kv_source, acc_out, acc_lse, scale, backend) -> None:
@@ -126,13 +136,6 @@ def _gathered_source(program: RankProgram, k: torch.Tensor, v: torch.Tensor) -> 
     return source, list(torch.split(source[len(k):], sizes))
 
 
-def _post_all(program: RankProgram, source: torch.Tensor, slices: list[torch.Tensor], outer: _Outer,
-              tag: int) -> list[tuple[PendingExchange, torch.Tensor]]:
-    """Every step of the program posted at once, each receiving into its slice of `source`."""
-    kv = source[: program.num_tokens]
-    return [_post_kv(program, i, kv, outer, tag, recv) for i, recv in enumerate(slices)]
-
-
 def _backward_calls(calls, dout, q, out, lse, kv_source, dq, dkv, scale, backend) -> None:
     """Gradients of kernel calls against the final out/lse: into dq, and into dkv at the source rows."""
     for call in calls:
@@ -164,126 +167,122 @@ class _SAPOuterAttention(torch.autograd.Function):
         program = plan.program(outer.rank, q.device, schedule, recompute_kv)
         ctx.plan, ctx.outer, ctx.scale, ctx.backend, ctx.recompute_kv = plan, outer, scale, backend, recompute_kv
         ctx.schedule = program.schedule
-        if program.schedule == "gathered":
-            out, lse, source = _gathered_forward(program, q, k, v, outer, scale, backend)
-            ctx.save_for_backward(q, k, v, out, lse, *([] if recompute_kv else [source]))
-            return out
-        kv = torch.stack([k, v], 1)  # [T/R, 2, Hkv, D]: one message per step
-        received: list[torch.Tensor] = []
-        # Keeping the K/V for backward, every exchange is posted before any kernel runs: they
-        # follow one another on the link as soon as each peer has posted its side, whatever
-        # the kernels are doing. With recompute_kv, a window of them (`RECOMPUTE_KV_AHEAD`).
-        n = len(program.transfers)
-        ahead = RECOMPUTE_KV_AHEAD if recompute_kv else n
-        posted: list = [_post_kv(program, i, kv, outer, 0) for i in range(min(ahead, n))]
-        acc_out, acc_lse = _local_forward(program, q, kv, scale, backend)
-        for i, step in enumerate(program.transfers):
-            handle, recv = posted[i]
-            posted[i] = None  # its send copy and, unless kept, its received rows go once used
-            handle.wait()
-            del handle
-            if i + ahead < n:
-                posted.append(_post_kv(program, i + ahead, kv, outer, 0))
-            _forward_calls(step.calls, q, recv, acc_out, acc_lse, scale, backend)
-            if not recompute_kv:
-                received.append(recv)
-            del recv
-        out = acc_out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse, *([] if recompute_kv else received))
+        run = _gathered_forward if program.schedule == "gathered" else _pipelined_forward
+        out, lse, kept = run(program, q, k, v, outer, scale, backend, recompute_kv)
+        ctx.save_for_backward(q, k, v, out, lse, *([] if recompute_kv else kept))
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the exchanged gradients are not differentiable
     def backward(ctx, dout):
         q, k, v, out, lse, *saved = ctx.saved_tensors
-        outer, scale, backend = ctx.outer, ctx.scale, ctx.backend
-        program = ctx.plan.program(outer.rank, q.device, ctx.schedule)
-        dout = dout.contiguous()
-        acc_dtype = _accumulation_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        n = len(program.transfers)
-        if ctx.schedule == "gathered":
-            kv, dkv, grads = _gathered_backward(ctx, program, dout, q, k, v, out, lse, saved, dq)
-        else:
-            kv = torch.stack([k, v], 1)
-            dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
-            # The local blocks run while something is in flight: first, under the refetched K/V;
-            # else last, under the gradients returning to their owners (the cost model's pipeline).
-            if ctx.recompute_kv:
-                fetched = [_post_kv(program, i, kv, outer, _REFETCH_TAG) for i in range(n)]
-                _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
-        returns: list[tuple[PendingExchange, torch.Tensor | None]] = []
-        for i, step in enumerate(program.transfers):
-            if ctx.schedule == "gathered":
-                grad_recv = grads[i]
-            else:
-                if ctx.recompute_kv:
-                    handle, recv = fetched[i]
-                    handle.wait()
-                else:
-                    recv = saved[i]
-                grad_recv = torch.zeros(recv.shape, dtype=acc_dtype, device=q.device)
-                _backward_calls(step.calls, dout, q, out, lse, recv, dq, grad_recv, scale, backend)
-            # Gradients of the received rows go back to their owner (the reverse of the forward step).
-            grad_in = None if step.send_rows is None else kv.new_empty((len(step.send_rows), *kv.shape[1:]))
-            handle = post_exchange(
-                grad_recv.to(kv.dtype) if step.recv_tokens else None,
-                None if step.recv_peer is None else outer.peer(step.recv_peer),
-                grad_in,
-                None if step.send_peer is None else outer.peer(step.send_peer),
-                outer.group,
-                _BACKWARD_TAG + step.round,
-                f"backward step {i + 1} of {n} (round {step.round}) on outer rank {outer.rank}",
-            )
-            returns.append((handle, grad_in))
-        if not ctx.recompute_kv:
-            _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
-        for step, (handle, grad_in) in zip(program.transfers, returns):
-            handle.wait()
-            if grad_in is not None:
-                dkv.index_add_(0, step.send_rows, grad_in.to(acc_dtype))
+        program = ctx.plan.backward_program(ctx.outer.rank, q.device, ctx.schedule, ctx.recompute_kv)
+        dq, dkv = _backward(ctx, program, dout.contiguous(), q, k, v, out, lse, saved)
         return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None, None, None
 
 
-def _gathered_forward(program: RankProgram, q, k, v, outer: _Outer, scale, backend):
-    """The gathered schedule's forward: (out, lse, source). Every step is received into its
+def _pipelined_forward(program: RankProgram, q, k, v, outer: _Outer, scale, backend, recompute_kv: bool):
+    """The pipelined schedule's forward (`RankProgram.forward_events`): (out, lse, the
+    received rows of every step). Each step's calls merge into fp32 accumulators; a step's
+    send copy goes once its exchange is done, its received rows once used unless kept."""
+    kv = torch.stack([k, v], 1)  # [T/R, 2, Hkv, D]: one message per step
+    posted: dict[int, tuple[PendingExchange, torch.Tensor]] = {}
+    received: list[torch.Tensor] = []
+    for kind, i in program.forward_events(recompute_kv):
+        if kind == FETCH:
+            posted[i] = _post_kv(program, i, kv, outer, 0)
+        elif kind == LOCAL:
+            acc_out, acc_lse = _local_forward(program, q, kv, scale, backend)
+        else:  # COMPUTE
+            handle, recv = posted.pop(i)
+            handle.wait()
+            del handle
+            _forward_calls(program.transfers[i].calls, q, recv, acc_out, acc_lse, scale, backend)
+            if not recompute_kv:
+                received.append(recv)
+            del recv
+    return acc_out.to(q.dtype), acc_lse, received
+
+
+def _gathered_forward(program: RankProgram, q, k, v, outer: _Outer, scale, backend, recompute_kv: bool):
+    """The gathered schedule's forward: (out, lse, [source]). Every step is received into its
     slice of the source buffer; each call runs once the step that brings its last keys is
     in, and writes its rows of the output (nothing is merged)."""
     source, slices = _gathered_source(program, k, v)
     kv = source[: len(k)]
-    posted = _post_all(program, source, slices, outer, 0)  # every exchange before any kernel
     out = torch.empty_like(q)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=_accumulation_dtype(q.dtype), device=q.device)
-    _write_forward(program.local_calls, q, kv, out, lse, scale, backend)
-    for step, (handle, _) in zip(program.transfers, posted):
-        handle.wait()
-        _write_forward(step.calls, q, source, out, lse, scale, backend)
-    return out, lse, source
+    posted: dict[int, PendingExchange] = {}
+    for kind, i in program.forward_events(recompute_kv):
+        if kind == FETCH:
+            posted[i] = _post_kv(program, i, kv, outer, 0, slices[i])[0]
+        elif kind == LOCAL:
+            _write_forward(program.local_calls, q, kv, out, lse, scale, backend)
+        else:  # COMPUTE
+            posted.pop(i).wait()
+            _write_forward(program.transfers[i].calls, q, source, out, lse, scale, backend)
+    return out, lse, [source]
 
 
-def _gathered_backward(ctx, program: RankProgram, dout, q, k, v, out, lse, saved, dq):
-    """The gathered schedule's calls in backward: (local K/V, their gradient accumulator,
-    each step's received-row gradients). With `recompute_kv` the K/V are fetched again
-    into a new source buffer while the local calls run."""
+def _backward(ctx, program: RankProgram, dout, q, k, v, out, lse, saved) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq, dK/dV stacked), accumulated, running `RankProgram.backward_events`. Pipelined,
+    each step's calls add into an fp32 gradient of its received rows (the K/V saved in
+    forward, or fetched again with `recompute_kv`); gathered, into one buffer of every
+    step's, the saved source's. A return sends those gradients back to their owner and
+    receives those of the rows the step sent, which its collect adds into dK/dV."""
     outer, scale, backend = ctx.outer, ctx.scale, ctx.backend
-    if ctx.recompute_kv:
-        source, slices = _gathered_source(program, k, v)
-        fetched = _post_all(program, source, slices, outer, _REFETCH_TAG)
-    else:
+    acc_dtype = _accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    steps = program.transfers
+    if program.schedule == "gathered":
         (source,) = saved
-    kv = source[: len(k)]
-    grad_source = torch.zeros(source.shape, dtype=dq.dtype, device=q.device)
-    dkv = grad_source[: len(k)]
-    if ctx.recompute_kv:
-        _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
-        for handle, _ in fetched:
+        kv = source[: len(k)]
+        grad_source = torch.zeros(source.shape, dtype=acc_dtype, device=q.device)
+        dkv = grad_source[: len(k)]
+        grads = dict(enumerate(torch.split(grad_source[len(k):], [step.recv_tokens for step in steps])))
+    else:
+        kv = torch.stack([k, v], 1)
+        dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
+        grads = {}
+    fetched: dict[int, tuple[PendingExchange, torch.Tensor]] = {}
+    returns: dict[int, tuple[PendingExchange, torch.Tensor | None]] = {}
+    for kind, i in program.backward_events(ctx.recompute_kv):
+        if kind == LOCAL:
+            _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
+            continue
+        step = steps[i]
+        if kind == FETCH:
+            fetched[i] = _post_kv(program, i, kv, outer, _REFETCH_TAG)
+        elif kind == COMPUTE and program.schedule == "gathered":
+            _backward_calls(step.calls, dout, q, out, lse, source, dq, grad_source, scale, backend)
+        elif kind == COMPUTE:
+            if ctx.recompute_kv:
+                handle, recv = fetched.pop(i)
+                handle.wait()
+                del handle
+            else:
+                recv = saved[i]
+            grads[i] = torch.zeros(recv.shape, dtype=acc_dtype, device=q.device)
+            _backward_calls(step.calls, dout, q, out, lse, recv, dq, grads[i], scale, backend)
+            del recv
+        elif kind == RETURN:
+            returns[i] = _post_gradients(program, i, grads.pop(i), kv, outer)
+        else:  # COLLECT
+            handle, grad_in = returns.pop(i)
             handle.wait()
-    # A piece's keys may come from earlier steps too: every step's calls run before any
-    # gradient goes back.
-    for step in program.transfers:
-        _backward_calls(step.calls, dout, q, out, lse, source, dq, grad_source, scale, backend)
-    grads = torch.split(grad_source[len(k):], [step.recv_tokens for step in program.transfers])
-    return kv, dkv, grads
+            if grad_in is not None:
+                dkv.index_add_(0, step.send_rows, grad_in.to(acc_dtype))
+    return dq, dkv
+
+
+def _post_gradients(program: RankProgram, index: int, grad_recv: torch.Tensor, kv: torch.Tensor,
+                    outer: _Outer) -> tuple[PendingExchange, torch.Tensor | None]:
+    """Post step `index` in reverse: the gradients of the rows it received go back to their
+    owner, those of the rows it sent come back (into a new buffer, returned with the handle)."""
+    step = program.transfers[index]
+    grad_in = None if step.send_rows is None else kv.new_empty((len(step.send_rows), *kv.shape[1:]))
+    send = grad_recv.to(kv.dtype) if step.recv_tokens else None
+    return _post_step(program, index, send, grad_in, outer, _BACKWARD_TAG, reverse=True), grad_in
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, groups: SAPGroups | None) -> None:

@@ -49,7 +49,9 @@ def measure(rank: int, world: int, cu: list[int], inner: int, recompute_kv: bool
 
 
 def kernel_workspace(plan, outer_rank: int, schedule: str) -> int:
-    """Largest peak memory of one kernel call of the rank's program (forward + backward), measured alone."""
+    """Largest peak memory of one kernel call of the rank's program (forward + backward), measured
+    alone, with the rows the op gathers for it (its queries' q, output, output gradient and
+    lse, its keys' K/V)."""
     import torch
 
     from megatron_sap.kernels import varlen_backward, varlen_forward
@@ -68,7 +70,8 @@ def kernel_workspace(plan, outer_rank: int, schedule: str) -> int:
         with track_peak_memory() as peak:
             out, lse = varlen_forward(q, k, v, *args, causal=call.causal)
             varlen_backward(torch.ones_like(out), q, k, v, out, lse, *args, causal=call.causal)
-        worst = max(worst, peak.peak_bytes)
+        gathered = (nq * heads * (3 * DIM + 1) + nk * 2 * kv_heads * DIM) * 4
+        worst = max(worst, peak.peak_bytes + gathered)
     return worst
 
 
@@ -177,8 +180,9 @@ def test_single_process_rank_memory_equals_the_distributed_run(pool4):
         assert abs(ring_alone.measured - ring_together) <= 0.02 * ring_together, (rank, ring_alone, ring_together)
 
 
-def measure_forward_alone(cu: list[int], world: int, rank: int, recompute_kv: bool) -> int:
-    """Peak bytes of one rank's forward, run alone with local exchanges (pipelined)."""
+def measure_alone(cu: list[int], world: int, rank: int, recompute_kv: bool) -> tuple[int, int]:
+    """Peak bytes of one rank's forward, and of its backward (above what the forward left:
+    the saved tensors and the output), run alone with local exchanges (pipelined)."""
     import torch
 
     import megatron_sap as sap
@@ -191,20 +195,26 @@ def measure_forward_alone(cu: list[int], world: int, rank: int, recompute_kv: bo
     gen = torch.Generator().manual_seed(rank)
     n = plan.local_tokens
     q, k, v = (torch.randn(n, h, DIM, generator=gen).requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))
+    grad = torch.randn(n, HEADS, DIM, generator=gen)
     with local_exchanges():
-        sap.sap_attention(q, k, v, plan, groups, schedule="pipelined", recompute_kv=recompute_kv, check_agreement=False)
-        with track_peak_memory() as peak:
-            out = sap.sap_attention(q, k, v, plan, groups, schedule="pipelined", recompute_kv=recompute_kv,
-                                    check_agreement=False)
-            del out
-    return peak.peak_bytes
+        run = lambda: sap.sap_attention(q, k, v, plan, groups, schedule="pipelined", recompute_kv=recompute_kv,  # noqa: E731
+                                        check_agreement=False)
+        run().backward(grad)  # warm-up: programs compiled, cached
+        q.grad = k.grad = v.grad = None
+        with track_peak_memory() as forward:
+            out = run()
+        with track_peak_memory() as backward:
+            out.backward(grad)
+        del out
+    return forward.peak_bytes, backward.peak_bytes
 
 
-def test_recompute_kv_forward_holds_a_window_of_steps_not_the_document():
+def test_recompute_kv_holds_a_window_of_steps_not_the_document():
     """With recompute_kv the pipelined forward keeps a few steps' rows in flight, not every
-    received row: one rank of a 16-rank plan of one long document, run alone, allocates at
-    most the windowed formula (plus its output and one kernel call's scratch), and less than
-    when it keeps the received K/V by what the formulas say."""
+    received row, and the backward a few steps' refetched rows and returning gradients:
+    one rank of a 16-rank plan of one long document, run alone, allocates at most the
+    windowed formula in each pass (plus its output or gradients and one kernel call's
+    scratch), and less than when it keeps the received K/V by what the formulas say."""
     import megatron_sap as sap
 
     small_kernel_chunks()
@@ -212,22 +222,35 @@ def test_recompute_kv_forward_holds_a_window_of_steps_not_the_document():
     plan = sap.plan_sequences(cu, outer_size=R)
     received = plan.stats()["recv_tokens_per_outer_rank"]
     rank = max(range(R), key=received.__getitem__)
-    keep, again = (measure_forward_alone(cu, R, rank, flag) for flag in (False, True))
+    (keep_f, keep_b), (again_f, again_b) = (measure_alone(cu, R, rank, flag) for flag in (False, True))
     shape = plan.cost_model.with_shape(HEADS, KV_HEADS, DIM, 4)
-    model = plan.memory_bytes(rank, shape, "pipelined", True)["forward"]
-    kept_model = plan.memory_bytes(rank, shape, "pipelined")["forward"]
+    model = plan.memory_bytes(rank, shape, "pipelined", True)
+    kept_model = plan.memory_bytes(rank, shape, "pipelined")
     output = plan.local_tokens * HEADS * DIM * 4
-    assert again <= model + output + kernel_workspace(plan, rank, "pipelined"), (again, model)
-    # the saving is what the formula says: every received row and send copy, less the window
-    assert kept_model - model > received[rank] * 2 * KV_HEADS * DIM * 4 / 2
-    assert keep - again >= 0.9 * (kept_model - model), (keep, again, kept_model, model)
+    gradients = plan.local_tokens * (HEADS + 2 * KV_HEADS) * DIM * 4
+    kernel = kernel_workspace(plan, rank, "pipelined")
+    assert again_f <= model["forward"] + output + kernel, (again_f, model)
+    # the backward's measure starts above the saved tensors (the kept K/V among them)
+    assert again_b <= model["backward"] + gradients + kernel, (again_b, model)
+    # the saving is what the formulas say: every received row and send copy, less the window
+    row = 2 * KV_HEADS * DIM * 4
+    assert kept_model["forward"] - model["forward"] > received[rank] * row / 2
+    assert keep_f - again_f >= 0.9 * (kept_model["forward"] - model["forward"]), (keep_f, again_f, kept_model, model)
+    # backward (above the saved tensors): every step's returning gradients, less the window
+    # of refetched rows and returns; the kernels' scratch, which dominates both peaks at this
+    # size, need not peak where the buffers do
+    saved_b = kept_model["backward"] - kept_model["received_kv"] - model["backward"]
+    assert saved_b > received[rank] * row / 2
+    assert keep_b - again_b >= 0.75 * saved_b, (keep_b, again_b, kept_model, model)
 
 
 @pytest.mark.parametrize("outer", [4, 8, 16, 32, 64])
-def test_recompute_kv_forward_memory_does_not_grow_with_the_document(outer):
+def test_recompute_kv_memory_does_not_grow_with_the_document(outer):
     """One document over every rank, T/R tokens each: kept K/V grow with the document (about
-    T), the windowed forward stays within the rows of RECOMPUTE_KV_AHEAD + 1 steps of at most
-    T/R received and T/R sent."""
+    T); with recompute_kv the forward stays within the rows of RECOMPUTE_KV_AHEAD + 1 steps
+    of at most T/R received and T/R sent, and the backward within its fixed buffers (K/V,
+    dq, dK/dV, lse) plus RECOMPUTE_KV_AHEAD + 1 steps' refetched rows, as many steps'
+    returning gradients, and one step's gradients in fp32 and one returned in fp32."""
     import megatron_sap as sap
     from megatron_sap.planning.program import RECOMPUTE_KV_AHEAD
 
@@ -235,11 +258,19 @@ def test_recompute_kv_forward_memory_does_not_grow_with_the_document(outer):
     plan = sap.plan_sequences([0, tokens * outer], outer_size=outer, cache=None)
     model = plan.cost_model
     row = 2 * model.num_kv_heads * model.head_dim * model.bytes_per_element
+    row_fp32 = 2 * model.num_kv_heads * model.head_dim * 4
     window_bound = (RECOMPUTE_KV_AHEAD + 1) * 2 * tokens * row
+    fixed_backward = tokens * (row + row_fp32 + model.num_heads * (model.head_dim + 1) * 4)
+    backward_bound = fixed_backward + 2 * window_bound + 2 * tokens * row_fp32
+    stats = plan.stats()
     for rank in range(outer):
         keep = plan.memory_bytes(rank, schedule="pipelined")
         again = plan.memory_bytes(rank, schedule="pipelined", recompute_kv=True)
         assert again["received_kv"] == 0
-        moved = (plan.stats()["recv_tokens_per_outer_rank"][rank] + plan.stats()["sent_tokens_per_outer_rank"][rank]) * row
+        moved = (stats["recv_tokens_per_outer_rank"][rank] + stats["sent_tokens_per_outer_rank"][rank]) * row
         assert again["forward"] <= keep["forward"] - moved + window_bound
         assert again["forward"] <= keep["forward"]
+        assert again["backward"] <= backward_bound, (rank, again, backward_bound)
+        assert again["backward"] <= keep["backward"]
+    if outer >= 16:  # the document outgrows the window: keeping it costs more than the bound
+        assert max(plan.memory_bytes(r, schedule="pipelined")["backward"] for r in range(outer)) > backward_bound

@@ -266,3 +266,107 @@ def test_q_moving_bound_counts_the_programs_transfers(load_script):
     sent = plan.stats()["sent_tokens_per_outer_rank"]
     kv_bytes = 2 * model.inner_kv_bytes_per_token(2)
     assert result["kv_only"] >= max(sent) * kv_bytes
+
+
+# ---- the order of a pass's events ------------------------------------------------------------
+
+
+def run_posted_in_order(plan, programs, events, windowed=None) -> None:
+    """Run every outer rank's `events` as the executor does, with each rank's exchanges done one
+    after another in the order it posts them (NCCL runs a group's batched calls so), and waits
+    that block the rank: a step's calls wait for its fetch, a collect for its return. Fails if
+    the ranks get stuck, or runs a step's events out of order, or if a rank r with
+    `windowed[r]` ever holds more fetched or returning steps than the window allows."""
+    from megatron_sap.planning.program import COLLECT, COMPUTE, FETCH, LOCAL, RECOMPUTE_KV_AHEAD, RETURN
+
+    R = plan.outer_size
+    at = [0] * R
+    queue: list[list[tuple[str, frozenset]]] = [[] for _ in range(R)]  # posted, not done: (kind, pair)
+    done: list[set[tuple[str, int]]] = [set() for _ in range(R)]
+    seen: list[list[tuple[str, int]]] = [[] for _ in range(R)]
+    peer = [[t.send_peer if t.send_peer is not None else t.recv_peer for t in p.transfers] for p in programs]
+    windowed = windowed or [False] * R
+    progress = True
+    while progress:
+        progress = False
+        for a in range(R):  # post and compute until a wait blocks
+            while at[a] < len(events[a]):
+                kind, i = events[a][at[a]]
+                if kind in (FETCH, RETURN):
+                    queue[a].append((kind, frozenset((a, peer[a][i]))))
+                elif kind == COMPUTE and any(e == (FETCH, i) for e in seen[a]) and (FETCH, i) not in done[a]:
+                    break
+                elif kind == COLLECT and (RETURN, i) not in done[a]:
+                    break
+                seen[a].append((kind, i))
+                at[a] += 1
+                progress = True
+        for a in range(R):  # exchanges at the head of both their ranks' queues complete
+            while queue[a]:
+                kind, pair = queue[a][0]
+                (b,) = pair - {a}
+                if not queue[b] or queue[b][0] != (kind, pair):
+                    break
+                for r in (a, b):
+                    queue[r].pop(0)
+                    done[r].add((kind, peer[r].index(a + b - r)))
+                progress = True
+    stuck = [a for a in range(R) if at[a] < len(events[a]) or queue[a]]
+    assert not stuck, f"outer ranks {stuck} wait for each other"
+    for a in range(R):
+        n = len(programs[a].transfers)
+        assert sorted(i for kind, i in seen[a] if kind == COMPUTE) == list(range(n))
+        assert sum(kind == LOCAL for kind, _ in seen[a]) == 1
+        for i in range(n):
+            kinds = [kind for kind, j in seen[a] if j == i]
+            assert kinds == [k for k in (FETCH, COMPUTE, RETURN, COLLECT) if k in kinds] and len(set(kinds)) == len(kinds)
+        if windowed[a]:
+            fetched = returning = 0
+            for kind, _ in seen[a]:
+                fetched += {FETCH: 1, COMPUTE: -1}.get(kind, 0)
+                returning += {RETURN: 1, COLLECT: -1}.get(kind, 0)
+                assert fetched <= RECOMPUTE_KV_AHEAD + 1 and returning <= RECOMPUTE_KV_AHEAD + 1
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_pass_posts_its_exchanges_in_one_order_all_ranks_follow(seed):
+    """Forward and backward, with and without recompute_kv, each rank in its own schedule: run
+    as NCCL runs a group's batches (in each rank's posting order), every rank gets through
+    its events, and with recompute_kv none holds more than the window's fetched K/V and
+    returning gradients, however many peers it meets."""
+    rng = np.random.default_rng(seed)
+    for _ in range(8):
+        inner = int(rng.choice([1, 1, 2]))
+        outer = int(rng.choice([2, 3, 5, 6, 8, 12, 16, 32, 64]))
+        per_rank = int(rng.choice([16, 64, 256]))
+        total = inner * outer * per_rank
+        cuts = sorted(set(rng.integers(1, total, int(rng.integers(0, 8))).tolist()))
+        plan = sap.plan_sequences([0, *cuts, total], outer_size=outer, inner_size=inner, cache=None)
+        schedules = [str(rng.choice(["pipelined", "gathered", "auto"])) for _ in range(outer)]
+        for recompute_kv in (False, True):
+            forward = [plan.program(r, schedule=s, recompute_kv=recompute_kv) for r, s in enumerate(schedules)]
+            run_posted_in_order(plan, forward, [p.forward_events(recompute_kv) for p in forward],
+                                [recompute_kv and p.schedule == "pipelined" for p in forward])
+            backward = [plan.backward_program(r, schedule=s, recompute_kv=recompute_kv) for r, s in enumerate(schedules)]
+            run_posted_in_order(plan, backward, [p.backward_events(recompute_kv) for p in backward], [recompute_kv] * outer)
+
+
+def test_backward_posted_by_each_rank_s_own_step_count_would_wait_in_a_cycle():
+    """The check above catches the order that fails on NCCL: refetches and returns interleaved
+    by each rank's own step count (one 96-token document over six ranks)."""
+    from megatron_sap.planning.program import COLLECT, COMPUTE, FETCH, LOCAL, RETURN
+
+    plan = sap.plan_sequences([0, 96], outer_size=6, cache=None)
+    programs = [plan.backward_program(r, recompute_kv=True) for r in range(6)]
+
+    def own_count(program):
+        n, ahead = len(program.transfers), 2
+        events = [(FETCH, i) for i in range(min(ahead, n))] + [(LOCAL, -1)]
+        for i in range(n):
+            events += [(FETCH, i + ahead)] if i + ahead < n else []
+            events += [(COMPUTE, i), (RETURN, i)]
+        return events + [(COLLECT, i) for i in range(n)]
+
+    with pytest.raises(AssertionError, match="wait for each other"):
+        run_posted_in_order(plan, programs, [own_count(p) for p in programs])
+    run_posted_in_order(plan, programs, [p.backward_events(True) for p in programs], [True] * 6)

@@ -23,7 +23,8 @@ from .evaluate import Evaluation, evaluate, ulysses_cost, whole_documents_s
 from .order import exchange_order
 from .candidates import candidates
 from .placement import Build, Placement
-from .program import CPU, RECOMPUTE_KV_AHEAD, SCHEDULES, RankProgram, _Layout, _rows, check_schedule, compile_program
+from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _Layout, _rows, check_schedule,
+                      compile_program, exchange_levels)
 from .timeline import RankSchedule, plan_schedule, rank_schedule
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -62,6 +63,7 @@ class Plan:
     slacks: tuple[float, ...] = DEFAULT_SLACKS  # the greedy passes' load slacks it was planned with
     _layout: _Layout | None = field(default=None, repr=False)
     _order: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
+    _levels: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
     _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _timings: dict[tuple[int, bool], dict[str, RankSchedule]] = field(default_factory=dict, repr=False)  # per (outer rank, recompute_kv)
@@ -200,7 +202,7 @@ class Plan:
             if cpu_key not in self._programs:
                 with _gc_paused():
                     self._programs[cpu_key] = compile_program(self.placement, outer_rank, self._get_layout(), schedule,
-                                                              self.exchange_order())
+                                                              self.exchange_order(), self._exchange_levels())
             if key != cpu_key:
                 self._programs[key] = self._programs[cpu_key].to(device)
         return self._programs[key]
@@ -218,26 +220,49 @@ class Plan:
             self._order = MappingProxyType(exchange_order(self.evaluation.traffic_tokens, self.cost_model, self.inner_size))
         return self._order
 
+    def _exchange_levels(self) -> Mapping[tuple[int, int], int]:
+        """`program.exchange_levels` of the exchange order (computed once, read-only)."""
+        if self._levels is None:
+            self._levels = MappingProxyType(exchange_levels(self.exchange_order()))
+        return self._levels
+
     def __getstate__(self) -> dict[str, Any]:
         """What pickling keeps (a plan made in a data loader's worker goes to the training
-        process): the exchange order as a plain dict."""
+        process): the exchange order and levels as plain dicts."""
         state = dict(self.__dict__)
-        if state["_order"] is not None:
-            state["_order"] = dict(state["_order"])
+        for name in ("_order", "_levels"):
+            if state.get(name) is not None:
+                state[name] = dict(state[name])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if state["_order"] is not None:
-            state["_order"] = MappingProxyType(state["_order"])
+        for name in ("_order", "_levels"):
+            if state.get(name) is not None:
+                state[name] = MappingProxyType(state[name])
         self.__dict__.update(state)
 
     def schedule(self, outer_rank: int, recompute_kv: bool = False) -> str:
-        """The schedule the cost model times faster for an outer rank's program run alone
-        (`timeline.rank_schedule`, with `pipelined_kernel_factor`, with or without
-        `recompute_kv`; ties: pipelined). Both schedules move the same rows in the same order,
-        so each rank's choice is its own."""
-        times = self._timing(outer_rank, recompute_kv)
+        """The schedule an outer rank runs by default. Keeping the K/V for backward: the one
+        the cost model times faster for its program run alone (`timeline.rank_schedule`,
+        with `pipelined_kernel_factor`; ties: pipelined); both schedules move the same rows
+        in the same order, so each rank's choice is its own. With `recompute_kv`, which
+        trades time for memory: pipelined, whose forward holds a window of steps where the
+        gathered one holds every received row."""
+        if check_bool(recompute_kv, "recompute_kv"):
+            self._check_outer(outer_rank)
+            return "pipelined"
+        times = self._timing(outer_rank)
         return "gathered" if times["gathered"].total_s < times["pipelined"].total_s else "pipelined"
+
+    def backward_program(self, outer_rank: int, device: torch.device | str | None = None,
+                         schedule: str = "auto", recompute_kv: bool = False) -> RankProgram:
+        """The program an outer rank runs backward after `program(outer_rank, device,
+        schedule, recompute_kv)` ran forward: the same one, but the pipelined one with
+        `recompute_kv` (`RankProgram.backward_events`: its refetches and returns keyed by
+        the levels every rank shares, which a gathered backward cannot follow; the
+        pipelined calls' gradients need only the final output and lse, which a gathered
+        forward writes alike)."""
+        return self.program(outer_rank, device, "pipelined" if recompute_kv else schedule, recompute_kv)
 
     def _timing(self, outer_rank: int, recompute_kv: bool = False) -> dict[str, RankSchedule]:
         """An outer rank's modelled times in each schedule (`timeline`), computed once."""
@@ -245,7 +270,7 @@ class Plan:
         if key not in self._timings:
             self._timings[key] = {
                 s: rank_schedule(self.program(key[0], schedule=s), self.inner_size, self.capacity, self.cost_model,
-                                 key[1])
+                                 key[1], self.backward_program(key[0], schedule=s, recompute_kv=key[1]))
                 for s in SCHEDULES
             }
         return self._timings[key]
@@ -320,17 +345,22 @@ class Plan:
         Buffers alive at the peak of the forward and of the backward pass, beyond q, k,
         v and the output, for the cost model's shape; accumulators are fp32. Kernel
         workspaces and one call's gathered rows come on top (bounded by one call).
-        `received_kv` is what the op keeps from forward to backward. With `recompute_kv`
-        nothing is kept, the pipelined forward holds the rows of a window of steps
-        (`RECOMPUTE_KV_AHEAD`), each at most one peer's T/R rows, however long the
-        documents, and the backward fetches every received row again at once.
+        `received_kv` is what the op keeps from forward to backward. The exchange buffers
+        are counted by going through the pass's events (`RankProgram.forward_events`,
+        `backward_events`) as the executor runs them (`exchange_peak`). With `recompute_kv`
+        nothing is kept, and the pipelined forward and every backward hold the rows of a
+        window of steps (`RECOMPUTE_KV_AHEAD`), each at most one peer's T/R rows, however
+        long the documents.
         """
         m = self.cost_model if cost_model is None else _cost_model(cost_model)
         outer_rank = self._check_outer(outer_rank)
         check_bool(recompute_kv, "recompute_kv")
         if schedule == "auto":
             schedule = self.schedule(outer_rank, recompute_kv)
-        gathered = check_schedule(schedule) == "gathered"
+        check_schedule(schedule)
+        forward_program = self.program(outer_rank, schedule=schedule)
+        backward_program = self.backward_program(outer_rank, schedule=schedule, recompute_kv=recompute_kv)
+        gathered = schedule == "gathered"
         U = self.inner_size
         rows = self.capacity
         heads = m.num_heads / U
@@ -338,40 +368,71 @@ class Plan:
         b, a = m.bytes_per_element, 4
         kv_row = 2 * kv_heads * m.head_dim
         received = float(self.evaluation.traffic_tokens[:, outer_rank].sum())
-        # every exchange is posted at once: the copies of the rows sent (forward), and the
-        # buffers their gradients come back into (backward), are all alive together
-        sent = float(self.evaluation.traffic_tokens[outer_rank].sum()) * kv_row * b
         stacked_kv = rows * kv_row * b
         # head-sharded q, k, v and output of the inner all-to-all; their gradients in backward
         ulysses = rows * (2 * heads + 2 * kv_heads) * m.head_dim * b if U > 1 else 0.0
-        kept = 0.0 if not received else received * kv_row * b
-        # gathered: the local and received K/V share one buffer (stacked_kv + kept), and the
-        # output is written in place: no fp32 output accumulator, only the lse
+        kept = 0.0 if recompute_kv else received * kv_row * b
+        # gathered: the local and received K/V share one buffer (stacked_kv + the received
+        # rows, counted by the events), and the output is written in place: no fp32 output
+        # accumulator, only the lse
         accumulators = rows * heads * a if gathered else rows * heads * (m.head_dim + 1) * a
-        forward = stacked_kv + accumulators + kept + sent + ulysses
+        forward = stacked_kv + accumulators + ulysses + exchange_peak(
+            forward_program, forward_program.forward_events(recompute_kv), kv_row * b, kv_row * a, False, recompute_kv)
         backward = (
             stacked_kv
-            + kept  # with recompute_kv: the rows fetched again, as many
-            + sent  # gradients of the rows sent, coming back
-            + (sent if recompute_kv else 0.0)  # copies of the rows sent again
+            + kept
             + rows * heads * m.head_dim * a  # dq accumulator
             + rows * kv_row * a  # dK/dV accumulator
-            + received * kv_row * (a + b)  # gradients of received rows until returned
             + rows * heads * a  # saved lse
             + 2 * ulysses
+            + exchange_peak(backward_program, backward_program.backward_events(recompute_kv), kv_row * b, kv_row * a,
+                            True, recompute_kv)
         )
-        if recompute_kv and not gathered:
-            forward = stacked_kv + accumulators + self._recompute_window(outer_rank, kv_row * b) + ulysses
-        return {"forward": forward, "backward": backward, "received_kv": 0.0 if recompute_kv else kept}
+        return {"forward": forward, "backward": backward, "received_kv": kept}
 
-    def _recompute_window(self, outer_rank: int, row_bytes: float) -> float:
-        """The most bytes of exchanged rows alive at once in the pipelined forward with
-        `recompute_kv`: while step i's calls run, its received rows and, for steps i+1 ..
-        i+RECOMPUTE_KV_AHEAD, posted already, their received rows and copies of the rows sent."""
-        steps = self.program(outer_rank, schedule="pipelined").transfers
-        moved = [(step.recv_tokens + (0 if step.send_rows is None else len(step.send_rows))) * row_bytes
-                 for step in steps]
-        return max((sum(moved[i:i + RECOMPUTE_KV_AHEAD + 1]) for i in range(len(steps))), default=0.0)
+
+def exchange_peak(program: RankProgram, events: Sequence[Event], row_bytes: float, grad_row_bytes: float,
+                  backward: bool, recompute_kv: bool) -> float:
+    """The most bytes of exchange buffers alive at once while one rank runs the `events` of
+    one pass of `program`, as `sap_attention` allocates and frees them. A fetch holds the
+    rows it receives and a copy of the rows it sends (`row_bytes` per row); the copy goes
+    once the exchange is done, the received rows once its step's calls have run, unless the
+    forward keeps them (without `recompute_kv`) or gathers them into one buffer (gathered).
+    Backward, a pipelined step's calls add into an fp32 gradient of its received rows
+    (`grad_row_bytes` per row; gathered: one buffer for every step's, alive throughout);
+    its return copies that to send and takes a buffer for the gradients of the rows the
+    step sent, coming back; its collect adds those (converted to fp32) into dK/dV and frees
+    both."""
+    steps = program.transfers
+    gathered = program.schedule == "gathered"
+    alive = sum(s.recv_tokens for s in steps) * grad_row_bytes if backward and gathered else 0.0
+    peak = alive
+    fetched = set()
+    for kind, i in events:
+        if kind == LOCAL:
+            continue
+        recv, send = steps[i].recv_tokens, steps[i].send_tokens
+        if kind == FETCH:
+            fetched.add(i)
+            alive += (recv + send) * row_bytes
+        elif kind == COMPUTE:
+            if i in fetched:
+                alive -= send * row_bytes
+            if backward and not gathered:
+                alive += recv * grad_row_bytes
+            peak = max(peak, alive)
+            if i in fetched and recompute_kv and not gathered:
+                alive -= recv * row_bytes
+        elif kind == RETURN:
+            alive += (recv + send) * row_bytes
+            peak = max(peak, alive)
+            if not gathered:
+                alive -= recv * grad_row_bytes
+        else:  # COLLECT
+            peak = max(peak, alive + send * grad_row_bytes)
+            alive -= (recv + send) * row_bytes
+        peak = max(peak, alive)
+    return peak
 
 
 class PlanCache:

@@ -19,7 +19,11 @@ documents. Structure, for outer rank r:
   ranks from waiting long for each other; any such order is free of deadlock.
 
 The backward pass runs the same steps with the roles reversed: the gradients of the
-received rows go back to their owner, which adds them at `send_rows`.
+received rows go back to their owner, which adds them at `send_rows`. A pass runs as a
+list of events (`RankProgram.forward_events`, `backward_events`) that the executor
+follows, the timeline times and `Plan.memory_bytes` counts; with `recompute_kv` the
+backward's refetches and returns are ordered by each exchange's level
+(`exchange_levels`), which keeps them in one order all ranks share.
 
 That is the ``pipelined`` schedule: each step's calls run on the rows it received while
 the next exchange is in flight, and every call's partial (out, lse) is merged into fp32
@@ -105,6 +109,7 @@ class Transfer:
     run `calls`."""
 
     round: int  # exchange round s: the peer is (s - rank) mod R on both sides (the messages' tag)
+    level: int  # the pair's level in the exchange order, the same on both sides (`exchange_levels`)
     send_peer: int | None
     send_ranges: tuple[range, ...] | None
     recv_peer: int | None
@@ -122,6 +127,27 @@ class Transfer:
 
 
 SCHEDULES = ("pipelined", "gathered")
+
+# What a rank does in one pass, in the order of `RankProgram.forward_events` and
+# `backward_events`: the executor runs these, the timeline times them and
+# `Plan.memory_bytes` counts the buffers they hold.
+FETCH = "fetch"  # post step i's K/V exchange (forward, or fetching the K/V again in backward)
+LOCAL = "local"  # run the local calls
+COMPUTE = "compute"  # wait for step i's K/V where fetched, run its calls
+RETURN = "return"  # post the gradients of step i's received rows back to their owner
+COLLECT = "collect"  # wait for the gradients of the rows step i sent, add them to dK/dV
+
+# With recompute_kv, a pass posts K/V exchanges this far ahead of the step whose rows the
+# kernels work on, and (backward) waits for returned gradients this far behind, instead of
+# all at once: a rank holds the rows of a few steps, each at most one peer's T/R rows,
+# however long the documents (`Plan.memory_bytes`). In backward "ahead" counts exchange
+# levels (`exchange_levels`), which every rank shares: NCCL runs a group's batched calls in
+# the order each rank posts them, and refetches and returns interleaved by each rank's own
+# step count can wait on each other in a cycle (tests/test_reliability.py runs gloo's
+# batches in that order; tests/test_program.py checks every rank's order on many plans).
+RECOMPUTE_KV_AHEAD = 2
+
+Event = tuple[str, int]  # (what, step index; -1 for LOCAL)
 
 
 @dataclass(frozen=True)
@@ -169,6 +195,50 @@ class RankProgram:
         for attributes, name, buffer, array in views:
             attributes[name] = made[buffer][array]  # where the cached property keeps what it makes
         return replace(self, local_calls=local_calls, transfers=tuple(transfers))
+
+    def forward_events(self, recompute_kv: bool = False) -> tuple[Event, ...]:
+        """The forward pass in order: every exchange posted, the local calls, then each
+        step's calls once its K/V are in. The pipelined schedule with `recompute_kv` posts
+        step i + RECOMPUTE_KV_AHEAD only when it gets to step i. Either way every rank
+        posts its exchanges in its step order, the one order of rank pairs."""
+        n = len(self.transfers)
+        ahead = RECOMPUTE_KV_AHEAD if recompute_kv and self.schedule == "pipelined" else n
+        events = [(FETCH, i) for i in range(min(ahead, n))] + [(LOCAL, -1)]
+        for i in range(n):
+            if i + ahead < n:
+                events.append((FETCH, i + ahead))
+            events.append((COMPUTE, i))
+        return tuple(events)
+
+    def backward_events(self, recompute_kv: bool = False) -> tuple[Event, ...]:
+        """The backward pass in order. Keeping the K/V: each step's calls and its gradients
+        posted back (gathered: every step's calls first, a piece's keys may come from several
+        steps), the local calls under the returns, then every return waited for. With
+        `recompute_kv` (pipelined programs only: a gathered forward's backward runs the
+        pipelined program) every event is keyed by its step's level, which both ranks of
+        an exchange share: the refetch at level - RECOMPUTE_KV_AHEAD, the calls and the
+        return at the level, the wait for the return at level + RECOMPUTE_KV_AHEAD; the
+        local calls run under the first refetches. A rank meets one peer per level at most,
+        so it holds the K/V of at most RECOMPUTE_KV_AHEAD + 1 steps and as many steps'
+        returning gradients, and every rank posts its exchanges in one global order."""
+        n = len(self.transfers)
+        if not recompute_kv:
+            if self.schedule == "gathered":
+                calls = [(COMPUTE, i) for i in range(n)] + [(RETURN, i) for i in range(n)]
+            else:
+                calls = [event for i in range(n) for event in ((COMPUTE, i), (RETURN, i))]
+            return tuple(calls + [(LOCAL, -1)] + [(COLLECT, i) for i in range(n)])
+        if self.schedule != "pipelined":
+            raise ValueError("with recompute_kv the backward runs the pipelined program (Plan.backward_program)")
+        ahead = RECOMPUTE_KV_AHEAD
+        keyed = []
+        for i, step in enumerate(self.transfers):
+            keyed += [(step.level - ahead, 0, FETCH, i), (step.level, 1, COMPUTE, i), (step.level, 2, RETURN, i),
+                      (step.level + ahead, 3, COLLECT, i)]
+        events = [(kind, i) for _, _, kind, i in sorted(keyed)]
+        first_calls = next((e for e, (kind, _) in enumerate(events) if kind == COMPUTE), len(events))
+        events.insert(first_calls, (LOCAL, -1))
+        return tuple(events)
 
     @property
     def sent_tokens(self) -> int:
@@ -337,14 +407,6 @@ def exchange_round(rank: int, peer: int, num_ranks: int) -> int:
     return (rank + peer) % num_ranks
 
 
-# With recompute_kv, the pipelined schedule's forward posts this many exchanges ahead of the
-# one whose rows the kernels work on, instead of all at once: a rank holds the rows of a few
-# steps, each at most one peer's T/R rows, however long the documents (`Plan.memory_bytes`).
-# Every rank posts its exchanges in the one order of rank pairs, which NCCL's in-order
-# execution of each group's batches needs (tests/test_reliability.py checks it in-order).
-RECOMPUTE_KV_AHEAD = 2
-
-
 def check_schedule(schedule: str, allow_auto: bool = False) -> str:
     """`schedule` if it names one of `SCHEDULES` (or "auto" where allowed), else ValueError."""
     known = SCHEDULES + (("auto",) if allow_auto else ())
@@ -353,11 +415,25 @@ def check_schedule(schedule: str, allow_auto: bool = False) -> str:
     return schedule
 
 
+def exchange_levels(order: Mapping[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+    """The level of every pair in `order` (pair -> position): going through the pairs in
+    order, one more than the last level of either of its ranks (from 0). Each rank meets at
+    most one peer per level and its levels rise along its exchanges, so events keyed by
+    level (`RankProgram.backward_events`) come in one order that every rank follows."""
+    last: dict[int, int] = {}
+    levels: dict[tuple[int, int], int] = {}
+    for a, b in sorted(order, key=order.__getitem__):
+        levels[a, b] = last[a] = last[b] = max(last.get(a, -1), last.get(b, -1)) + 1
+    return levels
+
+
 def compile_program(placement: Placement, rank: int, layout: _Layout | None = None,
-                    schedule: str = "pipelined", order: Mapping[tuple[int, int], int] | None = None) -> RankProgram:
+                    schedule: str = "pipelined", order: Mapping[tuple[int, int], int] | None = None,
+                    levels: Mapping[tuple[int, int], int] | None = None) -> RankProgram:
     """The program of outer rank `rank` for `placement`, in `schedule` (see `SCHEDULES`),
     its exchanges in `order` (the position of each pair (a, b), a < b, that exchanges
-    anything: `order.exchange_order`; default: by exchange round)."""
+    anything: `order.exchange_order`; default: by exchange round), each at its level
+    (`exchange_levels(order)`, given or computed; by round: the round)."""
     check_schedule(schedule)
     layout = layout or _Layout(placement)
     R = placement.num_ranks
@@ -369,6 +445,7 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
             exchanges.append((round_, peer, send, recv))
     if order is not None:
         exchanges.sort(key=lambda e: order[min(rank, e[1]), max(rank, e[1])])
+        levels = exchange_levels(order) if levels is None else levels
     if schedule == "pipelined":
         local_calls: list[KernelCall] = []
         if pieces:
@@ -384,6 +461,7 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
     transfers = tuple(
         Transfer(
             round=round_,
+            level=round_ if order is None else levels[min(rank, peer), max(rank, peer)],
             send_peer=peer if send else None,
             send_ranges=tuple(layout.rows(p) for p in send) if send else None,
             recv_peer=peer if recv else None,
@@ -435,4 +513,5 @@ def compile_all(placement: Placement, schedule: str = "pipelined",
                 order: Mapping[tuple[int, int], int] | None = None) -> list[RankProgram]:
     """Programs of every outer rank (tests and statistics), exchanges in `order` (default: by round)."""
     layout = _Layout(placement)
-    return [compile_program(placement, r, layout, schedule, order) for r in range(placement.num_ranks)]
+    levels = None if order is None else exchange_levels(order)
+    return [compile_program(placement, r, layout, schedule, order, levels) for r in range(placement.num_ranks)]
