@@ -420,10 +420,13 @@ def exchange_levels(order: Mapping[tuple[int, int], int]) -> dict[tuple[int, int
     order, one more than the last level of either of its ranks (from 0). Each rank meets at
     most one peer per level and its levels rise along its exchanges, so events keyed by
     level (`RankProgram.backward_events`) come in one order that every rank follows."""
-    last: dict[int, int] = {}
+    pairs = sorted(order, key=order.__getitem__)
+    last = [-1] * (1 + max((max(pair) for pair in pairs), default=0))
     levels: dict[tuple[int, int], int] = {}
-    for a, b in sorted(order, key=order.__getitem__):
-        levels[a, b] = last[a] = last[b] = max(last.get(a, -1), last.get(b, -1)) + 1
+    for pair in pairs:
+        a, b = pair
+        level = last[a] if last[a] > last[b] else last[b]
+        levels[pair] = last[a] = last[b] = level + 1
     return levels
 
 
