@@ -279,13 +279,15 @@ def test_sap_attention_rejects_plan_for_another_layout(
         sap.sap_attention(q, k, v, plan, groups)
 
 
-@pytest.mark.parametrize("rank", [torch.tensor(True), torch.tensor([[1]]), torch.tensor(1.0), 1.0, True])
+@pytest.mark.parametrize("rank", [torch.tensor(True), torch.tensor([[1]]), torch.tensor(1.0), 1.0, True,
+                                  np.array(True), np.array([1]), np.array(1.0)])
 def test_plan_ranks_must_be_integers(rank) -> None:
     plan = _plan([0, 3, 8], outer=2, inner=2)
     for method in (plan.local_indices, plan.position_ids, plan.work, plan.pieces):
         with pytest.raises(ValueError, match="must be an integer"):
             method(rank)
-    assert plan.local_indices(torch.tensor(1)).tolist() == plan.local_indices(1).tolist()
+    for same in (torch.tensor(1), np.int64(1), np.array(1), np.array(1, dtype=np.uint8)):
+        assert plan.local_indices(same).tolist() == plan.local_indices(1).tolist()
 
 
 def test_plan_sequences_rejects_something_else_as_cache() -> None:

@@ -114,9 +114,11 @@ class Plan:
 
     # ---- placement ----------------------------------------------------------------
     def _check_rank(self, rank: int, count: int | None = None, name: str = "cp_rank") -> int:
-        """`rank` as an int (numpy and 0-d integer tensors too), checked to be in
+        """`rank` as an int (numpy integers, 0-d integer arrays and tensors too), checked to be in
         range(count) (default: the CP ranks)."""
         count = self.world_size if count is None else count
+        if isinstance(rank, np.ndarray) and rank.ndim == 0 and rank.dtype.kind in "iu":
+            rank = rank.item()  # a 0-d integer array, as a 0-d tensor is taken
         if isinstance(rank, bool) or not isinstance(rank, (numbers.Integral, torch.Tensor)) or (
             isinstance(rank, torch.Tensor)
             and (rank.dim() != 0 or rank.dtype.is_floating_point or rank.dtype.is_complex or rank.dtype == torch.bool)
