@@ -66,7 +66,7 @@ class Plan:
     _levels: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
     _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    _timings: dict[tuple[int, bool], dict[str, RankSchedule]] = field(default_factory=dict, repr=False)  # per (outer rank, recompute_kv)
+    _timings: dict[int, dict[str, RankSchedule]] = field(default_factory=dict, repr=False)  # per outer rank
 
     # ---- sizes --------------------------------------------------------------------
     @property
@@ -266,16 +266,16 @@ class Plan:
         forward writes alike)."""
         return self.program(outer_rank, device, "pipelined" if recompute_kv else schedule, recompute_kv)
 
-    def _timing(self, outer_rank: int, recompute_kv: bool = False) -> dict[str, RankSchedule]:
-        """An outer rank's modelled times in each schedule (`timeline`), computed once."""
-        key = (self._check_outer(outer_rank), check_bool(recompute_kv, "recompute_kv"))
-        if key not in self._timings:
-            self._timings[key] = {
-                s: rank_schedule(self.program(key[0], schedule=s), self.inner_size, self.capacity, self.cost_model,
-                                 key[1], self.backward_program(key[0], schedule=s, recompute_kv=key[1]))
+    def _timing(self, outer_rank: int) -> dict[str, RankSchedule]:
+        """An outer rank's modelled times in each schedule, keeping the K/V (`timeline`),
+        computed once."""
+        outer_rank = self._check_outer(outer_rank)
+        if outer_rank not in self._timings:
+            self._timings[outer_rank] = {
+                s: rank_schedule(self.program(outer_rank, schedule=s), self.inner_size, self.capacity, self.cost_model)
                 for s in SCHEDULES
             }
-        return self._timings[key]
+        return self._timings[outer_rank]
 
     # ---- statistics ---------------------------------------------------------------
     def stats(self, cost_model: CostModel | str | None = None) -> dict[str, Any]:
