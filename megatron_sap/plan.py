@@ -163,11 +163,8 @@ def compare_layouts(batches: list[list[int]], cp_size: int, model: CostModel, te
     if cp_size < 1:
         raise ValueError(f"--cp-size must be >= 1, got {cp_size}")
     shaped = per_tp_rank(model, tensor_parallel_size)
-    sizes = inner_sizes(cp_size, shaped)
-    if not sizes:
-        raise ValueError(f"no inner size U divides CP size {cp_size} and fits the heads and a node")
     results = []
-    for U in sizes:
+    for U in inner_sizes(cp_size, shaped):  # U = 1 always: the cost model's heads divide by their KV heads
         plans = [plan_sequences(cu, outer_size=cp_size // U, inner_size=U, cost_model=shaped, cache=None) for cu in batches]
         stats = [plan.stats() for plan in plans]
         strategies = [plan.strategy for plan in plans]
