@@ -476,6 +476,15 @@ def test_boundaries_must_be_the_split_tensor_under_context_parallelism(monkeypat
         attn(q, k, v, None, packed_seq_params=params)
 
 
+def test_packed_params_no_split_made_are_refused_under_context_parallelism(monkeypatch) -> None:
+    """Parameters built by hand (or a batch split by Megatron's own THD split): the tokens are not
+    where the plan of their cu_seqlens puts them, so attention would run and be wrong."""
+    _two_ranks(monkeypatch)
+    q, k, v = _qkv(16)
+    with pytest.raises(ValueError, match="got packed cu_seqlens that no sap_split_batch made"):
+        _attention()(q, k, v, None, packed_seq_params=_params([0, 7, 16]))
+
+
 def test_a_layer_on_other_levels_than_the_split_is_refused() -> None:
     """A layer built with other CP levels than the batch split would read tokens in another order."""
     from megatron_sap.megatron.plans import plan_for

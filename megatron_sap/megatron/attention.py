@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from .compat import MLA_ROPE_TABLE_REFUSED, mla_keeps_packed_rope_table
 from .groups import sap_groups_from_pg_collection
 from .options import get_sap_options
-from .plans import plan_for
+from .plans import plan_for, split_plan
 
 logger = logging.getLogger(__name__)
 _announced = False  # the first attention call logs what runs, once per process
@@ -175,6 +175,14 @@ class SAPDotProductAttention(MegatronModule):
                     if name == "cu_seqlens_kv"
                     else f"SAP needs no per-document padding; pass {name}=None or equal to cu_seqlens_q"
                 )
+        if self.groups is not None and split_plan(cu) is None:
+            # The tokens must be where the plan of this cu_seqlens puts them; a batch split another
+            # way (Megatron's own THD split) would run without error and attend wrongly.
+            raise ValueError(
+                "SAP attention with context parallelism got packed cu_seqlens that no sap_split_batch made: pass "
+                "the PackedSeqParams sap_split_batch (or sap_packed_seq_params) returns, with the same cu_seqlens "
+                "tensor (not a copy), and the batch it split"
+            )
         return self._attend(q, k, v, cu)
 
     def _rows(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

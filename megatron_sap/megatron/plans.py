@@ -85,6 +85,12 @@ def plan_for(cu_seqlens: torch.Tensor | list[int], groups: Optional["sap.SAPGrou
     return plan
 
 
+def split_plan(cu_seqlens: torch.Tensor) -> Optional["sap.Plan"]:
+    """The plan a batch split (`sap_split_batch`, `sap_packed_seq_params`) made for this very
+    `cu_seqlens` tensor, or None for a tensor no split made (a copy, or one built by hand)."""
+    return _PLANS_BY_TENSOR.get(cu_seqlens)
+
+
 def _planning() -> tuple[Optional[PlanCache], Optional["sap.CostModel"]]:
     """The plan cache and cost model the options name (None: the planner's defaults)."""
     options = get_sap_options()
