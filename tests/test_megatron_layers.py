@@ -199,6 +199,10 @@ def test_installed_rope_only_changes_registered_batches() -> None:
         attention.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=params.cu_seqlens_q, cp_group=one_rank),
         rotate_by_positions(t, freqs, positions),
     )
+    whole_row = torch.randn(2 * CU[-1], 2, 8)  # the split's params with a row it did not split
+    with pytest.raises(ValueError, match=f"SAP's RoPE got {2 * CU[-1]} tokens of a packed row whose batch split gave "
+                                         f"this rank {CU[-1]}: run the model on the local batch"):
+        attention.apply_rotary_pos_emb(whole_row, freqs, config, cu_seqlens=params.cu_seqlens_q, cp_group=one_rank)
 
 
 def test_rope_takes_the_mla_interleaving_argument_of_newer_releases() -> None:

@@ -111,6 +111,11 @@ def _sap_apply_rotary_pos_emb(original: Callable) -> Callable:
             if mla_rotary_interleaved is not None:
                 others["mla_rotary_interleaved"] = mla_rotary_interleaved
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **others)
+        if positions.numel() != t.size(0):
+            raise ValueError(
+                f"SAP's RoPE got {t.size(0)} tokens of a packed row whose batch split gave this rank "
+                f"{positions.numel()}: run the model on the local batch sap_split_batch returns (not the whole row)"
+            )
         if others:
             # An argument of a newer release whose meaning the per-token rotation does not know:
             # refused rather than ignored, which could rotate wrongly.
