@@ -317,6 +317,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type == "meta":
+        raise ValueError("q, k, v are meta tensors (shapes without data); attention needs real ones")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:
@@ -484,7 +486,7 @@ def sap_attention(
     every rank when q, k or v of any rank holds NaN or Inf (one all-reduce and a host sync;
     on alike on every rank).
     """
-    if not causal:
+    if not check_bool(causal, "causal"):
         raise ValueError("sap_attention computes causal attention only (causal=False is not supported)")
     _check_inputs(q, k, v, plan, groups)
     check_schedule(schedule, allow_auto=True)

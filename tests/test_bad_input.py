@@ -316,6 +316,8 @@ def test_sap_attention_rejects_other_groups_and_flags() -> None:
         (dict(check_finite="no"), r"check_finite must be True, False or None \(MEGATRON_SAP_CHECK_FINITE\), got 'no'"),
         (dict(check_finite=1), r"check_finite must be True, False or None .*, got 1"),
         (dict(check_agreement="no"), r"check_agreement must be True or False, got 'no'"),
+        (dict(causal="no"), r"causal must be True or False, got 'no'"),
+        (dict(causal=None), r"causal must be True or False, got None"),
         (dict(softmax_scale="0.3"), r"softmax_scale must be a finite number, got '0.3'"),
         (dict(softmax_scale=b"0.3"), r"softmax_scale must be a finite number, got b'0.3'"),
         (dict(softmax_scale=True), r"softmax_scale must be a finite number, got True"),
@@ -425,6 +427,16 @@ def test_sap_attention_rejects_non_causal() -> None:
     q, k, v = _qkv(8)
     with pytest.raises(ValueError, match=r"causal attention only \(causal=False is not supported\)"):
         sap.sap_attention(q, k, v, _plan([0, 8]), causal=False)
+
+
+def test_meta_tensors_are_refused_by_name() -> None:
+    """Shapes without data (a model built on the meta device, not yet materialised)."""
+    q, k, v = (t.to("meta") for t in _qkv(8))
+    with pytest.raises(ValueError, match=r"q, k, v are meta tensors \(shapes without data\)"):
+        sap.sap_attention(q, k, v, _plan([0, 8]))
+    cu = torch.tensor([0, 8], dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=r"q, k, v are meta tensors"):
+        varlen_forward(q, k, v, cu, cu, 8, 8, causal=True)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
