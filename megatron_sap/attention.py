@@ -30,7 +30,7 @@ from .comm.ulysses import GatherHeads, ScatterHeads, check_heads, replicate_kv_h
 from .kernels import merge_into, resolve_backend, resolve_softmax_scale, varlen_backward, varlen_forward
 from .planning import Plan, RankProgram
 from .planning.program import COMPUTE, FETCH, LOCAL, RETURN, check_schedule
-from .validation import check_bool
+from .validation import check_bool, check_has_data
 
 _BACKWARD_TAG = 1 << 20
 _REFETCH_TAG = 2 << 20
@@ -317,8 +317,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.device.type == "meta":
-        raise ValueError("q, k, v are meta tensors (shapes without data); attention needs real ones")
+    check_has_data(q)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:

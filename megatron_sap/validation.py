@@ -77,6 +77,12 @@ def check_divisible(total: int, parts: int, what: str, by: str) -> None:
         raise ValueError(f"{what} ({total}) must be divisible by {by} ({parts})")
 
 
+def check_has_data(q: torch.Tensor) -> None:
+    """q (and k, v, on its device, checked before) hold data: a meta tensor has a shape only."""
+    if q.device.type == "meta":
+        raise ValueError("q, k, v are meta tensors (shapes without data); attention needs real ones")
+
+
 def check_bool(value: object, name: str) -> bool:
     """`value`, checked to be True or False: a flag such as the string "no" would read as True."""
     if not isinstance(value, bool):

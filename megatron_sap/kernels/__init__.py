@@ -33,7 +33,7 @@ import re
 import torch
 from torch import Tensor
 
-from ..validation import check_bool
+from ..validation import check_bool, check_has_data
 from . import aten_flash, torch_backend  # aten_flash imports only torch; flash_attn_backend stays lazy
 from .merge import merge_into, merge_partials
 from .torch_backend import check_cu_seqlens
@@ -129,8 +129,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
     devices = {t.device for t in (q, k, v, cu_seqlens_q, cu_seqlens_k)}
     if len(devices) != 1:
         raise ValueError(f"q, k, v, cu_seqlens_q, cu_seqlens_k must be on one device, got {sorted(map(str, devices))}")
-    if q.device.type == "meta":
-        raise ValueError("q, k, v are meta tensors (shapes without data); attention needs real ones")
+    check_has_data(q)
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k/v must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
     if q.shape[2] == 0:
