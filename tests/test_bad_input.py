@@ -530,6 +530,10 @@ def test_kernel_backward_rejects_mismatched_out_and_lse() -> None:
         varlen_backward(q[:7], q, k, v, out, lse, cu, cu, 5, 5, causal=True)
     with pytest.raises(ValueError, match=r"lse must be \[Hq, Tq\] = \(4, 8\), got \(8, 4\)"):
         varlen_backward(q, q, k, v, out, lse.T, cu, cu, 5, 5, causal=True)
+    with pytest.raises(ValueError, match=r"dout and out must have q's dtype torch.float32 .*got torch.float64 and torch.float32"):
+        varlen_backward(q.double(), q, k, v, out, lse, cu, cu, 5, 5, causal=True)
+    with pytest.raises(ValueError, match=r"dout and out must have q's dtype torch.float32 .*got torch.float32 and torch.bfloat16"):
+        varlen_backward(q, q, k, v, out.bfloat16(), lse, cu, cu, 5, 5, causal=True)
 
 
 @pytest.mark.parametrize(

@@ -280,6 +280,8 @@ def varlen_backward(
         raise ValueError(
             f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have q's shape {tuple(q.shape)}"
         )
+    if dout.dtype != q.dtype or out.dtype != q.dtype:
+        raise ValueError(f"dout and out must have q's dtype {q.dtype} (as the forward returns out), got {dout.dtype} and {out.dtype}")
     if lse.shape != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse must be [Hq, Tq] = {(q.shape[1], q.shape[0])}, got {tuple(lse.shape)}")
     if lse.dtype not in (torch.float32, torch.float64):
