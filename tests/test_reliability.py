@@ -233,7 +233,9 @@ def test_ranks_going_back_to_a_checked_plan_fail_instead_of_computing_garbage(po
     results = pool4.run(switch_back_job, timeout=60)
     assert time.monotonic() - start < FAILED_JOB_BOUND_S
     assert all(error < 1e-10 for error, _ in results), results  # all going back together is checked and right
-    assert results[0][1].startswith("SAP step") and "Timed out" in results[0][1], results[0]
+    # Rank 0's step fails: at the group's timeout, or sooner where gloo sees the peers'
+    # side of the pair closed first (under load); either way an error, not an output.
+    assert results[0][1].startswith("SAP step") and " failed: " in results[0][1], results[0]
     for _, message in results[1:]:
         assert "SAP agreement check" in message, results
     assert pool4.run(healthy_job) == pytest.approx([0.0] * 4, abs=1e-10)
