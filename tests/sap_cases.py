@@ -78,11 +78,13 @@ def run_rank(
     count_bytes: bool = False,
     tile: int | None = None,
     schedule: str = "pipelined",
+    gpus_per_node: int | None = None,
 ) -> dict:
     """One rank's forward and backward of sap_attention; returns its slices and gradients.
     `schedule`: sap_attention's, or "mixed" (pipelined on even outer ranks, gathered on odd).
     `tile`: plan with that kernel tile instead of the default model's (small tiles split
-    the short documents of these tests into whole-tile chunks)."""
+    the short documents of these tests into whole-tile chunks); `gpus_per_node`: plan
+    with nodes of that many ranks."""
     from dataclasses import replace
 
     import megatron_sap as sap
@@ -91,7 +93,8 @@ def run_rank(
 
     outer = world // inner
     groups = groups_for(inner, outer)
-    model = None if tile is None else replace(CostModel.preset("h100"), tile=tile)
+    model = CostModel.preset("h100")
+    model = replace(model, tile=tile or model.tile, gpus_per_node=gpus_per_node or model.gpus_per_node)
     plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cost_model=model,
                               cache=PlanCache() if fresh_plan else sap.planning.DEFAULT_CACHE)
     q, k, v, dout = make_inputs(cu, heads, kv_heads, dim, seed)
@@ -119,6 +122,7 @@ def run_rank(
     if count_bytes:
         result["p2p_bytes"] = log.total_bytes("p2p")
         result["a2a_bytes"] = log.total_bytes("a2a")
+        result["bytes_by_peer"] = log.bytes_by_peer()
         result["stats"] = plan.stats(plan.cost_model.with_shape(heads, kv_heads, dim, ql.element_size()))
     return result
 

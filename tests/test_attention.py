@@ -8,6 +8,8 @@ import torch
 
 import megatron_sap as sap
 from dist_pool import make_pool_fixture
+from megatron_sap.planning import CostModel
+from megatron_sap.planning.cost_model import LINK_INTER, LINK_INTRA
 from megatron_sap.reference import dense_attention
 from sap_cases import collective_order, make_inputs, random_cu_seqlens, run_rank
 
@@ -232,6 +234,26 @@ def test_bytes_sent_match_plan(pool4, inner, kv, schedule):
         assert r["p2p_bytes"] + r["a2a_bytes"] == pytest.approx(stats["sent_bytes_per_rank"][r["cp_rank"]])
     assert any(r["p2p_bytes"] for r in results) == (inner < 4)
     assert all(r["a2a_bytes"] for r in results) == (inner > 1)
+
+
+@pytest.mark.parametrize("inner, gpus_per_node", [(2, 1), (4, 2), (4, 4)])
+def test_bytes_by_link_match_plan_where_inner_groups_span_nodes(pool4, inner, gpus_per_node):
+    """Each rank's bytes to peers on its node and on other nodes, counted at the sends
+    (the inner all-to-alls too, whose groups here span nodes but at (4, 4)), are the plan's."""
+    import dataclasses
+
+    cu = random_cu_seqlens(random.Random(14), 4 * 100, "long")
+    results = pool4.run(run_rank, cu, inner, 4, 2, 8, "float64", 1, count_bytes=True, gpus_per_node=gpus_per_node)
+    stats = results[0]["stats"]
+    model = dataclasses.replace(CostModel.preset("h100"), gpus_per_node=gpus_per_node)
+    for r in results:
+        rank = r["cp_rank"]
+        by_link = {LINK_INTRA: 0, LINK_INTER: 0}
+        for peer, nbytes in r["bytes_by_peer"].items():
+            by_link[model.link_between(rank, peer)] += nbytes
+        assert by_link[LINK_INTRA] == pytest.approx(stats["sent_bytes_intra_per_rank"][rank])
+        assert by_link[LINK_INTER] == pytest.approx(stats["sent_bytes_inter_per_rank"][rank])
+    assert any(stats["sent_bytes_inter_per_rank"]) == (gpus_per_node < inner)
 
 
 @pytest.mark.parametrize("inner", [1, 2])

@@ -43,7 +43,8 @@ def _cost_model(heads: tuple[int, int], bytes_per_element: int) -> CostModel:
 
 
 def _groups(name: str, inner_size: int):
-    """The group argument of `attention`: the world, or (inner, outer) groups for a2a+p2p."""
+    """The group argument of `attention`: the world, or (inner, outer) groups for a2a+p2p
+    (outer None where the inner group is the world)."""
     if name != "a2a+p2p":
         return dist.group.WORLD
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -56,7 +57,8 @@ def _groups(name: str, inner_size: int):
         members = list(range(u, world, inner_size))
         group = dist.new_group(members)
         outer = group if rank in members else outer
-    return inner, outer
+    # One outer rank: no outer group, as `SAPGroups.outer_group` is then.
+    return inner, (outer if world > inner_size else None)
 
 
 def _layout_kwargs(name: str, inner_size: int) -> dict:
@@ -276,3 +278,10 @@ def test_model_stats_shape_and_balance():
         assert sum(stats["sent_bytes_per_rank"]) == sum(stats["recv_bytes_per_rank"])
     assert p2p["imbalance"] == pytest.approx(1.0, abs=1e-3)  # zigzag balances causal work
     assert gathered["imbalance"] > 1.4  # contiguous shards do not (3:1 within each document)
+
+
+def test_hybrid_without_an_inner_group_points_to_the_ring():
+    layout = get("a2a+p2p").layout(_cu([37, 27]), 2, inner_size=1)
+    q = torch.zeros(layout.local_tokens, 4, HEAD_DIM, dtype=torch.float64)
+    with pytest.raises(ValueError, match="a2a\\+p2p needs its inner group .*use megatron_sap.baselines.ring_p2p"):
+        get("a2a+p2p").attention(q, q, q, layout, (None, None))

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import megatron_sap as sap
 from megatron_sap.plan import main as plan_cli
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
-from megatron_sap.planning.evaluate import evaluate, rank_work, ulysses_cost, whole_documents_s
+from megatron_sap.planning.evaluate import evaluate, inner_peer_links, rank_work, ulysses_cost, whole_documents_s
 from megatron_sap.planning.candidates import FILL_MIN_RANKS, candidates
 from megatron_sap.planning.cuts import Cut, _chunks, ring_cut, split_cut, split_need, tile_pairs, whole_pairs
 from megatron_sap.planning.greedy import greedy, heaviest_first
@@ -555,7 +555,7 @@ def layer_time_from(tiles: list[int], local: list[int], traffic: np.ndarray, cap
     times = []
     for r in range(R):
         x_total, m = max(message_s[r].sum(), message_s[:, r].sum()), int((traffic[:, r] > 0).sum())
-        total = ulysses_cost(model, capacity, inner)[1]
+        total = ulysses_cost(model, capacity, inner, R)[1]
         for backward in (False, True):
             scale = model.backward_factor if backward else 1.0
             c = model.compute_seconds(tiles[r], head_fraction=1 / inner) * scale
@@ -712,7 +712,7 @@ def test_chosen_candidate_is_the_fastest(batch):
     assert not set(considered) & set(pruned) and set(considered) | set(pruned) <= set(names)
     model = CostModel.preset("h100")
     whole = sum(model.block_pairs(b - a, b - a, True) for a, b in zip(cu, cu[1:]))
-    a2a_s = ulysses_cost(model, cu[-1] // outer, inner)[1]
+    a2a_s = ulysses_cost(model, cu[-1] // outer, inner, outer)[1]
     bound = (1 + model.backward_factor) * model.compute_seconds(whole) / (outer * inner) + a2a_s
     assert min(considered.values()) >= bound * (1 - 1e-9)  # it is a lower bound
     if len(considered) + len(pruned) < len(names):  # stopped early: one built reached the bound
@@ -742,7 +742,7 @@ def test_floors_rise_to_a_floor(batch):
     message."""
     cu, outer, inner = batch
     model = CostModel.preset("h100")
-    a2a_s = ulysses_cost(model, cu[-1] // outer, inner)[1]
+    a2a_s = ulysses_cost(model, cu[-1] // outer, inner, outer)[1]
     work = [(build, [build.floor_s]) for build in candidates(cu[:-1], np.diff(cu).tolist(), outer, cu[-1] // outer, model, DEFAULT_SLACKS, inner)]
     finished = {}
     while work:
@@ -835,7 +835,7 @@ def test_a_row_of_short_documents_gives_up_the_zigzag_layout_before_laying_it_ou
     model = CostModel.preset("h100")
     zigzag = next(b for b in candidates(cu[:-1], lengths, outer, cu[-1] // outer, model, DEFAULT_SLACKS, inner)
                   if b.names == ("zigzag",))
-    a2a_s = ulysses_cost(model, cu[-1] // outer, inner)[1]
+    a2a_s = ulysses_cost(model, cu[-1] // outer, inner, outer)[1]
     plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
     assert "zigzag" not in plan.considered  # given up, or the search ended before it came up
     assert plan.pruned.get("zigzag", zigzag.floor_s + a2a_s) == zigzag.floor_s + a2a_s  # at its starting floor
@@ -944,7 +944,7 @@ def test_a_dealt_layout_at_the_bound_ends_the_search_before_the_greedy():
     cu = uniform_row(1, 64, 16384)
     model = CostModel.preset("h100")
     plan = sap.plan_sequences(cu, outer_size=4, inner_size=4, cache=None)
-    bound = whole_documents_s(np.diff(cu).tolist(), 16, model) + ulysses_cost(model, cu[-1] // 4, 4)[1]
+    bound = whole_documents_s(np.diff(cu).tolist(), 16, model) + ulysses_cost(model, cu[-1] // 4, 4, 4)[1]
     assert plan.strategy == DEALT and set(plan.considered) == {DEALT} and not plan.pruned
     assert plan.evaluation.makespan_s <= bound * (1 + TIME_TOLERANCE)
 
@@ -995,7 +995,7 @@ def pruned_count(seed: int, outer: int, inner: int) -> int:
     model = CostModel.preset("h100")
     plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
     evaluations = [(p, evaluate(p, inner, model)) for p in candidates_of(cu, outer, inner)]
-    bound = whole_documents_s(np.diff(cu).tolist(), outer * inner, model) + ulysses_cost(model, cu[-1] // outer, inner)[1]
+    bound = whole_documents_s(np.diff(cu).tolist(), outer * inner, model) + ulysses_cost(model, cu[-1] // outer, inner, outer)[1]
     fastest = min(ev.makespan_s for _, ev in evaluations)
     if len(plan.considered) + len(plan.pruned) < len(evaluations):  # stopped at the bound
         assert at_bound(plan.evaluation.makespan_s, bound)
@@ -1426,6 +1426,32 @@ def test_an_inner_rank_moves_a_whole_head_when_kv_heads_are_fewer_than_ranks():
     tokens = stats["sent_tokens_per_outer_rank"][0] + stats["recv_tokens_per_outer_rank"][0]
     assert tokens > 0
     assert stats["sent_bytes_per_rank"][0] == pytest.approx(tokens * one_head + plan.evaluation.a2a_bytes)
+
+
+def test_all_to_alls_of_inner_groups_across_nodes_go_over_both_links():
+    """An inner group that spans nodes sends each peer an equal share of its all-to-all
+    bytes, those to other nodes over the slower link at the same time as the rest; the
+    slowest rank sets the time. Inside one node the time is the one link's."""
+    model = CostModel.preset("h100")
+    latency = model.message_latency_us * 1e-6
+    bytes_in_node, seconds_in_node = ulysses_cost(model, 4096, 4, 2)
+    per_pass = bytes_in_node / 2
+    assert seconds_in_node == pytest.approx(2 * (2 * 3 * latency + per_pass / model.bandwidth("intra")))
+    two_per_node = replace(model, gpus_per_node=2)
+    assert inner_peer_links(2, 4, 2) == ((1, 2),) * 8
+    across_bytes, across_seconds = ulysses_cost(two_per_node, 4096, 4, 2)
+    assert across_bytes == bytes_in_node
+    slowest = max(2 * 1 * latency + per_pass / 3 / model.bandwidth("intra"),
+                  2 * 2 * latency + per_pass * 2 / 3 / model.bandwidth("inter"))
+    assert across_seconds == pytest.approx(2 * slowest) and across_seconds > seconds_in_node
+    # Three ranks per group over nodes of 8: the group on ranks 6-8 crosses a node boundary.
+    links = inner_peer_links(8, 3, 4)
+    assert links[6:9] == ((1, 1), (1, 1), (0, 2)) and set(links[:6] + links[9:]) == {(2, 0)}
+    plan = sap.plan_sequences([0, 100, 2048], outer_size=1, inner_size=4, cost_model=two_per_node, cache=None)
+    stats, a2a = plan.stats(), plan.evaluation.a2a_bytes
+    assert a2a > 0 and stats["sent_bytes_per_rank"] == pytest.approx([a2a] * 4)
+    assert stats["sent_bytes_intra_per_rank"] == pytest.approx([a2a / 3] * 4)
+    assert stats["sent_bytes_inter_per_rank"] == pytest.approx([2 * a2a / 3] * 4)
 
 
 def test_outer_rank_methods_check_their_rank():

@@ -70,19 +70,25 @@ def outer_order(chunk_sizes: Sequence[int], inner_size: int, device: torch.devic
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout,
-              group: tuple[dist.ProcessGroup, dist.ProcessGroup], *,
+              group: tuple[dist.ProcessGroup, dist.ProcessGroup | None], *,
               softmax_scale: float | None = None, backend: str = "auto") -> Tensor:
     """`a2a+p2p` attention of this rank's zigzag rows; group is (inner, outer).
 
     inner: the U consecutive CP ranks of this rank's Ulysses group; outer: the R ranks
-    with the same inner rank, one per inner group. Padding rows come back zero.
+    with the same inner rank, one per inner group, or None where R = 1 (as
+    `SAPGroups.outer_group` is). Padding rows come back zero.
     """
     inner, outer = group
+    if inner is None:
+        raise ValueError("a2a+p2p needs its inner group (got None); with one inner rank it is the p2p ring: "
+                         "use megatron_sap.baselines.ring_p2p")
     size = dist.get_world_size(inner)
-    check_layout(layout, NAME, size * dist.get_world_size(outer), q.shape[0])
+    # One outer rank: a ring of this rank alone, which moves nothing.
+    outer_ranks = group_ranks(outer) if outer is not None else [dist.get_rank()]
+    check_layout(layout, NAME, size * len(outer_ranks), q.shape[0])
     if size != layout.inner_size:
         raise ValueError(f"inner group has {size} ranks but the layout was made for {layout.inner_size}")
-    inner_ranks, outer_ranks = group_ranks(inner), group_ranks(outer)
+    inner_ranks = group_ranks(inner)
     spacing = {b - a for a, b in zip(outer_ranks, outer_ranks[1:])}
     if inner_ranks != list(range(inner_ranks[0], inner_ranks[0] + size)) or spacing - {size}:
         raise ValueError(f"group must be (inner, outer): inner {size} consecutive ranks, outer the ranks {size} apart; "
@@ -91,7 +97,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout,
     q_h, k_h, v_h = ScatterHeads.apply(inner, STEP, q, k, v)
     order = outer_order(layout.chunk_sizes, size, q.device)
     shape = RingShape.from_chunks([size * c for c in layout.chunk_sizes], q.device)
-    ring = Ring.of(outer)
+    ring = Ring.of(outer) if outer is not None else Ring(None, 0, 1, dist.get_rank(), dist.get_rank())
     out_z = ZigzagRingAttention.apply(q_h[order], k_h[order], v_h[order], shape, ring, softmax_scale, backend)
     (out,) = GatherHeads.apply(inner, STEP, out_z[torch.argsort(order)])
     return zero_padding_rows(out, layout.positions[ring.rank * size + dist.get_rank(inner)])

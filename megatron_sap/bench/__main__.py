@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=BENCH_BATCHES, help="packed batches averaged per point")
     parser.add_argument("--repeats", type=int, default=measured.MEASURED_REPEATS, help="timed repeats of each measured run")
-    parser.add_argument("--scale-batches", type=int, default=2)
+    parser.add_argument("--scale-batches", type=int, default=scale.SCALE_BATCHES, help="packed batches averaged per scale-model point")
     parser.add_argument("--skip-measured", action="store_true")
     parser.add_argument("--report", default="docs/benchmarks.md")
     parser.add_argument("--img-dir", default="docs/img")

@@ -11,6 +11,7 @@ CPU part of ``python -m megatron_sap.bench`` and the GPU check keep honest.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ PRESETS: tuple[str, ...] = ("h100", "h200")
 SCALE_P: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024)
 SCALE_T: tuple[int, ...] = (32 * 1024, 128 * 1024, 512 * 1024, 1024 * 1024)
 MIN_TOKENS_PER_RANK = 512  # smaller shards are not a CP configuration anyone runs
+SCALE_BATCHES = 2  # packed batches averaged per point, in `make bench` and this module's CLI
 MAX_FLAT_SAP_RANKS = 64  # beyond this SAP runs two-level (U x R); a flat plan over 1,024 ranks is slow to plan
 
 
@@ -111,7 +113,7 @@ def sap_bound_s(cu_seqlens: list[int], P: int, inner: int, model: CostModel) -> 
     inter = max(0.0, longest - groups_per_node * group)
     kv = model.kv_bytes_per_token / U
     transfer = (inter * kv / model.bandwidth(LINK_INTER) + (remote - inter) * kv / model.bandwidth(LINK_INTRA))
-    return max(ideal, 2 * transfer) + ulysses_cost(model, group, U)[1]
+    return max(ideal, 2 * transfer) + ulysses_cost(model, group, U, R)[1]
 
 
 def summarise(stats: dict[str, Any], model: CostModel) -> dict[str, float]:
@@ -200,7 +202,7 @@ def project(
     presets: Iterable[str] = PRESETS,
     Ps: Iterable[int] = SCALE_P,
     Ts: Iterable[int] = SCALE_T,
-    num_batches: int = 3,
+    num_batches: int = SCALE_BATCHES,
     seed: int = 0,
 ) -> list[MethodPoint]:
     """Every method at every (corpus, preset, T, P) point with at least
@@ -288,8 +290,13 @@ def fmt_tokens(n: int) -> str:
     return f"{n // (1 << 20)}M" if n % (1 << 20) == 0 else f"{n // 1024}K"
 
 
+def rounded_down(ratio: float) -> float:
+    """A speed-up to two decimals, rounded down: a ratio under a target never reads as it."""
+    return math.floor(round(ratio * 100, 9)) / 100  # round first: 1.29 * 100 is 128.99999999999997
+
+
 def scale_table(rows: list[ScaleRow]) -> str:
-    """Markdown table of the projection."""
+    """Markdown table of the projection (speed-ups and ceilings `rounded_down`)."""
     lines = [
         "| corpus | preset | T | P | SAP layout | SAP ms | SAP/ideal | best baseline | its ms | bound | speedup | ceiling | p2p comm/compute |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -299,7 +306,7 @@ def scale_table(rows: list[ScaleRow]) -> str:
         lines.append(
             f"| {r.corpus} | {r.preset} | {fmt_tokens(r.T)} | {r.P} | {r.sap.layout} | {r.sap.time_s * 1e3:.3f} "
             f"| {r.sap_over_ideal:.3f} | {r.baseline.method} ({r.baseline.layout}) | {r.baseline.time_s * 1e3:.3f} "
-            f"| {'comm' if r.baseline.comm_bound else 'compute'} | {r.speedup:.2f}x | {r.ceiling:.2f}x | {ratio} |"
+            f"| {'comm' if r.baseline.comm_bound else 'compute'} | {rounded_down(r.speedup):.2f}x | {rounded_down(r.ceiling):.2f}x | {ratio} |"
         )
     return "\n".join(lines)
 
@@ -328,10 +335,10 @@ def scale_targets(rows: list[ScaleRow], gpus_per_node: int = 8) -> list[Target]:
         out.append(Target(
             "scale: >= 1.5x faster than the best baseline where it is communication-bound",
             not misses,
-            f"{len(bound) - len(misses)}/{len(bound)} points; lowest {worst.speedup:.2f}x at "
+            f"{len(bound) - len(misses)}/{len(bound)} points; lowest {rounded_down(worst.speedup):.2f}x at "
             f"{worst.corpus} {worst.preset} T={fmt_tokens(worst.T)} P={worst.P} vs {worst.baseline.method}"
             + (f"; at {len(unreachable)} of the {len(misses)} misses no SAP plan could reach 1.5x "
-               f"(ceiling {min(r.ceiling for r in unreachable):.2f}-{max(r.ceiling for r in unreachable):.2f}x)"
+               f"(ceiling {rounded_down(min(r.ceiling for r in unreachable)):.2f}-{rounded_down(max(r.ceiling for r in unreachable)):.2f}x)"
                if unreachable else "")
             + (f"; {'the other' if unreachable else 'the'} {len(needed)} would need SAP within {min(n for n, _ in needed):.2f}-"
                f"{max(n for n, _ in needed):.2f}x of the ideal (it is at {min(a for _, a in needed):.2f}-"
@@ -378,7 +385,8 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one corpus, one preset, fewer points")
-    parser.add_argument("--batches", type=int, default=3, help="packed batches averaged per point")
+    parser.add_argument("--batches", type=int, default=SCALE_BATCHES,
+                        help=f"packed batches averaged per point (default {SCALE_BATCHES}, as in make bench)")
     parser.add_argument("--img-dir", help="where the plots go (default: docs/img; with --quick, none unless given, "
                                           "so that a quick run leaves the published plots alone)")
     args = parser.parse_args(argv)

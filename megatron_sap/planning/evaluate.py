@@ -24,11 +24,11 @@ added, not overlapped. The layer time is the largest rank time (the makespan).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
-from .cost_model import LINK_INTRA, CostModel
+from .cost_model import LINK_INTER, LINK_INTRA, CostModel
 from .cuts import whole_pairs
 from .placement import Placement
 from .tally import Tally
@@ -43,7 +43,7 @@ class Evaluation:
     local_pairs: np.ndarray  # tile-rounded pairs whose keys the rank holds
     traffic_total: int  # forward KV tokens moved between outer ranks in all
     intra: np.ndarray  # [R, R] bool: the pair of ranks shares a node
-    a2a_bytes: float  # per inner rank, forward + backward, intra-node
+    a2a_bytes: float  # per inner rank, forward + backward (split by link: `inner_peer_links`)
     rank_time_s: np.ndarray
     makespan_s: float
     ideal_s: float  # every document computed whole, spread evenly, no communication (`whole_documents_s`)
@@ -97,13 +97,16 @@ def whole_documents_s(lengths: list[int], world_size: int, model: CostModel) -> 
     return (1.0 + model.backward_factor) * model.compute_seconds(float(work)) / world_size
 
 
-def ulysses_cost(model: CostModel, group_tokens: float, inner_size: int) -> tuple[float, float]:
+def ulysses_cost(model: CostModel, group_tokens: float, inner_size: int, outer_size: int) -> tuple[float, float]:
     """Bytes each inner rank sends in the Ulysses all-to-alls of one layer (forward +
-    backward) and their time, for an inner group holding `group_tokens` tokens.
+    backward) and their time, for inner groups of `group_tokens` tokens each, the
+    `outer_size` groups of `inner_size` consecutive CP ranks.
 
     An inner rank sends (U-1)/U of its tokens' q, k, v (KV heads replicated when fewer
-    than U) and of its head slice of the group's outputs; backward mirrors it. Two
-    all-to-alls per pass, each of U-1 messages; not overlapped with compute.
+    than U) and of its head slice of the group's outputs, an equal share to each peer;
+    backward mirrors it. Two all-to-alls per pass, each of U-1 messages; not overlapped
+    with compute. Messages to peers on the rank's node and to those on other nodes go
+    over their own links at once (`inner_peer_links`); the slowest rank sets the time.
     """
     U = inner_size
     if U <= 1:
@@ -112,7 +115,27 @@ def ulysses_cost(model: CostModel, group_tokens: float, inner_size: int) -> tupl
     replicated_kv = U * model.inner_kv_bytes_per_token(U)  # every inner rank's share, heads replicated
     per_pass = (U - 1) / U * tokens * (2 * model.q_bytes_per_token + replicated_kv)
     latency = model.message_latency_us * 1e-6
-    return 2 * per_pass, 2 * (2 * (U - 1) * latency + per_pass / model.bandwidth(LINK_INTRA))
+    pass_s = 0.0
+    for counts in set(inner_peer_links(model.gpus_per_node, U, outer_size)):
+        for link, peers in zip((LINK_INTRA, LINK_INTER), counts):
+            if peers:
+                seconds = 2 * peers * latency + per_pass * (peers / (U - 1)) / model.bandwidth(link)
+                pass_s = max(pass_s, seconds)
+    return 2 * per_pass, 2 * pass_s
+
+
+@lru_cache(maxsize=64)
+def inner_peer_links(gpus_per_node: int, inner_size: int, outer_size: int) -> tuple[tuple[int, int], ...]:
+    """Per CP rank (inner groups of `inner_size` consecutive ranks, nodes of
+    `gpus_per_node`), how many of its inner group's other ranks are on its node and how
+    many on other nodes: (U - 1, 0) for every rank where each group fits in a node."""
+    U, G = inner_size, gpus_per_node
+    links = []
+    for rank in range(U * outer_size):
+        start, node_start = rank - rank % U, rank - rank % G
+        same_node = min(start + U, node_start + G) - max(start, node_start) - 1
+        links.append((same_node, U - 1 - same_node))
+    return tuple(links)
 
 
 def evaluate(placement: Placement, inner_size: int, model: CostModel) -> Evaluation:
@@ -142,7 +165,7 @@ def evaluate(placement: Placement, inner_size: int, model: CostModel) -> Evaluat
     b = model.backward_factor
     backward = np.maximum.reduce([b * comp, b * remote / m + xfer, b * remote + x])
     receives = messages > 0
-    a2a_bytes, a2a_time = ulysses_cost(model, placement.capacity, U)
+    a2a_bytes, a2a_time = ulysses_cost(model, placement.capacity, U, R)
     rank_time = np.where(receives, forward, comp) + np.where(receives, backward, b * comp) + a2a_time
     ideal = whole_documents_s([sum(record.cut.sizes) for record in placement.records], R * U, model)
     return Evaluation(

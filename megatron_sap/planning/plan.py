@@ -19,7 +19,7 @@ import torch
 
 from ..validation import check_bool, check_divisible, cu_seqlens_to_list
 from .cost_model import CostModel
-from .evaluate import Evaluation, evaluate, ulysses_cost, whole_documents_s
+from .evaluate import Evaluation, evaluate, inner_peer_links, ulysses_cost, whole_documents_s
 from .order import exchange_order
 from .candidates import candidates
 from .placement import Build, Placement
@@ -301,6 +301,9 @@ class Plan:
         sent_inter = (traffic * ~intra).sum(1) + (traffic * ~intra).sum(0)
         sent = (sent_intra + sent_inter) * kv
         expand = lambda a: [float(x) for x in np.repeat(np.asarray(a, dtype=np.float64), U)]  # noqa: E731
+        # Each inner rank's all-to-all bytes, an equal share per peer, by the peer's link.
+        links = inner_peer_links(m.gpus_per_node, U, self.outer_size)
+        a2a_by_link = [[ev.a2a_bytes * peers[i] / max(U - 1, 1) for peers in links] for i in (0, 1)]
         pairs = expand(ev.exact_pairs / U)
         mean = float(np.mean(pairs)) if pairs else 0.0
         memory = [self.memory_bytes(r, m) for r in range(self.outer_size)]
@@ -321,8 +324,8 @@ class Plan:
             "sent_bytes_per_rank": [x + ev.a2a_bytes for x in expand(sent)],
             # every rank receives what it sends: its forward K/V in-traffic is its backward dK/dV out-traffic
             "recv_bytes_per_rank": [x + ev.a2a_bytes for x in expand(sent)],
-            "sent_bytes_intra_per_rank": [x + ev.a2a_bytes for x in expand(sent_intra * kv)],
-            "sent_bytes_inter_per_rank": expand(sent_inter * kv),
+            "sent_bytes_intra_per_rank": [x + a2a_intra for x, a2a_intra in zip(expand(sent_intra * kv), a2a_by_link[0])],
+            "sent_bytes_inter_per_rank": [x + a2a_inter for x, a2a_inter in zip(expand(sent_inter * kv), a2a_by_link[1])],
             "peak_extra_bytes_per_rank": expand([max(x["forward"], x["backward"]) for x in memory]),
             # The executor's schedule of the compiled programs, all ranks together
             # (`timeline.joint_schedule`), each rank in the schedule it runs by default
@@ -624,7 +627,7 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
 
     evaluated: list[tuple[int, Placement, Evaluation]] = []  # (candidate index, ...)
     considered: dict[str, float] = {}
-    a2a_s = ulysses_cost(model, capacity, inner_size)[1]
+    a2a_s = ulysses_cost(model, capacity, inner_size, outer_size)[1]
     # No placement beats every document computed whole, spread evenly, with no
     # communication but the all-to-alls every candidate pays (splitting only adds tile
     # rounding): once a candidate is at that bound (`at_bound`), the rest cannot be

@@ -152,7 +152,7 @@ def joint_schedule(programs: Sequence[RankProgram], inner_size: int, capacity: i
     all run together: an exchange starts when both its ranks have posted it and both their
     streams are free (see the module docstring); `alone`: each rank as if its peers were
     always ready."""
-    a2a_s = ulysses_cost(model, capacity, inner_size)[1] / 2  # per pass
+    a2a_s = ulysses_cost(model, capacity, inner_size, len(programs))[1] / 2  # per pass
     backward_programs = programs if backward_programs is None else backward_programs
     forward = _run(programs, [p.forward_events(recompute_kv) for p in programs], False, inner_size, model, alone)
     backward = _run(backward_programs, [p.backward_events(recompute_kv) for p in backward_programs], True,
