@@ -282,6 +282,31 @@ def test_errors_are_clear(dist_pool: WorkerPool) -> None:
             assert fragment in message
 
 
+def ask_differently(rank: int, world_size: int, mine: dict[str, Any], others: dict[str, Any]) -> str:
+    """Rank 0 calls init_sap_groups with `mine`, the others with `others`: the error each gets."""
+    with pytest.raises(ValueError) as info:
+        init_sap_groups(**(mine if rank == 0 else others))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("dist_pool", [4], indirect=True)
+@pytest.mark.parametrize(("mine", "others", "differ"), [
+    (dict(inner_size=1, outer_size=2), dict(inner_size=2, outer_size=1), "inner_size from 1 to 2; outer_size from 1 to 2"),
+    (dict(inner_size=2, outer_size=2), dict(inner_size=1, outer_size=4), "inner_size from 1 to 2; outer_size from 2 to 4"),
+    (dict(inner_size=2, ranks=[0, 1]), dict(inner_size=2, ranks=[2, 3]), "sum(ranks) from 1 to 5"),
+])
+def test_ranks_that_ask_for_different_groups_all_fail_before_any_is_made(
+    dist_pool: WorkerPool, mine: dict[str, Any], others: dict[str, Any], differ: str
+) -> None:
+    """Groups made from different sizes would give some ranks a wrong layout, others an
+    error and others a wait; every rank gets the same clear error at once instead."""
+    messages = dist_pool.run(ask_differently, mine, others)
+    for rank, message in enumerate(messages):
+        assert f"the ranks asked for different groups ({differ}" in message, message
+        assert f"rank {rank} asked for inner_size={(mine if rank == 0 else others)['inner_size']}" in message
+    assert dist_pool.run(init_and_summarize, dict(inner_size=2, outer_size=2))  # the pool still makes groups
+
+
 @pytest.mark.parametrize("dist_pool", [4], indirect=True)
 def test_a_group_this_rank_is_not_in_is_named(dist_pool: WorkerPool) -> None:
     results = dist_pool.run(adopt_a_group_without_this_rank)

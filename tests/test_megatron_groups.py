@@ -116,6 +116,11 @@ def bad_levels_rank(rank: int, world_size: int) -> str:
         initialize_sap_parallel(inner_size=2.0)
     with pytest.raises(TypeError, match="outer_size must be an integer, got '2'"):
         initialize_sap_parallel(inner_size=2, outer_size="2")
+    with pytest.raises(ValueError, match=r"world_size=4 is not divisible by tensor_model_parallel_size \* inner_size \* "
+                                         r"outer_size \* pipeline_model_parallel_size = 1 \* 3 \* 1 \* 1 = 3"):
+        initialize_sap_parallel(inner_size=3)
+    with pytest.raises(ValueError, match=r"= 1 \* 2 \* 2 \* 2 = 8"):
+        initialize_sap_parallel(inner_size=2, outer_size=2, pipeline_model_parallel_size=2)
     return "ok"
 
 

@@ -13,10 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import overload
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from megatron_sap.comm.layout import CPGroupLayout, check_positive_sizes, sap_group_layout, spans_nodes
+from megatron_sap.comm.p2p import collective_device
 
 
 @dataclass
@@ -190,6 +192,8 @@ def init_sap_groups(
         if max(layout.cp_ranks) >= world_size:
             raise ValueError(f"ranks {list(layout.cp_ranks)} exceed the world of {world_size} ranks")
         layouts = [layout]
+    _check_every_rank_asks_alike(inner_size, layouts[0].outer_size, tensor_parallel_size, pipeline_parallel_size,
+                                 None if ranks is None else layouts[0].cp_ranks)
     if timeout is None:
         timeout = group_timeout(dist.group.WORLD)
 
@@ -221,6 +225,35 @@ def init_sap_groups(
             )
             _warn_if_inner_group_spans_nodes(mine)
     return mine
+
+
+def _check_every_rank_asks_alike(inner_size: int, outer_size: int, tensor_parallel_size: int,
+                                 pipeline_parallel_size: int, ranks: Sequence[int] | None) -> None:
+    """Compare the call's sizes (and `ranks`) over the world before any group is made: ranks
+    that asked for different groups would otherwise make some groups that do not match (a
+    wrong layout on some ranks, an error on others, or a wait until the timeout)."""
+    listed = () if ranks is None else tuple(ranks)
+    sizes = {"inner_size": inner_size, "outer_size": outer_size, "tensor_parallel_size": tensor_parallel_size,
+             "pipeline_parallel_size": pipeline_parallel_size}
+    asked = {**sizes, "len(ranks)": len(listed), "sum(ranks)": sum(listed), "sum of squared ranks": sum(r * r for r in listed)}
+    values = list(asked.values())
+    extremes = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=collective_device(None))
+    try:
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    except Exception as exc:  # a dead or stuck rank: the backend's error type varies (gloo, NCCL)
+        raise RuntimeError(
+            f"init_sap_groups: comparing the sizes every rank asked for failed on rank {dist.get_rank()}: {exc}. "
+            "Every rank of the world must call init_sap_groups alike"
+        ) from exc
+    highest, lowest = extremes[: len(values)].tolist(), [-v for v in extremes[len(values):].tolist()]
+    differ = [f"{name} from {low} to {high}" for name, low, high in zip(asked, lowest, highest) if low != high]
+    if differ:
+        mine = ", ".join(f"{name}={value}" for name, value in sizes.items())
+        raise ValueError(
+            f"init_sap_groups: the ranks asked for different groups ({'; '.join(differ)} across ranks; rank "
+            f"{dist.get_rank()} asked for {mine}{'' if ranks is None else f', ranks={list(ranks)}'}). "
+            "Every rank of the world must call init_sap_groups alike (the same sizes and ranks)"
+        )
 
 
 def _sub_group(
@@ -267,7 +300,8 @@ def _warn_if_inner_group_spans_nodes(groups: SAPGroups) -> None:
     if spans_nodes(groups.inner_ranks, groups.gpus_per_node):
         warnings.warn(
             f"SAP inner group {list(groups.inner_ranks)} spans nodes of {groups.gpus_per_node} GPUs: its "
-            "all-to-all leaves the node; make gpus_per_node a multiple of tensor_parallel_size * inner_size",
+            "all-to-all leaves the node; choose inner_size so that tensor_parallel_size * inner_size divides "
+            "the GPUs of a node (or pass the right gpus_per_node)",
             stacklevel=3,
         )
 

@@ -110,6 +110,13 @@ def initialize_sap_parallel(
         if name in kwargs:
             raise ValueError(f"{name} is derived from inner_size and outer_size; do not pass it")
     cp_size = inner_size * outer_size
+    model_ranks = tensor_model_parallel_size * cp_size * pipeline_model_parallel_size
+    if dist.is_initialized() and dist.get_world_size() % model_ranks:
+        raise ValueError(
+            f"world_size={dist.get_world_size()} is not divisible by tensor_model_parallel_size * inner_size * "
+            f"outer_size * pipeline_model_parallel_size = {tensor_model_parallel_size} * {inner_size} * "
+            f"{outer_size} * {pipeline_model_parallel_size} = {model_ranks}"
+        )
     hierarchical = [inner_size, outer_size] if cp_size > 1 else None
     if not parallel_state.model_parallel_is_initialized():
         # Drop hierarchical groups a previous initialization left behind (see _current_hcp).
