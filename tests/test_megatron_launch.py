@@ -626,6 +626,34 @@ def test_loader_workers_plan_every_row() -> None:
         assert torch.equal(plan.local_indices(7), expected.local_indices(7))
 
 
+def test_a_loader_plan_for_another_layout_is_refused_and_a_sized_cache_gets_the_first(caplog) -> None:
+    """A worker's plan of the right row for other SAP levels (a loader set up before the
+    groups) is refused and said so, not cached beside the one the split makes; with
+    --sap-plan-cache-size the first plan goes to that cache (empty, it is falsy)."""
+    import pickle
+
+    import megatron_sap as sap
+    from megatron_sap.megatron import plans
+    from megatron_sap.megatron.loader import adopt_loader_plan
+    from megatron_sap.megatron.options import reset_sap_options, set_sap_options
+
+    row = [0, 5, 14, 16]
+    with caplog.at_level("WARNING", logger="megatron_sap.megatron.loader"), \
+            mock.patch("megatron_sap.megatron.loader._refusal_logged", False):
+        elsewhere = sap.plan_sequences(row, outer_size=2, inner_size=2, cache=None)
+        assert adopt_loader_plan(pickle.dumps(elsewhere), row) is None  # this process runs one rank
+    assert "another row, SAP layout" in caplog.text
+    set_sap_options(plan_cache_size=4)
+    try:
+        cache = plans._planning()[0]
+        assert cache is not None and len(cache) == 0
+        mine = sap.plan_sequences(row, cache=None)
+        assert adopt_loader_plan(pickle.dumps(mine), row) == mine and len(cache) == 1
+        assert plans.plan_for(row, None) == mine and (cache.hits, cache.misses) == (1, 0)
+    finally:
+        reset_sap_options()
+
+
 def test_batch_hooks_take_the_plan_the_loader_made(caplog) -> None:
     """Through the data loader hook and the batch hooks: the split finds the worker's plan in
     the plan cache (a hit, no miss), and a plan for another row is not taken."""

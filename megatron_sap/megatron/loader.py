@@ -122,12 +122,15 @@ def adopt_loader_plan(data: Optional[bytes], documents: Optional[list[int]]) -> 
     if data is None or documents is None:
         return None
     plan = pickle.loads(data)
-    if isinstance(plan, sap.Plan) and list(plan.cu_seqlens) == documents and adopt_plan(plan):
+    groups = resolve_groups(None)
+    layout = (1, 1) if groups is None else (groups.inner_size, groups.outer_size)
+    if (isinstance(plan, sap.Plan) and list(plan.cu_seqlens) == documents
+            and (plan.inner_size, plan.outer_size) == layout and adopt_plan(plan)):
         return plan
     if not _refusal_logged:  # the workers plan for nothing: worth seeing once
         _refusal_logged = True
         logger.warning("megatron-sap: a plan made in the data loader's workers does not fit this micro-batch (another "
-                       "row, cost model or load slacks); such rows are planned in the training process")
+                       "row, SAP layout, cost model or load slacks); such rows are planned in the training process")
     return None
 
 

@@ -110,5 +110,5 @@ def adopt_plan(plan: "sap.Plan") -> bool:
     cache, model = _planning()
     if plan.cost_model != (model or DEFAULT_COST_MODEL) or plan.slacks != DEFAULT_SLACKS:
         return False
-    (cache or DEFAULT_CACHE).add(plan)
+    (cache if cache is not None else DEFAULT_CACHE).add(plan)  # an empty cache is falsy (it has a length)
     return True
