@@ -22,7 +22,7 @@ import megatron_sap as sap
 
 from .batch import cu_seqlens_from_position_ids, resolve_groups, without_trailing_empty
 from .options import get_sap_options
-from .plans import adopt_plan, planning_cost_model
+from .plans import adopt_plan, planning_cost_model, sap_levels
 
 PLAN_KEY = "sap_plan"  # the sample entry that carries the pickled plan
 logger = logging.getLogger(__name__)
@@ -122,10 +122,8 @@ def adopt_loader_plan(data: Optional[bytes], documents: Optional[list[int]]) -> 
     if data is None or documents is None:
         return None
     plan = pickle.loads(data)
-    groups = resolve_groups(None)
-    layout = (1, 1) if groups is None else (groups.inner_size, groups.outer_size)
     if (isinstance(plan, sap.Plan) and list(plan.cu_seqlens) == documents
-            and (plan.inner_size, plan.outer_size) == layout and adopt_plan(plan)):
+            and (plan.inner_size, plan.outer_size) == sap_levels(resolve_groups(None)) and adopt_plan(plan)):
         return plan
     if not _refusal_logged:  # the workers plan for nothing: worth seeing once
         _refusal_logged = True

@@ -62,9 +62,9 @@ def plan_for(cu_seqlens: torch.Tensor | list[int], groups: Optional["sap.SAPGrou
              values: Optional[list[int]] = None) -> "sap.Plan":
     """The plan of this packed row for `groups` (None: one rank). `values`: the tensor's values,
     where the caller has them on the host (planned from them, the tensor is not read back)."""
-    inner, outer = (1, 1) if groups is None else (groups.inner_size, groups.outer_size)
+    inner, outer = sap_levels(groups)
     if isinstance(cu_seqlens, torch.Tensor):
-        known = _PLANS_BY_TENSOR.get(cu_seqlens)
+        known = split_plan(cu_seqlens)
         if known is not None:
             if (known.inner_size, known.outer_size) != (inner, outer):
                 raise ValueError(
@@ -83,6 +83,11 @@ def plan_for(cu_seqlens: torch.Tensor | list[int], groups: Optional["sap.SAPGrou
     if isinstance(cu_seqlens, torch.Tensor):
         _PLANS_BY_TENSOR[cu_seqlens] = plan
     return plan
+
+
+def sap_levels(groups: Optional["sap.SAPGroups"]) -> tuple[int, int]:
+    """(inner_size, outer_size) of `groups`; (1, 1) for None (one rank)."""
+    return (1, 1) if groups is None else (groups.inner_size, groups.outer_size)
 
 
 def split_plan(cu_seqlens: torch.Tensor) -> Optional["sap.Plan"]:
