@@ -4,6 +4,7 @@ Kept apart from the test modules so pool workers import only this small file.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 
 import torch
@@ -159,3 +160,89 @@ def collective_order(rank: int, world: int, cu: list[int], inner: int) -> list[t
     finally:
         dist.all_reduce, dist.batch_isend_irecv = real_all_reduce, real_batch
     return log
+
+
+# What would wait for the GPU if the tensor lived there: a read of its values on the host
+# (item, tolist, bool/int/float, numpy, a copy to the CPU) or an op whose output size
+# depends on the values (nonzero, unique, masked_select).
+SYNCING_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu",
+                   "numpy", "unique", "masked_select")
+SYNCING_FUNCTIONS = ("nonzero", "unique", "masked_select", "equal", "allclose")
+
+
+@contextlib.contextmanager
+def host_reads_recorded(calls: list[str]):
+    """Record in `calls`, as "name at file:line", every call of the SYNCING_* methods and
+    functions that megatron_sap's own code makes (itself, or through torch's Python
+    functions) while inside, outside the varlen kernels. On a GPU each would be a host sync;
+    on the CPU they cost nothing, so this is how the CPU tests keep SAP's hot loop free of
+    them (the GPU check confirms it with torch.cuda.set_sync_debug_mode). The kernels are
+    left out: the flash kernels are checked on the GPU, and the torch backend validates
+    `cu_seqlens` on the host where they live there. Reads by other code (Megatron's, a
+    test's) are not recorded."""
+    import os
+    import sys
+
+    import megatron_sap
+    from megatron_sap import attention
+
+    package = os.path.dirname(megatron_sap.__file__) + os.sep
+    library = os.path.dirname(torch.__file__) + os.sep
+    in_kernel = [0]
+    saved: list[tuple[object, str, object]] = []
+
+    def patch(owner, name, make):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, make(getattr(owner, name)))
+
+    def recording(name):
+        def make(real):
+            def call(*args, **kwargs):
+                if not in_kernel[0]:
+                    frame = sys._getframe(1)
+                    while frame is not None and frame.f_code.co_filename.startswith(library):
+                        frame = frame.f_back
+                    if frame is not None and frame.f_code.co_filename.startswith(package):
+                        calls.append(f"{name} at {frame.f_code.co_filename.removeprefix(package)}:{frame.f_lineno}")
+                return real(*args, **kwargs)
+            return call
+        return make
+
+    def kernel(real):
+        def call(*args, **kwargs):
+            in_kernel[0] += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                in_kernel[0] -= 1
+        return call
+
+    try:
+        for name in SYNCING_METHODS:
+            patch(torch.Tensor, name, recording(f"Tensor.{name}"))
+        for name in SYNCING_FUNCTIONS:
+            patch(torch, name, recording(f"torch.{name}"))
+        for name in ("varlen_forward", "varlen_backward"):
+            patch(attention, name, kernel)
+        yield calls
+    finally:
+        for owner, name, real in reversed(saved):
+            setattr(owner, name, real)
+
+
+def host_reads(rank: int, world: int, cu: list[int], inner: int, schedule: str, recompute_kv: bool) -> list[str]:
+    """The host reads (`host_reads_recorded`) of one rank's sap_attention forward and
+    backward, after a first call that compiled the program and checked the plan's agreement."""
+    import megatron_sap as sap
+
+    groups = groups_for(inner, world // inner)
+    plan = sap.plan_sequences(cu, outer_size=world // inner, inner_size=inner)
+    q, k, v, dout = make_inputs(cu, 4, 2, 8, seed=0)
+    idx = plan.local_indices(groups.cp_rank)
+    calls: list[str] = []
+    for recorded in (False, True):
+        ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
+        with host_reads_recorded(calls) if recorded else contextlib.nullcontext():
+            out = sap.sap_attention(ql, kl, vl, plan, groups, schedule=schedule, recompute_kv=recompute_kv)
+            out.backward(dout[idx])
+    return calls

@@ -11,7 +11,7 @@ from dist_pool import make_pool_fixture
 from megatron_sap.planning import CostModel
 from megatron_sap.planning.cost_model import LINK_INTER, LINK_INTRA
 from megatron_sap.reference import dense_attention
-from sap_cases import collective_order, make_inputs, random_cu_seqlens, run_rank
+from sap_cases import collective_order, host_reads, host_reads_recorded, make_inputs, random_cu_seqlens, run_rank
 
 pool2 = make_pool_fixture(2, timeout=120)
 pool3 = make_pool_fixture(3, timeout=120)
@@ -311,3 +311,34 @@ def test_forward_posts_every_exchange_before_any_kernel(monkeypatch, schedule):
     posts = [tag for kind, tag in events if kind == "post"]
     assert posts == [step.round for step in program.transfers]
     assert events.index(("kernel", None)) == len(posts)
+
+
+@pytest.mark.parametrize("inner", [1, 2, 4])
+@pytest.mark.parametrize("schedule, recompute_kv", [("pipelined", False), ("pipelined", True), ("gathered", False),
+                                                    ("gathered", True)])
+def test_executor_reads_no_tensor_values_on_the_host(pool4, inner, schedule, recompute_kv):
+    """No host sync in the hot loop: once a rank's program is compiled and the plan checked,
+    forward and backward read no tensor's values on the host outside the kernels (each such
+    read would wait for the GPU; `host_reads_recorded`). Documents split over every rank
+    and short ones kept whole."""
+    cu = [0, 3, 40, 41, 300, 1500, 1600, 4096]
+    results = pool4.run(host_reads, cu, inner, schedule, recompute_kv)
+    assert results == [[]] * 4
+
+
+def test_the_host_read_check_sees_a_read_in_sap_attention():
+    """The check above can fail: `check_finite=True` reads every rank's NaN/Inf count on the
+    host (documented as a host sync), and the check records where."""
+    cu = [0, 5, 16]
+    plan = sap.plan_sequences(cu, cache=None)
+    q, k, v, dout = make_inputs(cu, 4, 2, 8, 0)
+    found = {}
+    for check_finite in (False, True):
+        calls: list[str] = []
+        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+        with host_reads_recorded(calls):
+            sap.sap_attention(ql, kl, vl, plan, check_finite=check_finite).backward(dout)
+            q.sum().item()  # a read outside megatron_sap is not the check's business
+        found[check_finite] = calls
+    assert found[False] == []
+    assert found[True] and all(c.startswith("Tensor.__bool__ at attention.py:") for c in found[True]), found

@@ -1,6 +1,7 @@
 """Single-process tests of the Megatron layer pieces: core attention, RoPE, specs, batch split."""
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -396,6 +397,31 @@ def test_layers_reuse_the_split_plan_without_replanning(monkeypatch) -> None:
     monkeypatch.setattr(megatron_sap, "plan_sequences", lambda *a, **k: pytest.fail("layer re-planned the batch"))
     q, k, v = _qkv(CU[-1])
     assert _attention()(q, k, v, None, packed_seq_params=params).shape == (CU[-1], 64)
+
+
+def test_split_rows_run_rope_and_attention_without_host_reads() -> None:
+    """After the batch split, SAP's RoPE and core attention read no tensor values on the
+    host in forward or backward (each read would be a host sync per layer on a GPU;
+    `sap_cases.host_reads_recorded`)."""
+    from megatron.core.transformer import attention
+
+    from sap_cases import host_reads_recorded
+
+    install_sap_rope()
+    tokens = torch.arange(CU[-1]).unsqueeze(0)
+    _, params = sap_split_batch({"tokens": tokens}, CU)
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    freqs = torch.rand(13, 1, 1, 16)
+    layer = _attention()
+    calls: list[str] = []
+    for recorded in (False, True):  # the first call logs the kernels and compiles the program
+        q, k, v = (t.requires_grad_() for t in _qkv(CU[-1]))
+        with host_reads_recorded(calls) if recorded else contextlib.nullcontext():
+            q_rot, k_rot = (attention.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=params.cu_seqlens_q,
+                                                           cp_group=ONE_RANK.cp) for t in (q, k))
+            layer(q_rot, k_rot, v, None, packed_seq_params=params).sum().backward()
+    assert calls == []
+    assert q.grad is not None and k.grad is not None
 
 
 def test_layers_run_the_schedule_of_the_options(monkeypatch) -> None:
