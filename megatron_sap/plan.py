@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import sys
 import warnings
 from collections import Counter
@@ -293,6 +294,9 @@ SLOW_OUTER_SIZE = 256
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (2 on invalid input)."""
     args = parse_args(argv)
+    if args.png is not None and importlib.util.find_spec("matplotlib") is None:
+        print('error: --png needs matplotlib (pip install -e ".[bench]")', file=sys.stderr)
+        return 2
     outer = args.cp_size if args.cp_size is not None else args.outer_size
     if outer >= SLOW_OUTER_SIZE:
         print(f"note: up to {outer} outer ranks: the report times every rank's program together, which takes "

@@ -988,3 +988,13 @@ def test_an_attention_dtype_that_is_no_float_dtype_raises(bad) -> None:
 
     with pytest.raises(ValueError, match="attention_dtype must name a floating-point torch dtype"):
         set_sap_options(attention_dtype=bad)
+
+
+def test_an_unknown_cost_preset_raises_when_set_not_at_the_first_batch() -> None:
+    from megatron_sap.megatron import get_sap_options, set_sap_options
+
+    before = get_sap_options()
+    with pytest.raises(ValueError, match=r"unknown cost-model preset 'a100'; known: \['cpu', 'h100', 'h200'\]"):
+        set_sap_options(cost_preset="a100")
+    assert get_sap_options() == before
+    assert set_sap_options(cost_preset="h200").cost_preset == "h200"

@@ -1242,6 +1242,18 @@ def test_cli_writes_the_png_it_names_or_says_why_not(tmp_path, capsys):
     assert f"error: cannot write the picture to {missing}" in capsys.readouterr().err
 
 
+def test_cli_says_png_needs_matplotlib_before_planning(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    png = tmp_path / "layout.png"
+    assert plan_cli([*"--cu-seqlens 0,3000,8192 --outer-size 2 --png".split(), str(png)]) == 2
+    captured = capsys.readouterr()
+    assert 'error: --png needs matplotlib (pip install -e ".[bench]")' in captured.err
+    assert captured.out == "" and not png.exists()
+
+
 def test_cli_warns_of_an_inner_group_across_nodes_and_of_megatrons_2cp_rule(capsys):
     assert plan_cli(["--cu-seqlens", "0,8192", "--outer-size", "1", "--inner-size", "8", "--tensor-parallel-size", "2"]) == 0
     assert "spans nodes of 8 GPUs" in capsys.readouterr().err

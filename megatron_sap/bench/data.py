@@ -225,9 +225,10 @@ def describe(lengths: np.ndarray) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Tokenise the real corpora and cache their document lengths (for a machine without
-    the tokenizer packages: copy the cache directory there)."""
-    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    """Tokenise the real corpora and cache their document lengths; a machine without the
+    tokenizer packages uses them once the cache directory is copied there and
+    MEGATRON_SAP_CACHE points at it."""
+    parser = argparse.ArgumentParser(prog="python -m megatron_sap.bench.data", description=" ".join(main.__doc__.split()))
     parser.add_argument("--cache", help="cache directory (default: $MEGATRON_SAP_CACHE or ~/.cache/megatron_sap)")
     args = parser.parse_args(argv)
     if args.cache:

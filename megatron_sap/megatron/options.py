@@ -67,6 +67,8 @@ class SAPOptions:
             raise ValueError(f"plan_cache_size must be >= 1, got {self.plan_cache_size}")
         if self.cost_preset is not None and self.calibration_file is not None:
             raise ValueError("give either a SAP cost preset or a calibration file, not both")
+        if self.cost_preset is not None:
+            CostModel.preset(self.cost_preset)  # an unknown name fails here, not at the first batch
         if self.calibration_file is not None:
             CostModel.from_calibration(self.calibration_file)  # a bad file fails here, not at the first batch
         if self.model_shape is not None:
