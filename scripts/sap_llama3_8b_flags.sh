@@ -2,8 +2,9 @@
 # context) trained on packed documents with SAP context parallelism. Sourced by train_sap_slurm.sbatch and train_sap_local.sh; override the
 # variables below in the environment.
 #
-# Packed pretraining data: Megatron's GPT dataset with --reset-position-ids, whose position ids
-# restart at 0 after every EOD; SAP recovers the document boundaries (cu_seqlens) from them.
+# Packed pretraining data: Megatron's GPT dataset with --reset-position-ids --reset-attention-mask,
+# whose position ids restart at 0 after every EOD and whose documents attend only within
+# themselves; SAP recovers the document boundaries (cu_seqlens) from the position ids.
 # --calculate-per-token-loss makes the loss and gradients identical to CP=1. SAP needs no attention
 # mask: --no-create-attention-mask-in-dataloader keeps the loader from building an S x S one (64 GiB
 # per sample at 128K tokens); the launcher hooks turn it off too.
@@ -57,7 +58,7 @@ fi
 DATA_ARGS=(
     --data-path "${DATA_PATHS[@]}" --split 100,0,0
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
-    --reset-position-ids --eod-mask-loss --calculate-per-token-loss --no-create-attention-mask-in-dataloader
+    --reset-position-ids --reset-attention-mask --eod-mask-loss --calculate-per-token-loss --no-create-attention-mask-in-dataloader
     --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH"
 )
 

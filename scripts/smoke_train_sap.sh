@@ -4,7 +4,7 @@
 #   MEGATRON_LM_PATH=/path/to/Megatron-LM scripts/smoke_train_sap.sh [extra Megatron flags]
 #
 # CP = all visible GPUs (NPROC), split SAP_INNER x (NPROC / SAP_INNER). Mock documents of random
-# lengths end in EOD; --reset-position-ids makes them separate documents for SAP. Fails unless
+# lengths end in EOD; --reset-position-ids --reset-attention-mask make them separate documents. Fails unless
 # every logged loss is finite and the last one is below the first.
 #
 # Variables: NPROC (the visible GPUs), SAP_INNER (2 where NPROC is even, else 1), SEQ_LENGTH
@@ -40,7 +40,7 @@ export PYTHONPATH="$MEGATRON_LM_PATH${PYTHONPATH:+:$PYTHONPATH}"
     --attention-dropout 0.0 --hidden-dropout 0.0 --bf16 --transformer-impl transformer_engine \
     --context-parallel-size "$NPROC" --cp-comm-type sap --sap-inner-size "$SAP_INNER" --sap-outer-size "$SAP_OUTER" \
     --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --split 100,0,0 \
-    --reset-position-ids --eod-mask-loss --calculate-per-token-loss --no-create-attention-mask-in-dataloader \
+    --reset-position-ids --reset-attention-mask --eod-mask-loss --calculate-per-token-loss --no-create-attention-mask-in-dataloader \
     --micro-batch-size 1 --global-batch-size 4 --train-iters "$TRAIN_ITERS" \
     --lr 1e-3 --lr-warmup-iters 5 --log-interval 1 --eval-iters 0 --eval-interval "$TRAIN_ITERS" \
     "$@" 2>&1 | tee "$LOG"

@@ -868,6 +868,9 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
         (dict(hybrid_context_parallel=True), "hybrid-context-parallel"),
         (dict(reset_attention_mask=True, reset_position_ids=False), "add --reset-position-ids"),
         (dict(context_parallel_size=1, reset_attention_mask=True), "add --reset-position-ids"),
+        (dict(reset_position_ids=True), "add --reset-attention-mask to --reset-position-ids"),
+        (dict(context_parallel_size=1, reset_position_ids=True, reset_attention_mask=False),
+         "add --reset-attention-mask to --reset-position-ids"),
         (dict(micro_batch_size=2), "use --micro-batch-size 1 \\(got 2\\)"),
         (dict(tensor_model_parallel_size=2, sequence_parallel=True, seq_length=4098),
          "--sequence-parallel needs --seq-length divisible by CP x TP = 2 x 2 \\(got 4098\\)"),
@@ -942,6 +945,25 @@ def test_pipelines_with_tp_are_fine_and_mla_rope_fusion_is_turned_off() -> None:
     with pytest.warns(UserWarning, match="turns off --apply-rope-fusion for MLA"):
         assert configure_sap(args) == [1, 2]
     assert args.apply_rope_fusion is False
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_documents_come_from_both_reset_flags_or_from_the_rows_own_cu_seqlens(cp: int) -> None:
+    """Position-id restarts mark documents only with --reset-attention-mask (Megatron's own
+    promise that none attends to another); SFT rows and core_v0.19's inter-document masking
+    bring their own cu_seqlens, so --reset-position-ids alone is fine there."""
+    from megatron_sap.megatron.hooks import configure_sap
+
+    expected = None if cp == 1 else [1, cp]
+    for settings in (dict(reset_position_ids=True, reset_attention_mask=True),
+                     dict(reset_position_ids=True, sft=True),
+                     dict(reset_position_ids=True, dataloader_inter_document_masking=True),
+                     dict()):
+        args = _parse(f"--context-parallel-size {cp} --cp-comm-type sap")
+        args.calculate_per_token_loss = True
+        for name, value in settings.items():
+            setattr(args, name, value)
+        assert configure_sap(args) == expected, settings
 
 
 def test_cuda_graphs_of_other_parts_than_attention_are_fine() -> None:

@@ -35,7 +35,7 @@ def _flags(cp: int) -> list[str]:
     return (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
             f"--kv-channels 16 --ffn-hidden-size 128 --swiglu --normalization RMSNorm --disable-bias-linear "
             f"--seq-length {ROW} --max-position-embeddings 4096 --micro-batch-size 1 --attention-dropout 0 "
-            f"--context-parallel-size {cp} --cp-comm-type sap --reset-position-ids --calculate-per-token-loss "
+            f"--context-parallel-size {cp} --cp-comm-type sap --reset-position-ids --reset-attention-mask --calculate-per-token-loss "
             "--no-rope-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-masked-softmax-fusion "
             "--no-gradient-accumulation-fusion").split()
 

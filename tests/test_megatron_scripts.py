@@ -82,7 +82,7 @@ def test_sap_flags_in_the_scripts_parse() -> None:
     finally:
         reset_sap_options()
     assert (settings.inner_size, settings.outer_size) == (2, 8)
-    assert "--calculate-per-token-loss" in flags and "--reset-position-ids" in flags
+    assert "--calculate-per-token-loss" in flags and "--reset-position-ids" in flags and "--reset-attention-mask" in flags
 
 
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="set MEGATRON_LM_PATH to parse with Megatron-LM's own parser")

@@ -198,8 +198,8 @@ def _refuse_unsupported(args: Any) -> None:
         raise ValueError(
             f"SAP with --sft needs TP 1 (got TP={tp}): Megatron-LM 0.16.1's get_batch_on_this_tp_rank sends the SFT "
             "batch's cu_seqlens and max_seqlen from the source TP rank in more broadcasts than the other TP ranks "
-            "receive, so they would hang or read wrong boundaries; pretraining data with --reset-position-ids works "
-            "at any TP"
+            "receive, so they would hang or read wrong boundaries; pretraining data with --reset-position-ids "
+            "--reset-attention-mask works at any TP"
         )
     if getattr(args, "sft", False) and pp > 1 and sft_split_on_every_stage():
         raise ValueError(
@@ -226,6 +226,14 @@ def _refuse_unsupported(args: Any) -> None:
         raise ValueError(
             "SAP finds the documents of a row from its position ids: add --reset-position-ids to "
             "--reset-attention-mask (without it every row would be one document)"
+        )
+    documents_from_data = getattr(args, "sft", False) or getattr(args, "dataloader_inter_document_masking", False)
+    if getattr(args, "reset_position_ids", False) and not getattr(args, "reset_attention_mask", False) \
+            and not documents_from_data:
+        raise ValueError(
+            "SAP keeps the documents of a row apart: add --reset-attention-mask to --reset-position-ids "
+            "(without it Megatron lets every token attend to the earlier documents of its row, which SAP would "
+            "not do), or drop --reset-position-ids to train each row as one sequence"
         )
 
 
