@@ -57,6 +57,7 @@ def _fake_groups(inner: int, outer: int) -> SAPGroups:
     [
         ([1, 4, 8], 1, 1, r"must start at 0, got 1"),
         ([0, 5, 3, 8], 1, 1, r"non-decreasing, but cu_seqlens\[2\]=3 < cu_seqlens\[1\]=5"),
+        ([0, -3, 8], 1, 1, r"non-decreasing, but cu_seqlens\[1\]=-3 < cu_seqlens\[0\]=0"),
         ([0, 2**31], 1, 1, r"total 2147483648 is too large for int32"),
         (torch.tensor([[0, 4, 8]]), 1, 1, r"must be 1-D, got shape \(1, 3\)"),
         (torch.tensor([0.0, 4.0, 8.0]), 1, 1, r"integer dtype, got torch.float32"),
@@ -79,6 +80,14 @@ def _fake_groups(inner: int, outer: int) -> SAPGroups:
 def test_plan_sequences_rejects(cu: list | torch.Tensor, outer: int, inner: int, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         _plan(cu, outer, inner)
+
+
+def test_the_largest_int32_total_is_accepted() -> None:
+    """The kernels' int32 offsets hold a total of 2**31 - 1 tokens; one more is refused (above)."""
+    from megatron_sap.validation import cu_seqlens_to_list
+
+    assert cu_seqlens_to_list([0, 2**31 - 1]) == [0, 2**31 - 1]
+    assert cu_seqlens_to_list(torch.tensor([0, 5, 2**31 - 1])) == [0, 5, 2**31 - 1]
 
 
 def test_plan_sequences_rejects_bad_input_through_the_cache() -> None:

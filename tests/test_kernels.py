@@ -224,6 +224,18 @@ def test_rows_without_keys_are_zero_and_never_nan():
     assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
     assert torch.all(dq[blind] == 0)
 
+    # A NaN query in a row that sees no key computes nothing: still 0 and -inf, as the
+    # rows that see keys stay those of the clean run. Causal too, where the first rows of a
+    # document with fewer keys than queries see none (bottom-right alignment).
+    poisoned = q.clone()
+    poisoned[0, 0, 0] = poisoned[6, 3, 5] = float("nan")
+    bad_out, bad_lse = varlen_forward(poisoned, k, v, cu_q, cu_k, 4, 5, causal=False)
+    assert torch.all(bad_out[blind] == 0) and torch.all(bad_lse[:, blind] == float("-inf"))
+    assert torch.equal(bad_out[3:5], out[3:5]) and torch.equal(bad_lse[:, 3:5], lse[:, 3:5])
+    bad_out, bad_lse = varlen_forward(poisoned[:5], k[:2], v[:2], _cu([5]), _cu([2]), 5, 2, causal=True)
+    assert torch.all(bad_out[:3] == 0) and torch.all(bad_lse[:, :3] == float("-inf"))
+    assert torch.isfinite(bad_out[3:]).all() and torch.isfinite(bad_lse[:, 3:]).all()
+
     # No keys at all, and no queries at all.
     out, lse = varlen_forward(q, k[:0], v[:0], cu_q, _cu([0, 0, 0]), 4, 0, causal=True)
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))

@@ -206,6 +206,27 @@ def test_installed_rope_only_changes_registered_batches() -> None:
         attention.apply_rotary_pos_emb(whole_row, freqs, config, cu_seqlens=params.cu_seqlens_q, cp_group=one_rank)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("mscale", [1.0, 0.7])
+def test_installed_rope_rotates_each_document_as_megatron_rotates_it_alone(interleaved: bool, mscale: float) -> None:
+    """The installed RoPE on a split batch (CP 1) against Megatron-Core's own rotation of each
+    document run alone as a sequence, with the config's interleaving and the caller's mscale."""
+    from megatron.core.transformer import attention
+
+    install_sap_rope()
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=interleaved, multi_latent_attention=False)
+    one_rank = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    t = torch.randn(CU[-1], 2, 8, dtype=torch.float64)
+    freqs = torch.rand(13, 1, 1, 8, dtype=torch.float64) * 6
+    _, params = sap_split_batch({"tokens": torch.arange(CU[-1]).unsqueeze(0)}, CU)
+    rotated = attention.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=params.cu_seqlens_q, mscale=mscale,
+                                             cp_group=one_rank)
+    for start, end in zip(CU, CU[1:]):
+        alone = rope_utils.apply_rotary_pos_emb(t[start:end, None], freqs[: end - start], config, mscale=mscale,
+                                                cp_group=one_rank)
+        torch.testing.assert_close(rotated[start:end], alone[:, 0], rtol=1e-12, atol=1e-12)
+
+
 def test_rope_takes_the_mla_interleaving_argument_of_newer_releases() -> None:
     """megatron-core 0.19 passes `mla_rotary_interleaved` (True from multi-latent attention)
     instead of reading `config.multi_latent_attention`: a SAP batch is rotated by it, any other

@@ -274,3 +274,27 @@ def test_recompute_kv_memory_does_not_grow_with_the_document(outer):
         assert again["backward"] <= keep["backward"]
     if outer >= 16:  # the document outgrows the window: keeping it costs more than the bound
         assert max(plan.memory_bytes(r, schedule="pipelined")["backward"] for r in range(outer)) > backward_bound
+
+
+@pytest.mark.parametrize("inner, schedule, forward, backward", [
+    # U = 1, 8 rows: K/V 8*32*4 = 1024; fp32 out+lse accumulator 8*4*9*4 = 1152 (gathered: lse only, 128);
+    # backward: K/V 1024, dq 8*4*8*4 = 1024, dK/dV 8*32*4 = 1024, saved lse 8*4*4 = 128.
+    (1, "pipelined", 1024 + 1152, 1024 + 1024 + 1024 + 128),
+    (1, "gathered", 1024 + 128, 1024 + 1024 + 1024 + 128),
+    # U = 2, 16 rows, 2 query and 1 KV head per rank: K/V 16*16*4 = 1024; accumulator 16*2*9*4 = 1152;
+    # head-sharded q, k, v, out 16*(2*2 + 2*1)*8*4 = 3072, twice in backward (their gradients);
+    # dq 16*2*8*4 = 1024, dK/dV 16*16*4 = 1024, saved lse 16*2*4 = 128.
+    (2, "pipelined", 1024 + 1152 + 3072, 1024 + 1024 + 1024 + 128 + 2 * 3072),
+])
+def test_memory_bytes_of_a_plan_without_transfers_by_hand(inner: int, schedule: str, forward: int, backward: int) -> None:
+    """Every documented buffer of `memory_bytes`, worked out by hand for a plan that moves
+    nothing (two 8-token documents, each whole on one outer rank, or both on one outer
+    group): 4 query and 2 KV heads of dim 8, 4-byte elements, fp32 accumulators."""
+    import megatron_sap as sap
+
+    plan = sap.plan_sequences([0, 8, 16], outer_size=2 // inner, inner_size=inner, cache=None)
+    assert float(plan.evaluation.traffic_tokens.sum()) == 0
+    model = plan.cost_model.with_shape(4, 2, 8, 4)
+    for outer_rank in range(plan.outer_size):
+        assert plan.memory_bytes(outer_rank, model, schedule) == {"forward": forward, "backward": backward,
+                                                                  "received_kv": 0.0}

@@ -655,10 +655,13 @@ def test_cache_hits_misses_and_identity():
     assert other is not first and (cache.hits, cache.misses, len(cache)) == (3, 2, 2)
     h200 = sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=cache, cost_model=CostModel.preset("h200"))
     assert h200 is not first and h200.cost_model.name == "h200" and cache.misses == 3
+    # Other slacks are another entry too: the plan is made with the slacks asked for.
+    loose = sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=cache, slacks=(1.0,))
+    assert loose is not first and loose.slacks == (1.0,) and cache.misses == 4
     # Any accepted form of the same values is the same entry: 0-d tensors, array.array.
     assert sap.plan_sequences(list(torch.tensor(cu)), outer_size=4, inner_size=2, cache=cache) is first
     assert sap.plan_sequences(array.array("q", cu), outer_size=4, inner_size=2, cache=cache) is first
-    assert (cache.hits, cache.misses) == (5, 3)
+    assert (cache.hits, cache.misses) == (5, 4)
     # A cached plan equals a fresh one, and a pickled one; plans of other batches differ.
     fresh = sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=None)
     assert fresh is not first and fresh.placement == first.placement
