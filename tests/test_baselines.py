@@ -285,3 +285,30 @@ def test_hybrid_without_an_inner_group_points_to_the_ring():
     q = torch.zeros(layout.local_tokens, 4, HEAD_DIM, dtype=torch.float64)
     with pytest.raises(ValueError, match="a2a\\+p2p needs its inner group .*use megatron_sap.baselines.ring_p2p"):
         get("a2a+p2p").attention(q, q, q, layout, (None, None))
+
+
+def test_collective_and_exchange_times_pay_one_latency_per_message_on_each_link() -> None:
+    """An all-to-all-style collective: each member sends one message to every other member;
+    intra- and inter-node links run side by side, each paying its messages' latencies."""
+    from megatron_sap.baselines.common import collective_seconds, exchange_seconds
+
+    model = CostModel.preset("h100")  # 8 GPUs per node
+    nbytes = 1 << 20
+    assert collective_seconds(model, [0, 1, 2, 3], nbytes) == model.transfer_seconds(3 * nbytes, "intra", messages=3)
+    # Rank 0 to ranks 1 and 2 (its node) and to 8, 9, 10 (the next): the slower of the two links.
+    expected = max(model.transfer_seconds(2 * nbytes, "intra", messages=2),
+                   model.transfer_seconds(3 * nbytes, "inter", messages=3))
+    assert exchange_seconds(model, 0, {1: nbytes, 2: nbytes, 8: nbytes, 9: nbytes, 10: nbytes}) == expected
+    assert exchange_seconds(model, 0, {}) == 0.0
+
+
+def test_summarize_counts_each_rank_s_bytes_received_from_what_the_others_send() -> None:
+    """Uneven sends: the receiver's count is what was sent to it, split by link at the sender."""
+    from megatron_sap.baselines.common import summarize
+
+    model = CostModel.preset("h100")
+    cu = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    stats = summarize(model, cu, [4, 4, 4], [10.0, 10.0, 10.0], [{1: 10, 2: 5}, {}, {1: 7}], 1e-3)
+    assert stats["sent_bytes_per_rank"] == [15, 0, 7]
+    assert stats["recv_bytes_per_rank"] == [0, 17, 5]
+    assert stats["sent_bytes_intra_per_rank"] == [15, 0, 7] and stats["padding_tokens"] == 0

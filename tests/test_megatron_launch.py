@@ -654,6 +654,32 @@ def test_a_loader_plan_for_another_layout_is_refused_and_a_sized_cache_gets_the_
         reset_sap_options()
 
 
+def test_a_loader_plan_of_another_cost_model_or_slacks_is_refused(caplog) -> None:
+    """A worker's plan of the right row and layout, but made with another cost model or other
+    load slacks than this rank plans with, is refused (and said so), never cached."""
+    import pickle
+
+    import megatron_sap as sap
+    from megatron_sap.megatron import plans
+    from megatron_sap.megatron.loader import adopt_loader_plan
+    from megatron_sap.megatron.options import reset_sap_options, set_sap_options
+
+    row = [0, 5, 14, 16]
+    set_sap_options(plan_cache_size=4)
+    try:
+        cache = plans._planning()[0]
+        cache.clear()  # one cache per size, shared with the tests before
+        for other in (sap.plan_sequences(row, cache=None, cost_model="h200"),
+                      sap.plan_sequences(row, cache=None, slacks=(0.5,))):
+            with caplog.at_level("WARNING", logger="megatron_sap.megatron.loader"), \
+                    mock.patch("megatron_sap.megatron.loader._refusal_logged", False):
+                caplog.clear()
+                assert adopt_loader_plan(pickle.dumps(other), row) is None
+            assert "cost model or load slacks" in caplog.text and len(cache) == 0
+    finally:
+        reset_sap_options()
+
+
 def test_batch_hooks_take_the_plan_the_loader_made(caplog) -> None:
     """Through the data loader hook and the batch hooks: the split finds the worker's plan in
     the plan cache (a hit, no miss), and a plan for another row is not taken."""

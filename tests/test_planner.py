@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import array
+import bisect
 import hashlib
 import os
 import pickle
@@ -125,6 +126,10 @@ def test_work_covers_each_causal_pair_once(tile, batch):
             assert plan.work(outer_rank * inner + inner_rank) == blocks
         for qs, qe, ks, ke, causal in blocks:
             assert set(range(qs, qe)) <= held, "a rank computes queries it does not hold"
+            assert qs < qe and ks < ke, f"an empty block {(qs, qe, ks, ke, causal)}"
+            doc = bisect.bisect_right(cu, qs) - 1
+            assert cu[doc] <= ks and qe <= cu[doc + 1], "a block crosses a document"
+            assert causal or (ks, ke) == (cu[doc], qs), "a full block holds every earlier key of its document"
             block = np.ones((qe - qs, ke - ks), dtype=np.int64)
             if causal:
                 assert (qs, qe) == (ks, ke)
@@ -1450,6 +1455,9 @@ def test_all_to_alls_of_inner_groups_across_nodes_go_over_both_links():
     model = CostModel.preset("h100")
     latency = model.message_latency_us * 1e-6
     bytes_in_node, seconds_in_node = ulysses_cost(model, 4096, 4, 2)
+    # By hand: each of 4 ranks holds 1024 tokens and sends 3/4 of their q (32 heads x 128 x 2 B),
+    # output (as much) and K/V (2 x 8 heads x 128 x 2 B), forward and backward alike.
+    assert bytes_in_node == 2 * 3 / 4 * 1024 * (8192 + 8192 + 4096)
     per_pass = bytes_in_node / 2
     assert seconds_in_node == pytest.approx(2 * (2 * 3 * latency + per_pass / model.bandwidth("intra")))
     two_per_node = replace(model, gpus_per_node=2)

@@ -370,3 +370,23 @@ def test_backward_posted_by_each_rank_s_own_step_count_would_wait_in_a_cycle():
     with pytest.raises(AssertionError, match="wait for each other"):
         run_posted_in_order(plan, programs, [own_count(p) for p in programs])
     run_posted_in_order(plan, programs, [p.backward_events(True) for p in programs], [True] * 6)
+
+
+def test_recompute_kv_backward_refetches_and_waits_a_window_of_levels_away():
+    """With recompute_kv each step's K/V is fetched again RECOMPUTE_KV_AHEAD levels before its
+    calls and its return is waited for that many levels after: the returns of the levels up to
+    there are posted before the wait (they overlap it), none later (a bounded window)."""
+    from megatron_sap.planning.program import COLLECT, COMPUTE, FETCH, RECOMPUTE_KV_AHEAD, RETURN
+
+    plan = sap.plan_sequences([0, 40000, 40100, 65536], outer_size=8, cache=None)
+    ahead, windows = RECOMPUTE_KV_AHEAD, 0
+    for rank in range(plan.outer_size):
+        program = plan.backward_program(rank, schedule="pipelined", recompute_kv=True)
+        at = {event: n for n, event in enumerate(program.backward_events(recompute_kv=True))}
+        levels = [step.level for step in program.transfers]
+        for i, level in enumerate(levels):
+            for j, other in enumerate(levels):
+                assert (at[(COLLECT, i)] > at[(RETURN, j)]) == (other <= level + ahead), (rank, i, j)
+                assert (at[(FETCH, i)] < at[(COMPUTE, j)]) == (other >= level - ahead), (rank, i, j)
+        windows += len(levels) > ahead + 1
+    assert windows  # ranks with more steps than one window
