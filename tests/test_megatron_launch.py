@@ -968,7 +968,7 @@ def test_pipelines_with_tp_are_fine_and_mla_rope_fusion_is_turned_off() -> None:
     if not mla_keeps_packed_rope_table():
         pytest.skip("megatron-core 0.13 refuses MLA under CP (test_release_specific_settings_are_refused_where_they_would_fail)")
     args.multi_latent_attention, args.apply_rope_fusion = True, True
-    with pytest.warns(UserWarning, match="turns off --apply-rope-fusion for MLA"):
+    with pytest.warns(UserWarning, match=r"turns off RoPE fusion \(as --no-rope-fusion would\) for MLA"):
         assert configure_sap(args) == [1, 2]
     assert args.apply_rope_fusion is False
 

@@ -130,7 +130,7 @@ def configure_sap(args: Any) -> Optional[list[int]]:
         return None
     if getattr(args, "multi_latent_attention", False) and getattr(args, "apply_rope_fusion", False):
         # MLA's fused RoPE kernels find each token's position from Megatron's own CP layout.
-        warnings.warn("SAP turns off --apply-rope-fusion for MLA: the fused MLA RoPE assumes Megatron's CP layout")
+        warnings.warn("SAP turns off RoPE fusion (as --no-rope-fusion would) for MLA: the fused MLA RoPE assumes Megatron's CP layout")
         args.apply_rope_fusion = False
     if not getattr(args, "calculate_per_token_loss", False):
         warnings.warn(
