@@ -297,6 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.png is not None and importlib.util.find_spec("matplotlib") is None:
         print('error: --png needs matplotlib (pip install -e ".[bench]")', file=sys.stderr)
         return 2
+    if args.png is not None and not args.png.resolve().parent.is_dir():  # said before any work, not after the layout
+        print(f"error: cannot write the picture to {args.png}: no directory {args.png.resolve().parent}", file=sys.stderr)
+        return 2
     outer = args.cp_size if args.cp_size is not None else args.outer_size
     if outer >= SLOW_OUTER_SIZE:
         print(f"note: up to {outer} outer ranks: the report times every rank's program together, which takes "

@@ -1247,7 +1247,13 @@ def test_cli_writes_the_png_it_names_or_says_why_not(tmp_path, capsys):
     assert no_suffix.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {no_suffix}" in capsys.readouterr().out
     missing = tmp_path / "no" / "such" / "dir.png"
     assert plan_cli([*"--cu-seqlens 0,3000,8192 --outer-size 2 --png".split(), str(missing)]) == 2
-    assert f"error: cannot write the picture to {missing}" in capsys.readouterr().err
+    said = capsys.readouterr()
+    assert f"error: cannot write the picture to {missing}" in said.err
+    assert said.out == ""  # refused before planning, no layout printed
+    unwritable = tmp_path / "a_file"
+    unwritable.write_text("")
+    assert plan_cli([*"--cu-seqlens 0,3000,8192 --outer-size 2 --png".split(), str(unwritable / "x.png")]) == 2
+    assert f"error: cannot write the picture to {unwritable / 'x.png'}" in capsys.readouterr().err
 
 
 def test_cli_says_png_needs_matplotlib_before_planning(tmp_path, capsys, monkeypatch):
