@@ -15,7 +15,7 @@ difference to the float64 reference relative to the reference's largest magnitud
 ulp(M) the dtype's rounding step at M (2^floor(log2 M) * finfo(dtype).eps; STEP lies between eps/2
 and eps). Measured on the random cases: ratios 1.0 for out, 1.0 to 1.8 for the gradients. An outside
 audit found the case that needs STEP (`test_returned_gradient_rounds_once_more`: one 32-token
-document over 2 x 2 ranks, whose single-process bf16 dV error is a seventh of a step).
+document over 2 x 2 ranks, whose single-process bf16 dV error is an eighth of a step).
 """
 from __future__ import annotations
 
