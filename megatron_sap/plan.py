@@ -297,8 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.png is not None and importlib.util.find_spec("matplotlib") is None:
         print('error: --png needs matplotlib (pip install -e ".[bench]")', file=sys.stderr)
         return 2
-    if args.png is not None and not args.png.resolve().parent.is_dir():  # said before any work, not after the layout
-        print(f"error: cannot write the picture to {args.png}: no directory {args.png.resolve().parent}", file=sys.stderr)
+    folder = None if args.png is None else args.png.resolve().parent
+    if folder is not None and not folder.is_dir():  # said before any work, not after the layout
+        print(f"error: cannot write the picture to {args.png}: no directory {folder}", file=sys.stderr)
         return 2
     outer = args.cp_size if args.cp_size is not None else args.outer_size
     if outer >= SLOW_OUTER_SIZE:
