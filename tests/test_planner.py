@@ -23,7 +23,7 @@ from megatron_sap.plan import main as plan_cli
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
 from megatron_sap.planning.evaluate import evaluate, inner_peer_links, rank_work, ulysses_cost, whole_documents_s
 from megatron_sap.planning.candidates import FILL_MIN_RANKS, candidates
-from megatron_sap.planning.cuts import Cut, _chunks, ring_cut, split_cut, split_need, tile_pairs, whole_pairs
+from megatron_sap.planning.cuts import Cut, _chunks, chunk_sizes, ring_cut, split_cut, split_need, tile_pairs, whole_pairs
 from megatron_sap.planning.greedy import greedy, heaviest_first
 from megatron_sap.planning.layouts import BALANCED, DEALT, ZigzagBuild, balanced_order, contiguous, dealt_order, whole_packing
 from megatron_sap.planning.placement import build_all
@@ -209,6 +209,21 @@ def test_cut_closed_forms_match_its_sends(paired, chunks):
     assert cut.send_tokens == tuple(sends.sum(1).tolist()) and cut.recv_tokens == tuple(sends.sum(0).tolist())
     assert sorted(cut.send_pairs) == sorted(zip(*(x.tolist() for x in np.nonzero(sends))))
     assert cut.tokens == sends.sum() and cut.order == tuple(sorted(range(k), key=lambda i: -cut.costs[i]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 10**6), st.integers(1, 128))
+def test_chunk_sizes_pair_head_to_tail(length, k):
+    """2k chunks within a token of each other; the extra tokens on heads 0, 1, ... and
+    then tails 2k-1, 2k-2, ..., so the slots (chunks i and 2k-1-i) differ by at most a
+    token and an earlier slot never holds fewer."""
+    sizes = chunk_sizes(length, k)
+    base, extra = divmod(length, 2 * k)
+    assert len(sizes) == 2 * k and sum(sizes) == length and set(sizes) <= {base, base + 1}
+    larger = [i for i, size in enumerate(sizes) if size > base]
+    assert larger == list(range(min(extra, k))) + list(range(2 * k - max(extra - k, 0), 2 * k))
+    slots = [sizes[i] + sizes[2 * k - 1 - i] for i in range(k)]
+    assert max(slots) - min(slots) <= 1 and slots == sorted(slots, reverse=True)
 
 
 CHUNK_SIZES = st.sampled_from([0, 1, 5, 127, 128, 129, 4096, 10**6])

@@ -242,14 +242,11 @@ class Cut:
 
 
 def chunk_sizes(length: int, k: int) -> list[int]:
-    """Sizes of 2k near-equal chunks whose head-to-tail pairs (i, 2k-1-i) differ by at most one token."""
-    n = 2 * k
-    sizes = [length // n] * n
-    extra = length % n
-    order = [i for i in range(k)] + [n - 1 - i for i in range(k)]
-    for j in order[:extra]:
-        sizes[j] += 1
-    return sizes
+    """Sizes of 2k near-equal chunks whose head-to-tail pairs (i, 2k-1-i) differ by at most
+    one token: the extra tokens go to heads 0, 1, ..., then tails 2k-1, 2k-2, ..."""
+    base, extra = divmod(length, 2 * k)
+    heads = min(extra, k)
+    return [base + 1] * heads + [base] * (2 * k - extra) + [base + 1] * (extra - heads)
 
 
 def tile_chunk_sizes(length: int, k: int, tile: int) -> list[int]:
