@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import itertools
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -971,6 +972,49 @@ def test_pipelines_with_tp_are_fine_and_mla_rope_fusion_is_turned_off() -> None:
     with pytest.warns(UserWarning, match=r"turns off RoPE fusion \(as --no-rope-fusion would\) for MLA"):
         assert configure_sap(args) == [1, 2]
     assert args.apply_rope_fusion is False
+
+
+@pytest.mark.parametrize(
+    "flags, local_gpus, hint",
+    [
+        ("--context-parallel-size 16", "8", "on 2 nodes of 8.*--cp-size 16 --tensor-parallel-size 1 --lengths-file.*sizes 8 2 "),
+        ("--context-parallel-size 16 --tensor-model-parallel-size 2", "8", "on 4 nodes of 4.*sizes 4 4 "),
+        ("--context-parallel-size 24 --num-attention-heads 12 --hidden-size 768 --sap-cost-preset h200", "8",
+         "--num-heads 12 --num-kv-heads 12 --head-dim 64 --preset h200 .*sizes 6 4 "),  # 12 heads do not split over 8
+        ("--context-parallel-size 16 --num-attention-heads 32 --hidden-size 4096 --group-query-attention "
+         "--num-query-groups 8", "8", "--num-heads 32 --num-kv-heads 8 --head-dim 128 --lengths-file.*sizes 8 2 "),
+        ("--context-parallel-size 8", "8", None),  # one node
+        ("--context-parallel-size 16", None, None),  # node size unknown
+        ("--context-parallel-size 16 --sap-inner-size 1", "8", None),  # flat on purpose
+        ("--context-parallel-size 16 --sap-outer-size 16", "8", None),
+        ("--context-parallel-size 16 --hierarchical-context-parallel-sizes 1 16", "8", None),
+        ("--context-parallel-size 16 --sap-inner-size 8", "8", None),
+        ("--context-parallel-size 22", "8", "sizes 2 11 "),  # the only inner size of 8 or less that divides 22
+    ],
+)
+def test_a_flat_layout_across_nodes_by_default_gets_a_hint(flags: str, local_gpus: str | None, hint: str | None,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no SAP level is given and the CP ranks span nodes (LOCAL_WORLD_SIZE GPUs each, over
+    TP), configure_sap warns that an inner level inside a node is usually faster, with the
+    plan command to compare on the user's data and the largest inner size the heads allow."""
+    from megatron_sap.megatron.hooks import configure_sap
+
+    parser = _megatron_like_parser()
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    args = chain_args_providers(None, add_sap_args)(parser).parse_args(f"{flags} --cp-comm-type sap".split())
+    args.calculate_per_token_loss = True
+    if local_gpus is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_gpus)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        configure_sap(args)
+    flat = [str(w.message) for w in caught if "SAP runs flat" in str(w.message)]
+    if hint is None:
+        assert not flat
+    else:
+        assert len(flat) == 1 and re.search(hint, flat[0]), flat
 
 
 @pytest.mark.parametrize("cp", [1, 2])

@@ -186,6 +186,50 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
     return SAPSettings(inner_size=inner, outer_size=outer, options=options)
 
 
+def flat_layout_hint(args: argparse.Namespace, settings: SAPSettings) -> Optional[str]:
+    """A hint where SAP runs flat (U = 1) only because no level was given, while its CP
+    ranks span nodes and an inner (Ulysses) level inside a node would fit: across nodes
+    that layout is usually faster (docs/megatron.md, "Choosing U and R"). None otherwise,
+    or where the node size is unknown (no LOCAL_WORLD_SIZE)."""
+    given = (args.sap_inner_size is not None or args.sap_outer_size is not None
+             or getattr(args, "hierarchical_context_parallel_sizes", None))
+    per_node, tp = settings.options.gpus_per_node, settings.options.tensor_parallel_size
+    if given or settings.inner_size != 1 or per_node is None:
+        return None
+    cp, node_cp = settings.outer_size, per_node // tp  # Megatron orders TP fastest, then CP
+    if cp <= node_cp:
+        return None
+    shape = settings.options.model_shape
+    inner = [u for u in range(2, node_cp + 1) if not cp % u and (shape is None or _heads_split(shape, u))]
+    if not inner:
+        return None
+    compare = f"python -m megatron_sap.plan --cp-size {cp} --tensor-parallel-size {tp}"
+    if shape is not None:
+        compare += f" --num-heads {args.num_attention_heads} --num-kv-heads {_kv_heads(args)} --head-dim {shape[2]}"
+    if args.sap_cost_preset:
+        compare += f" --preset {args.sap_cost_preset}"
+    return (f"SAP runs flat (1 x {cp}) over CP ranks on {-(-cp // node_cp)} nodes of {node_cp}: across nodes an inner "
+            f"(Ulysses) level inside each node is usually faster (docs/megatron.md, \"Choosing U and R\"). Compare the "
+            f"layouts on your document lengths with `{compare} --lengths-file LENGTHS --tokens "
+            f"{getattr(args, 'seq_length', None) or 'T'}` and, where it says so, add "
+            f"--hierarchical-context-parallel-sizes {inner[-1]} {cp // inner[-1]} (--sap-inner-size 1 keeps the flat "
+            f"layout without this warning)")
+
+
+def _kv_heads(args: argparse.Namespace) -> int:
+    """The model's key/value heads: --num-query-groups with --group-query-attention, else the query heads."""
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+    return groups or args.num_attention_heads
+
+
+def _heads_split(shape: tuple[int, int, int, int], inner_size: int) -> bool:
+    try:
+        check_heads(shape[0], shape[1], inner_size)
+    except ValueError:
+        return False
+    return True
+
+
 def attention_dtype_from_args(args: argparse.Namespace) -> str:
     """The dtype Megatron-LM's layers attend in: their parameters' (--bf16, --fp16, else float32)."""
     return "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else "float32"
@@ -199,7 +243,7 @@ def model_shape_from_args(args: argparse.Namespace) -> Optional[tuple[int, int, 
     head_dim = getattr(args, "kv_channels", None) or (hidden // heads if heads and hidden else None)
     if not heads or not head_dim:
         return None
-    groups = (getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None) or heads
+    groups = _kv_heads(args)
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     nbytes = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4
     return max(heads // tp, 1), max(groups // tp, 1), int(head_dim), nbytes

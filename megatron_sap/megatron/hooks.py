@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .arguments import add_sap_args, chain_args_providers, sap_requested, sap_settings_from_args
+from .arguments import add_sap_args, chain_args_providers, flat_layout_hint, sap_requested, sap_settings_from_args
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_packed_seq_params, sap_split_batch
 from .compat import (MLA_ROPE_TABLE_REFUSED, TRAINING_LAYOUT_REFUSED, chunk_aware_get_batch, mla_keeps_packed_rope_table,
                      mtp_takes_packed_rows, packed_get_batch, sft_split_on_every_stage, training_layout)
@@ -144,6 +144,9 @@ def configure_sap(args: Any) -> Optional[list[int]]:
             f"1/{args.context_parallel_size} of what it weighs at CP 1 (with any CP method): multiply "
             f"--moe-aux-loss-coeff by {args.context_parallel_size} to keep CP 1's balance"
         )
+    hint = flat_layout_hint(args, settings)
+    if hint:
+        warnings.warn(hint)
     return [settings.inner_size, settings.outer_size]
 
 
