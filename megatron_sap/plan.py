@@ -61,6 +61,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="TP size: each rank has 1/TP of the heads, a node GPUs/TP CP ranks (and U * TP GPUs must fit in it)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h100", help="cost-model preset")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs of a node (default: the preset's)")
     parser.add_argument("--num-heads", type=int, help="query heads of the model (default: the preset's)")
     parser.add_argument("--num-kv-heads", type=int, help="key/value heads of the model (default: the preset's)")
     parser.add_argument("--head-dim", type=int, help="head dimension (default: the preset's)")
@@ -75,8 +76,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.tokens is not None and args.tokens < 1:
         parser.error(f"--tokens must be >= 1, got {args.tokens}")
-    if args.tensor_parallel_size < 1:
-        parser.error(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size), ("--gpus-per-node", args.gpus_per_node)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
     if args.rows < 1 or (args.rows > 1 and not packed):
         parser.error("--rows must be >= 1, and more than one row needs --lengths-from or --lengths-file")
     if args.cp_size is not None and (args.inner_size != 1 or args.png):
@@ -306,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"note: up to {outer} outer ranks: the report times every rank's program together, which takes "
               f"minutes (and GBs) from about {SLOW_OUTER_SIZE * 4} outer ranks", file=sys.stderr)
     try:
-        model = CostModel.preset(args.preset)
+        model = CostModel.preset(args.preset, **({} if args.gpus_per_node is None else {"gpus_per_node": args.gpus_per_node}))
         model = model.with_shape(  # a value given (even 0, which the cost model refuses) replaces the preset's
             model.num_heads if args.num_heads is None else args.num_heads,
             model.num_kv_heads if args.num_kv_heads is None else args.num_kv_heads,

@@ -1286,6 +1286,11 @@ def test_cli_says_png_needs_matplotlib_before_planning(tmp_path, capsys, monkeyp
 def test_cli_warns_of_an_inner_group_across_nodes_and_of_megatrons_2cp_rule(capsys):
     assert plan_cli(["--cu-seqlens", "0,8192", "--outer-size", "1", "--inner-size", "8", "--tensor-parallel-size", "2"]) == 0
     assert "spans nodes of 8 GPUs" in capsys.readouterr().err
+    assert plan_cli(["--cu-seqlens", "0,8192", "--outer-size", "1", "--inner-size", "4", "--gpus-per-node", "2"]) == 0
+    assert "spans nodes of 2 GPUs" in capsys.readouterr().err
+    assert plan_cli(["--cu-seqlens", "0,8192", "--cp-size", "8", "--gpus-per-node", "2"]) == 0
+    out = capsys.readouterr().out  # inner groups only inside a node of 2
+    assert "2 GPUs per node" in out and re.search(r"^ +2 x 4 ", out, re.M) and not re.search(r"^ +4 x 2 ", out, re.M)
     assert plan_cli(["--cu-seqlens", "0,100,8196", "--cp-size", "4"]) == 0
     assert "divisible by 2 x CP = 8" in capsys.readouterr().out
 
@@ -1339,6 +1344,7 @@ def test_cli_needs_tokens_with_lengths_from(capsys):
         (["--lengths-from", "stdlib", "--tokens", "0", "--outer-size", "2"], "--tokens must be >= 1, got 0"),
         (["--cu-seqlens", "0,8192", "--outer-size", "2", "--tensor-parallel-size", "-2"],
          "--tensor-parallel-size must be >= 1, got -2"),
+        (["--cu-seqlens", "0,8192", "--cp-size", "2", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1, got 0"),
     ],
 )
 def test_cli_names_a_flag_out_of_range(argv, message, capsys):

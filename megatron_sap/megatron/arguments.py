@@ -203,7 +203,7 @@ def flat_layout_hint(args: argparse.Namespace, settings: SAPSettings) -> Optiona
     inner = [u for u in range(2, node_cp + 1) if not cp % u and (shape is None or _heads_split(shape, u))]
     if not inner:
         return None
-    compare = f"python -m megatron_sap.plan --cp-size {cp} --tensor-parallel-size {tp}"
+    compare = f"python -m megatron_sap.plan --cp-size {cp} --tensor-parallel-size {tp} --gpus-per-node {per_node}"
     if shape is not None:
         compare += f" --num-heads {args.num_attention_heads} --num-kv-heads {_kv_heads(args)} --head-dim {shape[2]}"
     if args.sap_cost_preset:
