@@ -11,6 +11,7 @@ time, at CP 1 and at CP 2 (there through Megatron's data loader, which plans the
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from typing import Iterator, Sequence
@@ -36,7 +37,7 @@ def _flags(cp: int) -> list[str]:
             f"--kv-channels 16 --ffn-hidden-size 128 --swiglu --normalization RMSNorm --disable-bias-linear "
             f"--seq-length {ROW} --max-position-embeddings 4096 --micro-batch-size 1 --attention-dropout 0 "
             f"--context-parallel-size {cp} --cp-comm-type sap --reset-position-ids --reset-attention-mask --calculate-per-token-loss "
-            "--no-rope-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-masked-softmax-fusion "
+            "--sap-log-interval 1 --no-rope-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-masked-softmax-fusion "
             "--no-gradient-accumulation-fusion").split()
 
 
@@ -123,6 +124,10 @@ def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None
     torch.set_num_threads(1)
     sample = _row(rows)
     losses = {}
+    summary = logging.getLogger("megatron_sap.megatron.summary")
+    lines = _Lines()
+    summary.addHandler(lines)
+    summary.setLevel(logging.INFO)
     with _on_cpu():
         for cp in (1, 2):
             args = _set_args(_flags(cp), rank, world_size)
@@ -147,7 +152,20 @@ def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None
             finally:
                 mpu.destroy_model_parallel()
                 reset_sap_options()
+    summary.removeHandler(lines)
+    losses["summary"] = lines.messages  # --sap-log-interval 1: a line per micro-batch, rank 0 only
     return losses
+
+
+class _Lines(logging.Handler):
+    """The messages logged to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def _through_data_loader(args, dataset) -> Iterator[dict]:
@@ -313,6 +331,11 @@ def test_pretrain_gpt_through_the_hooks_gives_cp1s_loss(pool2) -> None:
     results = pool2.run(run_pretrain_gpt_rank)
     _assert_cp1s_loss(results)
     assert all(r["cache"] == (1, 0) for r in results), [r["cache"] for r in results]  # at CP 2 the split took the plan the loader made
+    # --sap-log-interval 1: global rank 0 logs each micro-batch's plan (CP 1's made here, CP 2's the loader's), rank 1 nothing
+    first, second = results[0]["summary"]
+    assert first.startswith("megatron-sap: last 1 micro-batches (1 x 1): ") and "made in this process 1 of 1" in first
+    assert second.startswith("megatron-sap: last 1 micro-batches (1 x 2): ") and "made in this process 0 of 1" in second
+    assert "K/V moved between outer groups" in second and not results[1]["summary"]
 
 
 patched_pool2 = make_pool_fixture(2, timeout=300, destroy_job_groups=True)  # fresh workers: no hooks installed there
@@ -476,6 +499,10 @@ def run_pipeline_rank(rank: int, world_size: int, rows: str = "pretraining") -> 
     torch.set_num_threads(1)
     sample = _row(rows)
     losses = {}
+    summary = logging.getLogger("megatron_sap.megatron.summary")
+    lines = _Lines()
+    summary.addHandler(lines)
+    summary.setLevel(logging.INFO)
     with _on_cpu():
         for tp, cp, chunks in _release_layouts(rows):
             with _pipeline_chunks(rank, world_size, tp, cp, chunks) as models:

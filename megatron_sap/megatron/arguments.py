@@ -64,6 +64,11 @@ def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="pipelined: each exchange's kernel calls overlap the next exchange; gathered: each query piece "
         "once all its keys are in, as one kernel segment (no merges); auto: what the cost model times faster",
     )
+    group.add_argument(
+        "--sap-log-interval", type=int, default=0,
+        help="every N micro-batches, log on global rank 0 a line about their SAP plans (modelled time over the "
+        "ideal, pair imbalance, K/V moved, plans made in the training process); 0: never",
+    )
     _check_levels_when_parsed(parser)
     return parser
 
@@ -182,6 +187,7 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
         attention_dtype=attention_dtype_from_args(args),
         gpus_per_node=int(local_gpus) if local_gpus.isdigit() else None,
         tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
+        log_interval=args.sap_log_interval,
     )
     return SAPSettings(inner_size=inner, outer_size=outer, options=options)
 

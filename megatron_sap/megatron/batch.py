@@ -23,8 +23,9 @@ from megatron_sap.validation import cu_seqlens_to_list
 
 from .groups import _sap_groups, host_twin, sap_groups_from_parallel_state
 from .options import get_sap_options
-from .plans import plan_for
+from .plans import plan_for, planning_cache
 from .rope import install_sap_rope, register_token_positions
+from .summary import record_plan, summary_wanted
 
 GroupsLike = Union[None, dist.ProcessGroup, "sap.SAPGroups"]
 
@@ -163,7 +164,11 @@ def _plan_this_rank(cu: Tensor, values: list[int], groups: Optional["sap.SAPGrou
     world = 1 if groups is None else groups.world_size
     if values[-1] % world:
         raise ValueError(f"packed length {values[-1]} is not divisible by the CP size {world}; pad the batch")
+    counting = summary_wanted()  # for the log line: whether this row is planned here or found in the cache
+    misses = planning_cache().misses if counting else 0
     plan = plan_for(cu, groups, values)
+    if counting:
+        record_plan(plan, made_here=planning_cache().misses > misses)
     options = get_sap_options()
     if groups is not None and options.check_agreement:
         # every micro-batch: cheap, and it also catches stale cached plans; with the model's

@@ -45,6 +45,8 @@ class SAPOptions:
     gpus_per_node / tensor_parallel_size: the cost model takes gpus_per_node (None: the preset's)
         over the TP size as the CP ranks sharing a node (Megatron orders TP fastest), which
         decides the link class of each transfer.
+    log_interval: every so many micro-batches global rank 0 logs a line about their plans
+        (`megatron_sap.megatron.summary`); 0: never.
     """
 
     backend: str = "auto"
@@ -58,6 +60,7 @@ class SAPOptions:
     attention_dtype: Optional[str] = None
     gpus_per_node: Optional[int] = None
     tensor_parallel_size: int = 1
+    log_interval: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -82,6 +85,8 @@ class SAPOptions:
                 raise ValueError(f"attention_dtype must name a floating-point torch dtype (e.g. 'bfloat16'), "
                                  f"got {self.attention_dtype!r}")
             object.__setattr__(self, "attention_dtype", dtype_name(getattr(torch, name)))  # "half" -> "float16"
+        if self.log_interval < 0:
+            raise ValueError(f"log_interval must be >= 0 (0: no SAP summary in the log), got {self.log_interval}")
         if (self.gpus_per_node is not None and self.gpus_per_node < 1) or self.tensor_parallel_size < 1:
             raise ValueError(f"gpus_per_node and tensor_parallel_size must be >= 1, got {self.gpus_per_node}, "
                              f"{self.tensor_parallel_size}")

@@ -104,6 +104,12 @@ def _planning() -> tuple[Optional[PlanCache], Optional["sap.CostModel"]]:
     return _cache(options.plan_cache_size), model
 
 
+def planning_cache() -> PlanCache:
+    """The plan cache `plan_for` looks plans up in."""
+    cache = _planning()[0]
+    return cache if cache is not None else DEFAULT_CACHE  # an empty cache is falsy (it has a length)
+
+
 def planning_cost_model() -> "sap.CostModel":
     """The cost model `plan_for` plans with."""
     return _planning()[1] or DEFAULT_COST_MODEL
@@ -112,8 +118,7 @@ def planning_cost_model() -> "sap.CostModel":
 def adopt_plan(plan: "sap.Plan") -> bool:
     """Put a plan made elsewhere (a data loader's worker) into the cache `plan_for` reads, if it
     was made with the cost model and load slacks `plan_for` plans with."""
-    cache, model = _planning()
-    if plan.cost_model != (model or DEFAULT_COST_MODEL) or plan.slacks != DEFAULT_SLACKS:
+    if plan.cost_model != planning_cost_model() or plan.slacks != DEFAULT_SLACKS:
         return False
-    (cache if cache is not None else DEFAULT_CACHE).add(plan)  # an empty cache is falsy (it has a length)
+    planning_cache().add(plan)
     return True
