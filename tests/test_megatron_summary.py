@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 import megatron_sap as sap  # noqa: E402
-from megatron_sap.megatron import sap_split_batch  # noqa: E402
+from megatron_sap.megatron import sap_packed_seq_params, sap_split_batch  # noqa: E402
 from megatron_sap.megatron.arguments import add_sap_args, chain_args_providers, sap_settings_from_args  # noqa: E402
 from megatron_sap.megatron.options import reset_sap_options, set_sap_options  # noqa: E402
 from megatron_sap.megatron.summary import PlanSummary, record_plan, reset_summary  # noqa: E402
@@ -69,6 +69,12 @@ def test_the_batch_split_logs_every_interval_on_rank_0(caplog) -> None:
     assert not any("K/V moved" in line for line in lines)
     # rows 0, 1, 2 then 3, 0, 1: row 0 was split (and planned) before the interval was set
     assert "plans made in this process 2 of 3" in lines[0] and "plans made in this process 1 of 3" in lines[1]
+    for _ in range(3):  # a model chunk that reads no data (a middle pipeline stage) does not count the micro-batch again
+        sap_packed_seq_params(ROWS[1], torch.device("cpu"))
+    sap_split_batch({"tokens": tokens}, ROWS[0])
+    sap_split_batch({"tokens": tokens}, ROWS[1])
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(lines) == 3 and lines[2].startswith("megatron-sap: last 3 micro-batches (1 x 1)")
 
 
 def test_other_ranks_log_nothing(caplog, monkeypatch) -> None:

@@ -133,7 +133,7 @@ def sap_split_batch(
 
     groups = resolve_groups(cp_group)
     cu, values = _as_cu_seqlens(cu_seqlens, total_tokens, device)
-    indices, positions, params = _plan_this_rank(cu, values, groups, device)
+    indices, positions, params = _plan_this_rank(cu, values, groups, device, summarise=True)
     local: dict[str, Optional[Tensor]] = {}
     for key, value in batch.items():
         if key == "attention_mask" or value is None:
@@ -156,15 +156,18 @@ def sap_packed_seq_params(documents: list[int], device: torch.device, cp_group: 
     return _plan_this_rank(cu, values, resolve_groups(cp_group), device)[2]
 
 
-def _plan_this_rank(cu: Tensor, values: list[int], groups: Optional["sap.SAPGroups"],
-                    device: torch.device) -> tuple[Tensor, Tensor, PackedSeqParams]:
+def _plan_this_rank(cu: Tensor, values: list[int], groups: Optional["sap.SAPGroups"], device: torch.device,
+                    summarise: bool = False) -> tuple[Tensor, Tensor, PackedSeqParams]:
     """This rank's (local indices, in-document positions, PackedSeqParams) of the row `cu`
     (`values` its cu_seqlens on the host), its plan checked to be the other CP ranks' and its
-    positions registered for the SAP RoPE."""
+    positions registered for the SAP RoPE; with `summarise` (a batch split), the plan counted for
+    the log line (`--sap-log-interval`)."""
     world = 1 if groups is None else groups.world_size
     if values[-1] % world:
         raise ValueError(f"packed length {values[-1]} is not divisible by the CP size {world}; pad the batch")
-    counting = summary_wanted()  # for the log line: whether this row is planned here or found in the cache
+    # Once per micro-batch, where its batch is split (model chunks that read no data come here too):
+    # whether its plan is made here or found in the cache.
+    counting = summarise and summary_wanted()
     misses = planning_cache().misses if counting else 0
     plan = plan_for(cu, groups, values)
     if counting:
