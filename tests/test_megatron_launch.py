@@ -977,9 +977,9 @@ def test_pipelines_with_tp_are_fine_and_mla_rope_fusion_is_turned_off() -> None:
 @pytest.mark.parametrize(
     "flags, local_gpus, hint",
     [
-        ("--context-parallel-size 16", "8", "on 2 nodes of 8.*--cp-size 16 --tensor-parallel-size 1 --gpus-per-node 8 --lengths-file.*sizes 8 2 "),
+        ("--context-parallel-size 16", "8", "on 2 nodes \\(8 per node\\).*--cp-size 16 --tensor-parallel-size 1 --gpus-per-node 8 --lengths-file.*sizes 8 2 "),
         ("--context-parallel-size 16 --tensor-model-parallel-size 2", "8",
-         "on 4 nodes of 4.*--tensor-parallel-size 2 --gpus-per-node 8 .*sizes 4 4 "),
+         "on 4 nodes \\(4 per node\\).*--tensor-parallel-size 2 --gpus-per-node 8 .*sizes 4 4 "),
         ("--context-parallel-size 24 --num-attention-heads 12 --hidden-size 768 --sap-cost-preset h200", "8",
          "--num-heads 12 --num-kv-heads 12 --head-dim 64 --preset h200 .*sizes 6 4 "),  # 12 heads do not split over 8
         ("--context-parallel-size 16 --num-attention-heads 32 --hidden-size 4096 --group-query-attention "

@@ -214,7 +214,7 @@ def flat_layout_hint(args: argparse.Namespace, settings: SAPSettings) -> Optiona
         compare += f" --num-heads {args.num_attention_heads} --num-kv-heads {_kv_heads(args)} --head-dim {shape[2]}"
     if args.sap_cost_preset:
         compare += f" --preset {args.sap_cost_preset}"
-    return (f"SAP runs flat (1 x {cp}) over CP ranks on {-(-cp // node_cp)} nodes of {node_cp}: across nodes an inner "
+    return (f"SAP runs flat (1 x {cp}) over CP ranks on {-(-cp // node_cp)} nodes ({node_cp} per node): across nodes an inner "
             f"(Ulysses) level inside each node is usually faster (docs/megatron.md, \"Choosing U and R\"). Compare the "
             f"layouts on your document lengths with `{compare} --lengths-file LENGTHS --tokens "
             f"{getattr(args, 'seq_length', None) or 'T'}` and, where it says so, add "
