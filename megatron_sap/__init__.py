@@ -16,6 +16,7 @@ _EXPORTS = {
     "plan_sequences": "megatron_sap.planning",
     "Plan": "megatron_sap.planning",
     "PlanCache": "megatron_sap.planning",
+    "DEFAULT_CACHE": "megatron_sap.planning",
     "CostModel": "megatron_sap.planning",
     "sap_attention": "megatron_sap.attention",
     "init_sap_groups": "megatron_sap.comm.groups",

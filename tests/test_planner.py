@@ -716,6 +716,7 @@ def test_default_cache_is_used_without_argument():
     plan = sap.plan_sequences(cu, outer_size=3)
     assert sap.plan_sequences(cu, outer_size=3) is plan
     assert DEFAULT_CACHE.hits == before + 1
+    assert sap.DEFAULT_CACHE is DEFAULT_CACHE  # the counters, from the package too
 
 
 # ---- candidates and statistics ----------------------------------------------------------------
