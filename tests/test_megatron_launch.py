@@ -991,6 +991,8 @@ def test_pipelines_with_tp_are_fine_and_mla_rope_fusion_is_turned_off() -> None:
         ("--context-parallel-size 16 --hierarchical-context-parallel-sizes 1 16", "8", None),
         ("--context-parallel-size 16 --sap-inner-size 8", "8", None),
         ("--context-parallel-size 22", "8", "sizes 2 11 "),  # the only inner size of 8 or less that divides 22
+        # without the model's heads, the preset's (32 query heads): 6 does not split them, as the printed command finds
+        ("--context-parallel-size 18", "8", "sizes 2 9 "),
     ],
 )
 def test_a_flat_layout_across_nodes_by_default_gets_a_hint(flags: str, local_gpus: str | None, hint: str | None,

@@ -205,10 +205,14 @@ def flat_layout_hint(args: argparse.Namespace, settings: SAPSettings) -> Optiona
     cp, node_cp = settings.outer_size, per_node // tp  # Megatron orders TP fastest, then CP
     if cp <= node_cp:
         return None
-    shape = settings.options.model_shape
-    inner = [u for u in range(2, node_cp + 1) if not cp % u and (shape is None or _heads_split(shape, u))]
-    if not inner:
+    from megatron_sap.plan import inner_sizes  # the layouts the printed command compares
+
+    from .plans import planning_cost_model
+
+    inner = inner_sizes(cp, planning_cost_model())[-1]  # the heads of one TP rank, its CP ranks per node
+    if inner == 1:
         return None
+    shape = settings.options.model_shape
     compare = f"python -m megatron_sap.plan --cp-size {cp} --tensor-parallel-size {tp} --gpus-per-node {per_node}"
     if shape is not None:
         compare += f" --num-heads {args.num_attention_heads} --num-kv-heads {_kv_heads(args)} --head-dim {shape[2]}"
@@ -218,7 +222,7 @@ def flat_layout_hint(args: argparse.Namespace, settings: SAPSettings) -> Optiona
             f"(Ulysses) level inside each node is usually faster (docs/megatron.md, \"Choosing U and R\"). Compare the "
             f"layouts on your document lengths with `{compare} --lengths-file LENGTHS --tokens "
             f"{getattr(args, 'seq_length', None) or 'T'}` and, where it says so, add "
-            f"--hierarchical-context-parallel-sizes {inner[-1]} {cp // inner[-1]} (--sap-inner-size 1 keeps the flat "
+            f"--hierarchical-context-parallel-sizes {inner} {cp // inner} (--sap-inner-size 1 keeps the flat "
             f"layout without this warning)")
 
 
@@ -226,14 +230,6 @@ def _kv_heads(args: argparse.Namespace) -> int:
     """The model's key/value heads: --num-query-groups with --group-query-attention, else the query heads."""
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
     return groups or args.num_attention_heads
-
-
-def _heads_split(shape: tuple[int, int, int, int], inner_size: int) -> bool:
-    try:
-        check_heads(shape[0], shape[1], inner_size)
-    except ValueError:
-        return False
-    return True
 
 
 def attention_dtype_from_args(args: argparse.Namespace) -> str:
