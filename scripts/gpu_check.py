@@ -541,20 +541,28 @@ def _device_time_by_op(fn: Callable[[], object], top: int = 12) -> dict:
 def method_executor_times() -> dict:
     """Each rank's whole attention op, SAP and the KV ring, forward and backward with its
     exchanges local: the executors' compute (kernel calls, gathers, merges, buffers) per rank,
-    without the communication."""
+    without the communication. SAP runs in each schedule, and as `--sap-schedule auto` runs
+    it ("sap"): each rank in the schedule its cost model favours, with this run's calibration
+    (its `pipelined_kernel_factor`) where sap_executor_vs_kernels wrote one."""
     from megatron_sap.bench.data import document_lengths
     from megatron_sap.bench.packing import pack
     from megatron_sap.bench.rank_memory import rank_seconds
-    from megatron_sap.planning import CostModel
+    from megatron_sap.planning import CostModel, plan_sequences
 
     (heads_q, heads_kv, dim), world = SIZES.shape, 8
-    results: dict = {"shape": {"heads_q": heads_q, "heads_kv": heads_kv, "head_dim": dim, "world": world}}
+    calibrated = CALIBRATION_OUT.exists()
+    model = CostModel.from_calibration(CALIBRATION_OUT, base="h200") if calibrated else CostModel.preset("h200")
+    results: dict = {"shape": {"heads_q": heads_q, "heads_kv": heads_kv, "head_dim": dim, "world": world},
+                     "sap_cost_model": f"{CALIBRATION_OUT.name} (pipelined_kernel_factor "
+                                       f"{model.pipelined_kernel_factor:g})" if calibrated else "the h200 preset"}
     for corpus, total in SIZES.method_rows:
         cu = pack(document_lengths(corpus), total, 1, seed=0)[0]
-        for method in ("sap", "p2p"):
-            kwargs = {"cost_model": CostModel.preset("h200")} if method == "sap" else {}
-            times = [rank_seconds(method, cu, world, r, heads_q, heads_kv, dim, device=DEVICE, dtype=torch.bfloat16,
-                                  **kwargs) for r in range(world)]
+        plan = plan_sequences(cu, outer_size=world, cost_model=model)
+        results[f"{corpus}/T={total}/sap_schedules"] = [plan.schedule(r) for r in range(world)]
+        for method, schedule in (("sap", "auto"), ("sap-pipelined", "pipelined"), ("sap-gathered", "gathered"),
+                                 ("p2p", "auto")):
+            times = [rank_seconds(method.split("-")[0], cu, world, r, heads_q, heads_kv, dim, device=DEVICE,
+                                  dtype=torch.bfloat16, cost_model=model, schedule=schedule) for r in range(world)]
             results[f"{corpus}/T={total}/{method}"] = {
                 "forward_ms_per_rank": [round(f * 1e3, 3) for f, _ in times],
                 "backward_ms_per_rank": [round(b * 1e3, 3) for _, b in times],
@@ -691,6 +699,34 @@ CHECKS: list[Callable[[], dict]] = [
 ]
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _flash_attn_version() -> str | None:
+    try:
+        import flash_attn
+    except ImportError:
+        return None
+    return flash_attn.__version__
+
+
+def _report_to_update(path: Path, parser: argparse.ArgumentParser) -> dict:
+    """The report `--only` updates: written on this device, with this torch and flash-attn,
+    so that its results stay comparable."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        parser.error(f"--only updates the report at --out, but {path} cannot be read: {error}")
+    if not isinstance(report, dict) or not isinstance(report.get("checks"), dict):
+        parser.error(f"--only: {path} is not a GPU check report (no 'checks')")
+    here = {"device": _device_name(), "torch": torch.__version__, "flash_attn": _flash_attn_version()}
+    differ = {key: (report.get(key), value) for key, value in here.items() if report.get(key) != value}
+    if differ:
+        parser.error(f"--only: {path} was written elsewhere ((report, here): {differ}); run every check instead")
+    return report
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--out", type=Path, help="where to write the JSON report (default: docs/gpu_results.json)")
@@ -698,6 +734,9 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="every check on the CPU at small sizes, the torch backend standing in for the flash ones "
                              "and no host-sync checks: tests this script where there is no GPU (needs --out; no GPU result)")
+    parser.add_argument("--only", metavar="CHECK[,CHECK...]",
+                        help="run only these checks and replace their results in the report at --out, which must exist "
+                             "(each rerun result records its date; the others and the report's date stay)")
     args = parser.parse_args()
     global CALIBRATION_OUT, DEVICE, SIZES
     if args.dry_run:
@@ -711,26 +750,28 @@ def main() -> int:
     CALIBRATION_OUT = args.out.with_name("calibration.json")
     if args.out.name == CALIBRATION_OUT.name or args.out.is_dir():
         parser.error(f"--out {args.out} must be a file other than calibration.json (which is written beside it)")
+    checks = CHECKS[:1] + _backend_checks() + CHECKS[1:]
+    if args.only is not None:
+        wanted = set(args.only.split(","))
+        unknown = sorted(wanted - {check.__name__ for check in checks})
+        if unknown:
+            parser.error(f"--only: unknown check(s) {unknown} here; known: {[check.__name__ for check in checks]}")
+        report = _report_to_update(args.out, parser)
+        checks = [check for check in checks if check.__name__ in wanted]
     if args.mirror is not None:
         args.mirror.mkdir(parents=True, exist_ok=True)  # a missing folder must not stop a GPU session at its first check
-    CALIBRATION_OUT.unlink(missing_ok=True)  # what this run leaves is its own (the report is rewritten below)
-
-    try:
-        import flash_attn
-
-        flash_attn_version = flash_attn.__version__
-    except ImportError:
-        flash_attn_version = None
-    report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": _device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "flash_attn": flash_attn_version,
-        "checks": {},
-    }
+    if args.only is None:
+        CALIBRATION_OUT.unlink(missing_ok=True)  # what this run leaves is its own (the report is rewritten below)
+        report = {
+            "date": _now(),
+            "device": _device_name(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "flash_attn": _flash_attn_version(),
+            "checks": {},
+        }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for check in CHECKS[:1] + _backend_checks() + CHECKS[1:]:
+    for check in checks:
         name = check.__name__
         print(f"gpu_check: {name} ...", flush=True)
         started = time.perf_counter()
@@ -740,6 +781,8 @@ def main() -> int:
         except Exception as error:  # record and go on with the other checks
             result = {"ok": False, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
         result["seconds"] = round(time.perf_counter() - started, 1)
+        if args.only is not None:
+            result["date"] = _now()
         report["checks"][name] = result
         report["ok"] = all(result["ok"] for result in report["checks"].values())
         args.out.write_text(json.dumps(report, indent=2) + "\n")  # after every check, in case the run is cut short

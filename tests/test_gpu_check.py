@@ -77,3 +77,51 @@ def test_the_calibration_it_writes_is_read_by_the_cost_model(dry_run):
 def test_a_dry_run_needs_an_out_path():
     result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "--dry-run needs --out" in result.stderr
+
+
+def test_sap_executor_times_run_in_each_schedule_and_as_auto_picks(dry_run):
+    _, out = dry_run
+    times = json.loads(out.read_text())["checks"]["method_executor_times"]
+    assert times["sap_cost_model"].startswith("calibration.json (pipelined_kernel_factor")  # this run's calibration
+    rows = [key.rsplit("/", 1)[0] for key in times if key.endswith("/sap_schedules")]
+    assert rows
+    for row in rows:
+        assert {f"{row}/{m}" for m in ("sap", "sap-pipelined", "sap-gathered", "p2p", "sap_schedules")} <= set(times)
+        assert set(times[f"{row}/sap_schedules"]) <= {"pipelined", "gathered"}
+        assert len(times[f"{row}/sap_schedules"]) == times["shape"]["world"]
+
+
+def _run_only(out: Path, names: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--only", names],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
+
+
+def test_only_reruns_the_named_checks_and_keeps_the_rest(dry_run, tmp_path):
+    _, full = dry_run
+    out = tmp_path / "report.json"
+    out.write_text(full.read_text())
+    (tmp_path / "calibration.json").write_text(full.with_name("calibration.json").read_text())
+    before = json.loads(out.read_text())
+    result = _run_only(out, "torch_backend_accuracy,flash_backends_present")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    after = json.loads(out.read_text())
+    assert list(after["checks"]) == list(before["checks"]) and after["date"] == before["date"]
+    rerun = {name for name, check in after["checks"].items() if "date" in check}
+    assert rerun == {"torch_backend_accuracy", "flash_backends_present"}
+    assert all(after["checks"][name] == before["checks"][name] for name in set(before["checks"]) - rerun)
+    assert (tmp_path / "calibration.json").read_text() == full.with_name("calibration.json").read_text()
+
+
+def test_only_refuses_unknown_checks_a_missing_report_and_one_from_elsewhere(dry_run, tmp_path):
+    _, full = dry_run
+    missing = _run_only(tmp_path / "none.json", "rank_memory")
+    assert missing.returncode == 2 and "cannot be read" in missing.stderr
+    out = tmp_path / "report.json"
+    out.write_text(full.read_text())
+    unknown = _run_only(out, "rank_memory,kernel_speed")
+    assert unknown.returncode == 2 and "unknown check(s) ['kernel_speed']" in unknown.stderr
+    elsewhere = json.loads(full.read_text())
+    elsewhere["device"] = "NVIDIA H200"
+    out.write_text(json.dumps(elsewhere))
+    result = _run_only(out, "rank_memory")
+    assert result.returncode == 2 and "was written elsewhere" in result.stderr and "'device'" in result.stderr

@@ -75,8 +75,10 @@ def test_rank_seconds_times_each_methods_whole_op_on_cpu():
     from megatron_sap.bench.rank_memory import rank_seconds
 
     cu = [0, 100, 130, 900, 1024]
-    for method in ("sap", "p2p"):
-        forward, backward = rank_seconds(method, cu, 4, 3, 4, 2, 16, repeats=1)
+    for method, schedule in (("sap", "auto"), ("sap", "pipelined"), ("sap", "gathered"), ("p2p", "auto")):
+        forward, backward = rank_seconds(method, cu, 4, 3, 4, 2, 16, schedule=schedule, repeats=1)
         assert forward > 0 and backward > 0
+    with pytest.raises(ValueError, match="schedule"):
+        rank_seconds("sap", cu, 4, 3, 4, 2, 16, schedule="zigzag", repeats=1)
     with pytest.raises(ValueError, match="'sap' or 'p2p'"):
         rank_seconds("a2a", cu, 4, 0, 4, 2, 16)

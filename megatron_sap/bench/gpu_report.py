@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-METHODS = ("sap", "p2p", "all_gather", "a2a")
+METHODS = ("sap", "sap-pipelined", "sap-gathered", "p2p", "all_gather", "a2a")  # the SAP variants: its schedules
 
 
 def gpu_section(path: Path) -> tuple[str, str] | None:
@@ -52,6 +52,8 @@ def _checks_table(checks: dict) -> str:
     for name, result in checks.items():
         error = f"{result['max_error']:.2e} ({result['tolerance']:.0e})" if "max_error" in result else ""
         status = "ok" if result["ok"] else f"FAILED: {result.get('error', '')}"
+        if "date" in result:  # rerun alone (gpu_check.py --only)
+            status += f" (rerun {result['date'][:10]})"
         lines.append(f"| {name} | {status} | {error} | {result.get('seconds', '')} |")
     return "\n".join(lines)
 
@@ -145,14 +147,19 @@ def _executor_table(result: dict) -> str:
 
 
 def _executor_times_table(result: dict) -> str:
-    lines = [
-        "Each rank's whole attention op (the method's executor: kernel calls, gathers, merges, buffers), forward + "
-        "backward, with its exchanges local, so without the communication:",
-        "",
-        "| row | method | busiest rank ms | mean rank ms | max / mean | busiest vs SAP |",
-        "|---|---|---|---|---|---|",
-    ]
-    return "\n".join(lines + _per_rank_rows(result))
+    intro = ("Each rank's whole attention op (the method's executor: kernel calls, gathers, merges, buffers), forward + "
+             "backward, with its exchanges local, so without the communication")
+    if "sap_cost_model" in result:
+        intro += (f". `sap` runs each rank in the schedule `--sap-schedule auto` picks with {result['sap_cost_model']}; "
+                  "`sap-pipelined` and `sap-gathered` run every rank in one schedule")
+    lines = [intro + ":", "", "| row | method | busiest rank ms | mean rank ms | max / mean | busiest vs SAP |",
+             "|---|---|---|---|---|---|"]
+    lines += _per_rank_rows(result)
+    for key, schedules in sorted(result.items()):
+        if key.endswith("/sap_schedules"):
+            chosen = ", ".join(f"{name} {schedules.count(name)}" for name in sorted(set(schedules)))
+            lines += ["", f"{key.rsplit('/', 1)[0]}: `auto` ran {chosen} of {len(schedules)} ranks."]
+    return "\n".join(lines)
 
 
 def _per_rank_rows(result: dict) -> list[str]:

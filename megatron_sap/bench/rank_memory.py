@@ -109,13 +109,15 @@ def ring_rank_memory(cu_seqlens: list[int], world_size: int, rank: int, heads: i
 
 def rank_seconds(method: str, cu_seqlens: list[int], world_size: int, rank: int, heads: int, kv_heads: int, dim: int, *,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 cost_model: CostModel | None = None, repeats: int = 3) -> tuple[float, float]:
-    """(forward, backward) seconds of one rank's whole op, `method` "sap" or "p2p", with its
-    exchanges local: the executor's compute (kernel calls, gathers, merges, buffers) without
-    the communication. Medians of `repeats` runs after a warm-up; CUDA events on a GPU."""
+                 cost_model: CostModel | None = None, schedule: str = "auto", repeats: int = 3) -> tuple[float, float]:
+    """(forward, backward) seconds of one rank's whole op, `method` "sap" (in `schedule`) or
+    "p2p", with its exchanges local: the executor's compute (kernel calls, gathers, merges,
+    buffers) without the communication. Medians of `repeats` runs after a warm-up; CUDA
+    events on a GPU."""
     device = torch.device(device)
     if method == "sap":
-        step, local, _ = _sap_op(cu_seqlens, world_size, rank, heads, kv_heads, dim, device, dtype, cost_model)
+        step, local, _ = _sap_op(cu_seqlens, world_size, rank, heads, kv_heads, dim, device, dtype, cost_model,
+                                 schedule)
     elif method == "p2p":
         step, local, _ = _ring_op(cu_seqlens, world_size, rank, heads, kv_heads, dim, device, dtype)
     else:
