@@ -136,8 +136,10 @@ def _gathered_source(program: RankProgram, k: torch.Tensor, v: torch.Tensor) -> 
     return source, list(torch.split(source[len(k):], sizes))
 
 
-def _backward_calls(calls, dout, q, out, lse, kv_source, dq, dkv, scale, backend) -> None:
-    """Gradients of kernel calls against the final out/lse: into dq, and into dkv at the source rows."""
+def _backward_calls(calls, dout, q, out, lse, kv_source, dq, dkv, scale, backend, dq_written_once=False) -> None:
+    """Gradients of kernel calls against the final out/lse: into dq, and into dkv at the source
+    rows. With `dq_written_once` (the gathered schedule, where each query row is in one call)
+    a call's dQ is written into its rows, not added."""
     for call in calls:
         rows = call.q_rows
         pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
@@ -148,8 +150,12 @@ def _backward_calls(calls, dout, q, out, lse, kv_source, dq, dkv, scale, backend
             call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
             causal=call.causal, softmax_scale=scale, backend=backend,
         )
-        if rows is None:
+        if rows is None and dq_written_once:
+            dq.copy_(g_q)
+        elif rows is None:
             dq.add_(g_q)
+        elif dq_written_once:
+            dq.index_copy_(0, rows, g_q.to(dq.dtype))
         else:
             dq.index_add_(0, rows, g_q.to(dq.dtype))
         for target, grad in ((dkv[:, 0], g_k), (dkv[:, 1], g_v)):
@@ -232,9 +238,12 @@ def _backward(ctx, program: RankProgram, dout, q, k, v, out, lse, saved) -> tupl
     receives those of the rows the step sent, which its collect adds into dK/dV."""
     outer, scale, backend = ctx.outer, ctx.scale, ctx.backend
     acc_dtype = _accumulation_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    gathered = program.schedule == "gathered"
+    # Gathered, every query row's dQ comes from the one call that has the row (as its
+    # output did in forward): written there, in q's dtype, nothing to start from or add.
+    dq = torch.empty_like(q) if gathered else torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     steps = program.transfers
-    if program.schedule == "gathered":
+    if gathered:
         (source,) = saved
         kv = source[: len(k)]
         grad_source = torch.zeros(source.shape, dtype=acc_dtype, device=q.device)
@@ -248,13 +257,13 @@ def _backward(ctx, program: RankProgram, dout, q, k, v, out, lse, saved) -> tupl
     returns: dict[int, tuple[PendingExchange, torch.Tensor | None]] = {}
     for kind, i in program.backward_events(ctx.recompute_kv):
         if kind == LOCAL:
-            _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend)
+            _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend, gathered)
             continue
         step = steps[i]
         if kind == FETCH:
             fetched[i] = _post_kv(program, i, kv, outer, _REFETCH_TAG)
-        elif kind == COMPUTE and program.schedule == "gathered":
-            _backward_calls(step.calls, dout, q, out, lse, source, dq, grad_source, scale, backend)
+        elif kind == COMPUTE and gathered:
+            _backward_calls(step.calls, dout, q, out, lse, source, dq, grad_source, scale, backend, True)
         elif kind == COMPUTE:
             if ctx.recompute_kv:
                 handle, recv = fetched.pop(i)

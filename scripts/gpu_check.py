@@ -514,7 +514,8 @@ def sap_executor_vs_kernels() -> dict:
     if CALIBRATION_OUT.exists():  # written by method_kernel_times
         calibration = json.loads(CALIBRATION_OUT.read_text())
         calibration["cost_model"]["pipelined_kernel_factor"] = round(factor, 3)
-        calibration["source"] += "; pipelined_kernel_factor from sap_executor_vs_kernels"
+        note = f"; pipelined_kernel_factor from sap_executor_vs_kernels, {_now()[:10]}"
+        calibration["source"] = calibration["source"].split("; pipelined_kernel_factor")[0] + note  # a rerun's replaces
         CALIBRATION_OUT.write_text(json.dumps(calibration, indent=2) + "\n")
     return {"ok": True, **results}
 

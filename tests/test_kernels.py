@@ -756,3 +756,49 @@ def test_dense_reference_equals_the_row_by_row_reference(causal):
     expected = _exact_reference(q, k, v, cu, dout, causal=causal, scale=0.4)
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), expected):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_flash_backends_take_stacked_kv_views_without_copies(monkeypatch):
+    """The executors pass K and V as views into one stacked [n, 2, Hkv, D] buffer: the flash
+    kernels take any row stride, so those views reach the op as they are (no copy per call),
+    and a tensor whose last dim is strided is made contiguous. Checked with stand-ins for
+    PyTorch's flash ops that compute through the torch backend."""
+    from megatron_sap.kernels import aten_flash
+
+    seen = []
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, return_debug_mask, scale=None):
+        seen.append((k.data_ptr(), k.stride(), v.data_ptr(), k.stride(-1), q.stride(-1)))
+        out, lse = torch_backend.forward(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale)
+        return out, aten_flash.lse_for_kernel(lse, cu_q, max_q, padded=False), None, None, None
+
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, rng, offset, scale=None):
+        seen.append((k.data_ptr(), k.stride(), v.data_ptr(), k.stride(-1), q.stride(-1)))
+        rows = aten_flash.lse_rows(lse, cu_q, q.shape[0])
+        return torch_backend.backward(dout, q, k, v, out, rows, cu_q, cu_k, causal=causal, softmax_scale=scale)
+
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", forward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", backward)
+    aten_flash.varlen.padded_lse.cache_clear()
+    try:
+        aten_flash.varlen.padded_lse(torch.device("cpu"))  # the layout probe, before the calls
+        seen.clear()
+        gen = torch.Generator().manual_seed(5)
+        cu = _cu([3, 0, 5])
+        q, dout = _random(8, 4, 16, torch.float16, gen), _random(8, 4, 16, torch.float16, gen)
+        kv = _random(8, 4, 16, torch.float16, gen).view(8, 2, 2, 16)  # [n, 2, Hkv, D]
+        k, v = kv[:, 0], kv[:, 1]
+        out, lse = aten_flash.forward(q, k, v, cu, cu, 5, 5, causal=True, softmax_scale=0.3)
+        grads = aten_flash.backward(dout, q, k, v, out, lse, cu, cu, 5, 5, causal=True, softmax_scale=0.3)
+        want_out, want_lse = torch_backend.forward(q, k.contiguous(), v.contiguous(), cu, cu, causal=True,
+                                                   softmax_scale=0.3)
+        wanted = torch_backend.backward(dout, q, k.contiguous(), v.contiguous(), want_out, want_lse, cu, cu,
+                                        causal=True, softmax_scale=0.3)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+        assert all(torch.equal(got, want) for got, want in zip(grads, wanted))
+        assert len(seen) == 2 and all(c[:3] == (k.data_ptr(), k.stride(), v.data_ptr()) for c in seen)
+        strided_q = q.transpose(1, 2).contiguous().transpose(1, 2)  # last dim strided: copied
+        aten_flash.forward(strided_q, k, v, cu, cu, 5, 5, causal=True, softmax_scale=0.3)
+        assert seen[-1][3:] == (1, 1)
+    finally:
+        aten_flash.varlen.padded_lse.cache_clear()

@@ -36,6 +36,12 @@ def check_head_dim(dim: int) -> None:
         raise ValueError(f"flash kernels need head_dim % 8 == 0 and head_dim <= {_MAX_HEAD_DIM}, got {dim}; use backend='torch'")
 
 
+def rows_of(t: Tensor) -> Tensor:
+    """`t` as the kernels take it: any row and head strides, the last dim contiguous. The
+    executors pass K and V as views into one stacked [n, 2, Hkv, D] buffer, which need no copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def kernel_max_seqlen_q(max_seqlen_q: int) -> int:
     """max_seqlen_q to pass to the kernels: at least 2, avoiding the single-query GQA shortcut."""
     return max(int(max_seqlen_q), 2)
@@ -113,7 +119,7 @@ class FlashVarlen:
         """Returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32)."""
         cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
         out, lse = self._kernel_forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k,
+            rows_of(q), rows_of(k), rows_of(v), cu_q, cu_k,
             kernel_max_seqlen_q(max_seqlen_q), int(max_seqlen_k), causal, softmax_scale,
         )
         return out, lse_rows(lse, cu_q, q.shape[0])
@@ -125,7 +131,7 @@ class FlashVarlen:
         cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
         max_q = kernel_max_seqlen_q(max_seqlen_q)
         return self._kernel_backward(
-            dout.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.to(q.dtype).contiguous(),
+            rows_of(dout.to(q.dtype)), rows_of(q), rows_of(k), rows_of(v), rows_of(out.to(q.dtype)),
             lse_for_kernel(lse, cu_q, max_q, self.padded_lse(q.device)), cu_q, cu_k, max_q, int(max_seqlen_k), causal,
             softmax_scale,
         )

@@ -219,7 +219,7 @@ class CostModel:
 # The GPU presets are nominal rates. Measured ones replace them through a calibration file
 # (`CostModel.from_calibration`, `--sap-calibration-file`): docs/calibration.json holds the rates
 # fitted on one H200 with PyTorch's FlashAttention-2 kernels (315 TFLOP/s on the model's
-# tile-rounded pairs, backward 2.85x the forward time, the pipelined schedule's kernels 1.23x
+# tile-rounded pairs, backward 2.85x the forward time, the pipelined schedule's kernels 1.27x
 # the gathered one's, 2026-12-04; four runs since 2026-11-30 gave 315-319 and 2.84-2.85;
 # scripts/gpu_check.py).
 PRESETS: dict[str, CostModel] = {

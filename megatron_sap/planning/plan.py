@@ -386,7 +386,8 @@ class Plan:
         backward = (
             stacked_kv
             + kept
-            + rows * heads * m.head_dim * a  # dq accumulator
+            # dQ: an fp32 accumulator, or gathered, written once per row in the input dtype
+            + rows * heads * m.head_dim * (b if backward_program.schedule == "gathered" else a)
             + rows * kv_row * a  # dK/dV accumulator
             + rows * heads * a  # saved lse
             + 2 * ulysses
