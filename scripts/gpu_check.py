@@ -35,8 +35,9 @@ Built-in checks, in the order they run:
     and the device time by op of one run of every rank's program (torch.profiler);
     the pipelined over the gathered time is written to calibration.json as
     pipelined_kernel_factor;
-  * method_executor_times: every rank's whole op, SAP and the KV ring, forward and
-    backward with local exchanges (the executors' compute without communication);
+  * method_executor_times: every rank's whole op, SAP (as `auto` picks with this run's
+    calibration, and in each schedule) and the KV ring, forward and backward with local
+    exchanges (the executors' compute without communication);
   * rank_memory: every rank's peak memory for SAP (also with recompute_kv, pipelined)
     and the KV ring (each rank run alone with local exchanges), beside the formulas;
   * torch_backend_accuracy: the torch backend's accuracy on the GPU in float32;
@@ -50,6 +51,11 @@ Built-in checks, in the order they run:
 runs every check on the CPU at small sizes (`DRY_RUN_SIZES`), the torch backend standing
 in for the flash ones and without the host-sync checks: the test suite runs it, so that
 the script's own code is tested where no GPU is (its report is no GPU result).
+
+    python scripts/gpu_check.py --only sap_simulated,method_executor_times
+
+reruns those checks alone into the existing report (same device, torch and flash-attn),
+each marked with its date; the rest of the report stays.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@
 #   bash scripts/gpu_check.sh --prepare   # where the tokenizer and corpus packages are installed:
 #                                         # cache the real corpora's document lengths in .cache/megatron_sap
 #   bash scripts/gpu_check.sh             # on the GPU machine, with .cache/ copied along
+#   bash scripts/gpu_check.sh --only CHECK[,CHECK...]   # rerun those checks into the last report
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MEGATRON_SAP_CACHE="${MEGATRON_SAP_CACHE:-$PWD/.cache/megatron_sap}"
