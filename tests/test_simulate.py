@@ -27,11 +27,12 @@ def test_simulated_programs_match_reference(outer, kind):
     assert len(sim.forward_seconds) == outer and len(sim.backward_seconds) == outer
 
 
-def simulation_matching_reference(cu: list[int], plan: sap.Plan, seed: int):
-    """Every rank's program of `plan` run in turn on random inputs, checked against the
-    float64 dense reference: outputs and the three gradients."""
-    q, k, v, dout = make_inputs(cu, 4, 2, 8, seed=seed)
-    sim = simulate_plan(q, k, v, plan, dout)
+def simulation_matching_reference(cu: list[int], plan: sap.Plan, seed: int, heads: int = 4, kv_heads: int = 2,
+                                  schedule: str = "pipelined"):
+    """Every rank's program of `plan` run in turn (in `schedule`) on random inputs, checked
+    against the float64 dense reference: outputs and the three gradients."""
+    q, k, v, dout = make_inputs(cu, heads, kv_heads, 8, seed=seed)
+    sim = simulate_plan(q, k, v, plan, dout, schedule=schedule)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     ref, _ = dense_attention(q, k, v, torch.tensor(cu), causal=True)
     ref.backward(dout)
@@ -47,13 +48,7 @@ def test_each_rank_runs_its_own_schedule_under_auto():
     plan = sap.plan_sequences(cu, outer_size=4, inner_size=2, cost_model="cpu", cache=None)
     schedules = [plan.schedule(r) for r in range(4)]
     assert set(schedules) == {"pipelined", "gathered"}, schedules
-    q, k, v, dout = make_inputs(cu, 4, 2, 8, seed=5)
-    sim = simulate_plan(q, k, v, plan, dout, schedule="auto")
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    ref, _ = dense_attention(q, k, v, torch.tensor(cu), causal=True)
-    ref.backward(dout)
-    for got, want in ((sim.out, ref), (sim.dq, q.grad), (sim.dk, k.grad), (sim.dv, v.grad)):
-        assert (got - want).abs().max().item() < 1e-10
+    simulation_matching_reference(cu, plan, seed=5, schedule="auto")
 
 
 def test_simulation_takes_inputs_that_require_grad():
@@ -106,10 +101,4 @@ def test_plans_under_drawn_cost_models_match_reference(seed):
     held = [plan.local_indices(r) for r in range(world)]
     assert all(idx.numel() == cu[-1] // world for idx in held)
     assert torch.equal(torch.cat(held).sort().values, torch.arange(cu[-1]))
-    q, k, v, dout = make_inputs(cu, model.num_heads, kv_heads, 8, seed=seed)
-    sim = simulate_plan(q, k, v, plan, dout, schedule=rng.choice(["pipelined", "gathered", "auto"]))
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    ref, _ = dense_attention(q, k, v, torch.tensor(cu), causal=True)
-    ref.backward(dout)
-    for got, want in ((sim.out, ref), (sim.dq, q.grad), (sim.dk, k.grad), (sim.dv, v.grad)):
-        assert (got - want).abs().max().item() < 1e-10
+    simulation_matching_reference(cu, plan, seed, model.num_heads, kv_heads, rng.choice(["pipelined", "gathered", "auto"]))
