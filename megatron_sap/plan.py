@@ -35,6 +35,7 @@ import numpy as np
 from .bench.data import SOURCES, lengths_of
 from .comm.ulysses import check_heads
 from .planning import PRESETS, CostModel, Plan, plan_sequences
+from .planning.plan import CHOOSE_BY
 
 MAX_PIECES_SHOWN = 8
 # Without arguments: five documents on 4 outer groups of 2 ranks (docs/planner.md).
@@ -65,6 +66,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-heads", type=int, help="query heads of the model (default: the preset's)")
     parser.add_argument("--num-kv-heads", type=int, help="key/value heads of the model (default: the preset's)")
     parser.add_argument("--head-dim", type=int, help="head dimension (default: the preset's)")
+    parser.add_argument("--choose-by", choices=CHOOSE_BY, default="estimate",
+                        help="how the planner chooses among its candidates (as --sap-choose-by)")
     parser.add_argument("--png", type=Path, help="also draw the layout into this PNG file (with --outer-size)")
     args = parser.parse_args(argv)
     packed = args.lengths_from or args.lengths_file
@@ -161,14 +164,16 @@ def per_tp_rank(model: CostModel, tensor_parallel_size: int) -> CostModel:
     return dataclasses.replace(shaped, gpus_per_node=max(model.gpus_per_node // tp, 1))
 
 
-def compare_layouts(batches: list[list[int]], cp_size: int, model: CostModel, tensor_parallel_size: int = 1) -> list[LayoutResult]:
+def compare_layouts(batches: list[list[int]], cp_size: int, model: CostModel, tensor_parallel_size: int = 1,
+                    choose_by: str = "estimate") -> list[LayoutResult]:
     """Every usable layout U x R = `cp_size` (`inner_sizes`), modelled on `batches`."""
     if cp_size < 1:
         raise ValueError(f"--cp-size must be >= 1, got {cp_size}")
     shaped = per_tp_rank(model, tensor_parallel_size)
     results = []
     for U in inner_sizes(cp_size, shaped):  # U = 1 always: the cost model's heads divide by their KV heads
-        plans = [plan_sequences(cu, outer_size=cp_size // U, inner_size=U, cost_model=shaped, cache=None) for cu in batches]
+        plans = [plan_sequences(cu, outer_size=cp_size // U, inner_size=U, cost_model=shaped, cache=None, choose_by=choose_by)
+                 for cu in batches]
         stats = [plan.stats() for plan in plans]
         strategies = [plan.strategy for plan in plans]
         results.append(LayoutResult(
@@ -181,7 +186,7 @@ def compare_layouts(batches: list[list[int]], cp_size: int, model: CostModel, te
     return results
 
 
-def layouts_table(results: list[LayoutResult], cp_size: int, tokens: int) -> str:
+def layouts_table(results: list[LayoutResult], cp_size: int, tokens: int, choose_by: str = "estimate") -> str:
     """The compared layouts, fastest marked, and the Megatron flags to run it."""
     best = min(results, key=lambda r: r.modelled_s)
     lines = [f"{'U x R':>8} {'modelled ms':>12} {'vs ideal':>9} {'MiB sent/rank':>14}  candidate (most rows)"]
@@ -196,6 +201,8 @@ def layouts_table(results: list[LayoutResult], cp_size: int, tokens: int) -> str
         flags += f" --hierarchical-context-parallel-sizes {best.inner_size} {best.outer_size}"
     elif best.outer_size == 1:
         flags += f" --sap-inner-size {best.inner_size}"
+    if choose_by != "estimate":
+        flags += f" --sap-choose-by {choose_by}"
     lines += ["", f"fastest: {best.inner_size} x {best.outer_size}:  {flags}"]
     if tokens % (2 * cp_size):
         lines.append(f"note: Megatron-LM's argument check wants the sequence length ({tokens}) divisible by "
@@ -244,10 +251,12 @@ def describe(plan: Plan) -> str:
             + " ".join(pieces)
         )
     lines += ["", "KV in/out: forward tokens received/sent by the outer rank; MB per inner rank (its head slice).", ""]
-    lines.append("candidates (modelled forward+backward layer time):")
+    lines.append("candidates (the planner's estimate of the forward+backward layer time"
+                 + ("; timed: the executor's schedule, which chose" if plan.timed else "") + "):")
     for name, seconds in sorted(plan.considered.items(), key=lambda kv: kv[1]):
         mark = "  <- chosen" if name == plan.strategy else ""
-        lines.append(f"  {seconds * 1e3:9.3f} ms  {name}{mark}")
+        timed = f"  (timed {plan.timed[name] * 1e3:.3f} ms)" if name in plan.timed else ""
+        lines.append(f"  {seconds * 1e3:9.3f} ms  {name}{timed}{mark}")
     for name, seconds in sorted(plan.pruned.items(), key=lambda kv: kv[1]):
         lines.append(f"  >={seconds * 1e3:7.3f} ms  {name}  (given up at this floor)")
     return "\n".join(lines)
@@ -319,13 +328,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except RuntimeError as err:  # a corpus that cannot be read here
             raise ValueError(str(err)) from err
         if args.cp_size is not None:
-            results = compare_layouts(batches, args.cp_size, model, args.tensor_parallel_size)
+            results = compare_layouts(batches, args.cp_size, model, args.tensor_parallel_size, args.choose_by)
         else:
             rank_model = per_tp_rank(model, args.tensor_parallel_size)
             if args.inner_size >= 1:  # else plan_sequences names the bad size
                 check_heads(rank_model.num_heads, rank_model.num_kv_heads, args.inner_size)
             plan = plan_sequences(batches[0], outer_size=args.outer_size, inner_size=args.inner_size,
-                                  cost_model=rank_model, cache=None)
+                                  cost_model=rank_model, cache=None, choose_by=args.choose_by)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -336,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"layouts of CP size {args.cp_size}, T = {batches[0][-1]}, mean over {len(batches)} row(s), "
               f"{args.preset} preset, Hq={model.num_heads} Hkv={model.num_kv_heads} D={model.head_dim}, "
               f"TP={args.tensor_parallel_size}, {model.gpus_per_node} GPUs per node:")
-        print(layouts_table(results, args.cp_size, batches[0][-1]))
+        print(layouts_table(results, args.cp_size, batches[0][-1], args.choose_by))
         return 0
     print(describe(plan))
     if args.png is not None:

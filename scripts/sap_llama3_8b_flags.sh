@@ -24,6 +24,7 @@
 : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a Hugging Face tokenizer directory or name}"
 : "${SAP_COST_PRESET:=h100}"
 : "${SAP_LOG_INTERVAL:=100}"       # a line about SAP's plans in the log every so many micro-batches (0: none)
+: "${SAP_CHOOSE_BY:=estimate}"    # timeline: time the near candidate plans (better plans, more planning in the loader workers)
 
 CP=$((SAP_INNER * SAP_OUTER))
 read -r -a DATA_PATHS <<< "$DATA_PATH"  # one prefix, or Megatron's blend "0.7 /data/a 0.3 /data/b" (no spaces in paths)
@@ -49,7 +50,7 @@ PARALLEL_ARGS=(
 
 SAP_ARGS=(
     --sap-inner-size "$SAP_INNER" --sap-outer-size "$SAP_OUTER" --sap-backend auto
-    --sap-log-interval "$SAP_LOG_INTERVAL"
+    --sap-log-interval "$SAP_LOG_INTERVAL" --sap-choose-by "$SAP_CHOOSE_BY"
 )
 if [[ -n "${SAP_CALIBRATION_FILE:-}" ]]; then
     SAP_ARGS+=(--sap-calibration-file "$SAP_CALIBRATION_FILE")

@@ -656,8 +656,9 @@ def test_a_loader_plan_for_another_layout_is_refused_and_a_sized_cache_gets_the_
 
 
 def test_a_loader_plan_of_another_cost_model_or_slacks_is_refused(caplog) -> None:
-    """A worker's plan of the right row and layout, but made with another cost model or other
-    load slacks than this rank plans with, is refused (and said so), never cached."""
+    """A worker's plan of the right row and layout, but made with another cost model, other
+    load slacks or another choice among the candidates (`choose_by`) than this rank plans
+    with, is refused (and said so), never cached."""
     import pickle
 
     import megatron_sap as sap
@@ -671,12 +672,42 @@ def test_a_loader_plan_of_another_cost_model_or_slacks_is_refused(caplog) -> Non
         cache = plans._planning()[0]
         cache.clear()  # one cache per size, shared with the tests before
         for other in (sap.plan_sequences(row, cache=None, cost_model="h200"),
-                      sap.plan_sequences(row, cache=None, slacks=(0.5,))):
+                      sap.plan_sequences(row, cache=None, slacks=(0.5,)),
+                      sap.plan_sequences(row, cache=None, choose_by="timeline")):
             with caplog.at_level("WARNING", logger="megatron_sap.megatron.loader"), \
                     mock.patch("megatron_sap.megatron.loader._refusal_logged", False):
                 caplog.clear()
                 assert adopt_loader_plan(pickle.dumps(other), row) is None
-            assert "cost model or load slacks" in caplog.text and len(cache) == 0
+            assert "cost model, load slacks or --sap-choose-by" in caplog.text and len(cache) == 0
+    finally:
+        reset_sap_options()
+
+
+def test_choose_by_goes_from_the_flag_to_every_plan_made() -> None:
+    """--sap-choose-by (default: estimate) sets how the batch split's plans and the loader
+    workers' are chosen among the candidates; a loader plan chosen alike is taken."""
+    import pickle
+
+    from megatron_sap.megatron import plans
+    from megatron_sap.megatron.loader import LoaderPlanning, adopt_loader_plan
+    from megatron_sap.megatron.options import SAPOptions, reset_sap_options
+
+    parser = chain_args_providers(None, add_sap_args)(argparse.ArgumentParser())
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    assert sap_settings_from_args(parser.parse_args([])).options.choose_by == "estimate"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--sap-choose-by", "fastest"])
+    with pytest.raises(ValueError, match="choose_by must be one of"):
+        SAPOptions(choose_by="fastest")
+    row = [0, 700, 1000, 2048]
+    try:
+        assert sap_settings_from_args(parser.parse_args(["--sap-choose-by", "timeline"])).options.choose_by == "timeline"
+        assert plans.plan_for(row, None).choose_by == "timeline"
+        planning = LoaderPlanning(1, 1, plans.planning_cost_model(), outer_rank=0, schedule="auto", recompute_kv=False,
+                                  reset_position_ids=True, choose_by="timeline")
+        made = planning.plan({"tokens": torch.arange(2048), "position_ids": torch.cat([torch.arange(n) for n in (700, 300, 1048)])})
+        assert made.choose_by == "timeline" and list(made.cu_seqlens) == row
+        assert adopt_loader_plan(pickle.dumps(made), row) is not None
     finally:
         reset_sap_options()
 

@@ -98,12 +98,14 @@ def _forward_step(pretrain_gpt):
     return pretrain_gpt.forward_step
 
 
-def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None = None, rows: str = "pretraining") -> dict:
+def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None = None, rows: str = "pretraining",
+                          choose_by: str = "estimate") -> dict:
     """(summed loss, loss tokens) of this rank's share of the row at CP 1 (every rank alone) and at
     CP 2, from the script's `forward_step` and loss function; and the summed loss of the
     documents run one at a time. The checkout's script through the hooks, or `patched_script`
     (the fork patch applied) without them, SAP configured as its patched initialize.py does. With
-    `rows` other than pretraining, the row is `_row_with_cu_seqlens` (see `ROWS`)."""
+    `rows` other than pretraining, the row is `_row_with_cu_seqlens` (see `ROWS`); `choose_by`:
+    --sap-choose-by."""
     import importlib.util
 
     sys.path.insert(0, MEGATRON_LM)
@@ -130,7 +132,7 @@ def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None
     summary.setLevel(logging.INFO)
     with _on_cpu():
         for cp in (1, 2):
-            args = _set_args(_flags(cp), rank, world_size)
+            args = _set_args([*_flags(cp), "--sap-choose-by", choose_by], rank, world_size)
             args.create_attention_mask_in_dataloader = True  # Megatron's default; the hooks turn it off
             _set_rows(args, rows)
             try:
@@ -145,6 +147,7 @@ def run_pretrain_gpt_rank(rank: int, world_size: int, patched_script: str | None
                     from megatron_sap.planning.plan import DEFAULT_CACHE
 
                     losses["cache"] = (DEFAULT_CACHE.hits, DEFAULT_CACHE.misses)
+                    losses["chosen by"] = {plan.choose_by for plan in DEFAULT_CACHE._plans.values()}
                 loss, count = loss_func(output)[:2]
                 losses[cp] = (float(loss), int(count))
                 if cp == 1:  # the documents one at a time, unpacked: what packing must not change
@@ -336,6 +339,14 @@ def test_pretrain_gpt_through_the_hooks_gives_cp1s_loss(pool2) -> None:
     assert first.startswith("megatron-sap: last 1 micro-batches (1 x 1): ") and "made in this process 1 of 1" in first
     assert second.startswith("megatron-sap: last 1 micro-batches (1 x 2): ") and "made in this process 0 of 1" in second
     assert "K/V moved between outer groups" in second and not results[1]["summary"]
+
+
+def test_pretrain_gpt_with_plans_chosen_by_the_timeline(pool2) -> None:
+    """--sap-choose-by timeline: the loader plans the row so, the split takes that plan, and the
+    loss is CP 1's."""
+    results = pool2.run(run_pretrain_gpt_rank, None, "pretraining", "timeline")
+    _assert_cp1s_loss(results)
+    assert all(r["cache"] == (1, 0) and r["chosen by"] == {"timeline"} for r in results), results
 
 
 patched_pool2 = make_pool_fixture(2, timeout=300, destroy_job_groups=True)  # fresh workers: no hooks installed there

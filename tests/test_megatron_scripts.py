@@ -94,7 +94,7 @@ def test_all_script_flags_parse_with_megatron_lm() -> None:
         "sys.argv = ['pretrain_gpt.py'] + sys.argv[2:]\n"
         "args = parse_args(add_sap_args)\n"
         "assert args.cp_comm_type == ['sap'] and args.hierarchical_context_parallel_sizes == [4, 4]\n"
-        "assert args.sap_log_interval == 100\n"
+        "assert args.sap_log_interval == 100 and args.sap_choose_by == 'estimate'\n"
         "print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", code, os.environ["MEGATRON_LM_PATH"], *_training_flags()],

@@ -662,7 +662,7 @@ def test_invalid_sizes_are_rejected(outer, inner):
 
 # ---- cache ------------------------------------------------------------------------------------
 def test_cache_hits_misses_and_identity():
-    cache = PlanCache(maxsize=4)
+    cache = PlanCache(maxsize=8)
     cu = [0, 5, 16, 32]
     first = sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=cache)
     assert (cache.hits, cache.misses, len(cache)) == (0, 1, 1)
@@ -678,10 +678,14 @@ def test_cache_hits_misses_and_identity():
     # Other slacks are another entry too: the plan is made with the slacks asked for.
     loose = sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=cache, slacks=(1.0,))
     assert loose is not first and loose.slacks == (1.0,) and cache.misses == 4
+    # So is the other way of choosing among the candidates.
+    timed = sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=cache, choose_by="timeline")
+    assert timed is not first and timed.choose_by == "timeline" and cache.misses == 5
+    assert sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=cache, choose_by="timeline") is timed
     # Any accepted form of the same values is the same entry: 0-d tensors, array.array.
     assert sap.plan_sequences(list(torch.tensor(cu)), outer_size=4, inner_size=2, cache=cache) is first
     assert sap.plan_sequences(array.array("q", cu), outer_size=4, inner_size=2, cache=cache) is first
-    assert (cache.hits, cache.misses) == (5, 4)
+    assert (cache.hits, cache.misses) == (6, 5)
     # A cached plan equals a fresh one, and a pickled one; plans of other batches differ.
     fresh = sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=None)
     assert fresh is not first and fresh.placement == first.placement
@@ -1012,6 +1016,70 @@ def test_passes_at_different_slacks_have_different_names():
     assert {"greedy(slack=0, contiguous)", "greedy(slack=1, zigzag, fill)"} <= default
 
 
+# ---- choosing by the timeline --------------------------------------------------------------
+def _timed_candidate_times(plan) -> dict[str, float]:
+    """Every candidate that `plan` (choose_by="timeline") timed, planned alone as its own plan:
+    the executor's schedule of its programs (`stats()["modelled_time_s"]`), by name."""
+    model, outer, inner = plan.cost_model, plan.outer_size, plan.inner_size
+    cu = list(plan.cu_seqlens)
+    placements = build_all(candidates(cu[:-1], np.diff(cu).tolist(), outer, cu[-1] // outer, model, DEFAULT_SLACKS, inner))
+    times = {}
+    for name in plan.timed:
+        placement = placements[name]
+        alone = sap.Plan(plan.cu_seqlens, outer, inner, model, placement, evaluate(placement, inner, model), {})
+        times[name] = alone.stats()["modelled_time_s"]
+    return times
+
+
+@pytest.mark.parametrize("corpus, tokens, inner, outer", [("stdlib", 32768, 1, 16), ("sharegpt", 32768, 8, 8),
+                                                          ("stdlib", 65536, 4, 16)])
+def test_choosing_by_the_timeline_takes_the_fastest_timed_candidate(corpus, tokens, inner, outer):
+    """choose_by="timeline" times the estimate's choice and the candidates nearest the fastest
+    estimate with their compiled programs, all ranks together, and takes the fastest: its time
+    is the lowest of those it timed, each the time that candidate's own plan reports, never
+    slower than the plan the estimate chooses; it places every token (T/P per rank)."""
+    from megatron_sap.bench.data import document_lengths
+    from megatron_sap.bench.packing import pack
+
+    for cu in pack(document_lengths(corpus), tokens, 3, seed=42):
+        plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None, choose_by="timeline")
+        assert plan.choose_by == "timeline" and plan.strategy in plan.timed
+        assert 1 <= len(plan.timed) <= 4
+        assert plan._programs == {}  # timed, then dropped: a rank compiles its own
+        stats = plan.stats()
+        assert stats["modelled_time_s"] == pytest.approx(plan.timed[plan.strategy], rel=1e-12)
+        assert stats["candidates_timeline_s"] == plan.timed
+        assert plan.timed[plan.strategy] == min(plan.timed.values())
+        fastest_estimate = min(plan.considered.values())
+        for name, time_s in _timed_candidate_times(plan).items():
+            assert time_s == pytest.approx(plan.timed[name], rel=1e-12)
+            assert plan.considered[name] <= fastest_estimate * 1.05 + 1e-15
+        indices = torch.cat([plan.local_indices(r) for r in range(outer * inner)])
+        assert torch.equal(indices.sort().values, torch.arange(cu[-1]))
+        by_estimate = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
+        assert by_estimate.strategy in plan.timed
+        assert stats["modelled_time_s"] <= by_estimate.stats()["modelled_time_s"] * (1 + 1e-12)
+
+
+def test_choosing_by_the_timeline_avoids_a_layout_whose_exchanges_wait():
+    """A row where the estimate's choice (within 1% of the fastest estimate, the fewest bytes)
+    waits on its peers' exchanges: the executor's schedule times it about 1.4x the one
+    the timeline choice takes."""
+    from megatron_sap.bench.data import document_lengths
+    from megatron_sap.bench.packing import pack
+
+    cu = pack(document_lengths("stdlib"), 32768, 1, seed=42)[0]
+    by_estimate = sap.plan_sequences(cu, outer_size=16, cache=None)
+    by_timeline = sap.plan_sequences(cu, outer_size=16, cache=None, choose_by="timeline")
+    assert by_timeline.strategy != by_estimate.strategy
+    assert by_timeline.evaluation.makespan_s >= by_estimate.evaluation.makespan_s * 0.99  # the estimate ranks them alike
+    assert by_timeline.stats()["modelled_time_s"] < 0.8 * by_estimate.stats()["modelled_time_s"]
+
+
+def test_choose_by_must_be_known():
+    with pytest.raises(ValueError, match="choose_by must be one of 'estimate', 'timeline', got 'fastest'"):
+        sap.plan_sequences([0, 8, 16], outer_size=2, choose_by="fastest")
+
 def pruned_count(seed: int, outer: int, inner: int) -> int:
     """Plan a realistic row; check the plan against the choice among every candidate
     built and evaluated; return how many candidates pruning gave up."""
@@ -1300,6 +1368,20 @@ def test_cli_packs_real_lengths(capsys):
     assert plan_cli(["--lengths-from", "stdlib", "--tokens", "16384", "--seed", "1", "--outer-size", "8", "--preset", "h200"]) == 0
     out = capsys.readouterr().out
     assert "T=16384 tokens" in out and "cost model 'h200'" in out
+
+
+def test_cli_chooses_by_the_timeline(capsys):
+    """--choose-by timeline: the timed candidates show their time, the chosen one among
+    them, and the layout comparison's flags carry --sap-choose-by."""
+    argv = ["--lengths-from", "stdlib", "--tokens", "32768", "--seed", "42", "--outer-size", "16", "--choose-by", "timeline"]
+    assert plan_cli(argv) == 0
+    out = capsys.readouterr().out
+    chosen = [line for line in out.splitlines() if line.endswith("<- chosen")]
+    assert len(chosen) == 1 and "(timed " in chosen[0] and out.count("(timed ") >= 2
+    assert plan_cli(["--cu-seqlens", "0,3000,8192", "--cp-size", "4", "--choose-by", "timeline"]) == 0
+    assert "--sap-choose-by timeline" in capsys.readouterr().out
+    assert plan_cli(["--cu-seqlens", "0,3000,8192", "--cp-size", "4"]) == 0
+    assert "--sap-choose-by" not in capsys.readouterr().out
 
 
 def test_cli_packs_synthetic_lengths(capsys):

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from megatron_sap.comm.ulysses import check_heads
 from megatron_sap.planning import PRESETS
+from megatron_sap.planning.plan import CHOOSE_BY
 
 from .options import BACKENDS, SCHEDULES, SAPOptions, set_sap_options
 
@@ -63,6 +64,12 @@ def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--sap-schedule", choices=SCHEDULES, default="auto",
         help="pipelined: each exchange's kernel calls overlap the next exchange; gathered: each query piece "
         "once all its keys are in, as one kernel segment (no merges); auto: what the cost model times faster",
+    )
+    group.add_argument(
+        "--sap-choose-by", choices=CHOOSE_BY, default="estimate",
+        help="how the planner chooses among its candidate placements: estimate (its own estimate, fast) or "
+        "timeline (the near candidates' programs compiled and timed, all ranks together: better plans where "
+        "the estimate misleads, several times the planning time; best with --sap-plan-in-data-loader)",
     )
     group.add_argument(
         "--sap-log-interval", type=int, default=0,
@@ -188,6 +195,7 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
         gpus_per_node=int(local_gpus) if local_gpus.isdigit() else None,
         tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
         log_interval=args.sap_log_interval,
+        choose_by=args.sap_choose_by,
     )
     return SAPSettings(inner_size=inner, outer_size=outer, options=options)
 

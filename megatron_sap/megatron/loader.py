@@ -65,6 +65,7 @@ class LoaderPlanning:
     schedule: str
     recompute_kv: bool
     reset_position_ids: bool
+    choose_by: str = "estimate"
 
     def plan(self, sample: Mapping[str, Any]) -> Optional["sap.Plan"]:
         """The sample's plan with this rank's program compiled; None where its documents are
@@ -73,7 +74,7 @@ class LoaderPlanning:
         if documents is None:
             return None
         plan = sap.plan_sequences(documents, outer_size=self.outer_size, inner_size=self.inner_size,
-                                  cost_model=self.cost_model, cache=None)
+                                  cost_model=self.cost_model, cache=None, choose_by=self.choose_by)
         plan.program(self.outer_rank, schedule=self.schedule, recompute_kv=self.recompute_kv)
         plan.group_indices(self.outer_rank)  # the batch split's indices, made once
         return plan
@@ -128,7 +129,7 @@ def adopt_loader_plan(data: Optional[bytes], documents: Optional[list[int]]) -> 
     if not _refusal_logged:  # the workers plan for nothing: worth seeing once
         _refusal_logged = True
         logger.warning("megatron-sap: a plan made in the data loader's workers does not fit this micro-batch (another "
-                       "row, SAP layout, cost model or load slacks); such rows are planned in the training process")
+                       "row, SAP layout, cost model, load slacks or --sap-choose-by); such rows are planned in the training process")
     return None
 
 
@@ -142,4 +143,4 @@ def loader_planning(reset_position_ids: bool) -> LoaderPlanning:
     options = get_sap_options()
     inner, outer, rank = (1, 1, 0) if groups is None else (groups.inner_size, groups.outer_size, groups.outer_rank)
     return LoaderPlanning(outer, inner, planning_cost_model(), rank, options.schedule, options.recompute_kv,
-                          reset_position_ids)
+                          reset_position_ids, options.choose_by)

@@ -14,6 +14,7 @@ import torch
 
 from megatron_sap.attention import dtype_name
 from megatron_sap.planning.cost_model import CostModel
+from megatron_sap.planning.plan import CHOOSE_BY
 from megatron_sap.planning.program import SCHEDULES as PROGRAM_SCHEDULES
 from megatron_sap.planning.program import check_schedule
 
@@ -47,6 +48,10 @@ class SAPOptions:
         decides the link class of each transfer.
     log_interval: every so many micro-batches global rank 0 logs a line about their plans
         (`megatron_sap.megatron.summary`); 0: never.
+    choose_by: how the planner chooses among its candidates (`plan_sequences`): "estimate"
+        (its own estimate, fast) or "timeline" (the near candidates compiled and timed, all
+        ranks together: better plans where the estimate misleads, several times the
+        planning time).
     """
 
     backend: str = "auto"
@@ -61,6 +66,7 @@ class SAPOptions:
     gpus_per_node: Optional[int] = None
     tensor_parallel_size: int = 1
     log_interval: int = 0
+    choose_by: str = "estimate"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -85,6 +91,8 @@ class SAPOptions:
                 raise ValueError(f"attention_dtype must name a floating-point torch dtype (e.g. 'bfloat16'), "
                                  f"got {self.attention_dtype!r}")
             object.__setattr__(self, "attention_dtype", dtype_name(getattr(torch, name)))  # "half" -> "float16"
+        if self.choose_by not in CHOOSE_BY:
+            raise ValueError(f"choose_by must be one of {CHOOSE_BY}, got {self.choose_by!r}")
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0 (0: no SAP summary in the log), got {self.log_interval}")
         if (self.gpus_per_node is not None and self.gpus_per_node < 1) or self.tensor_parallel_size < 1:

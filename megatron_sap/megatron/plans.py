@@ -73,7 +73,7 @@ def plan_for(cu_seqlens: torch.Tensor | list[int], groups: Optional["sap.SAPGrou
                     "pg_collection with `hcp` when CP is hierarchical, or none to use parallel_state)"
                 )
             return known
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"choose_by": get_sap_options().choose_by}
     cache, model = _planning()
     if cache is not None:
         kwargs["cache"] = cache
@@ -117,8 +117,9 @@ def planning_cost_model() -> "sap.CostModel":
 
 def adopt_plan(plan: "sap.Plan") -> bool:
     """Put a plan made elsewhere (a data loader's worker) into the cache `plan_for` reads, if it
-    was made with the cost model and load slacks `plan_for` plans with."""
-    if plan.cost_model != planning_cost_model() or plan.slacks != DEFAULT_SLACKS:
+    was made with the cost model, load slacks and choice (`choose_by`) `plan_for` plans with."""
+    if (plan.cost_model != planning_cost_model() or plan.slacks != DEFAULT_SLACKS
+            or plan.choose_by != get_sap_options().choose_by):
         return False
     planning_cache().add(plan)
     return True

@@ -31,6 +31,13 @@ DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
 DEFAULT_COST_MODEL = CostModel.preset("h100")
 TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on bytes moved
 TIME_RESOLUTION_S = 10e-6  # a candidate this close to the lower bound ends the search (see `at_bound`)
+# How `plan_sequences` chooses among the candidates: by the planner's own estimate
+# (`evaluate`), or by the executor's schedule of their compiled programs, all ranks
+# together (`timeline.plan_schedule`), timing at most TIMELINE_CANDIDATES of those
+# within TIMELINE_BAND of the fastest estimate.
+CHOOSE_BY = ("estimate", "timeline")
+TIMELINE_BAND = 0.05
+TIMELINE_CANDIDATES = 4
 
 
 def at_bound(time_s: float, bound_s: float) -> bool:
@@ -61,6 +68,8 @@ class Plan:
     considered: dict[str, float]  # modelled makespan of every candidate evaluated, by strategy
     pruned: dict[str, float] = field(default_factory=dict)  # floor on the modelled makespan of the others
     slacks: tuple[float, ...] = DEFAULT_SLACKS  # the greedy passes' load slacks it was planned with
+    choose_by: str = "estimate"  # how it was chosen among the candidates (CHOOSE_BY)
+    timed: dict[str, float] = field(default_factory=dict)  # choose_by="timeline": the timed candidates' makespans
     _layout: _Layout | None = field(default=None, repr=False)
     _order: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
     _levels: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
@@ -338,6 +347,7 @@ class Plan:
             "ideal_time_s": ev.ideal_s,
             "candidates_modelled_time_s": dict(self.considered),
             "candidates_pruned_floor_s": dict(self.pruned),
+            "candidates_timeline_s": dict(self.timed),  # choose_by="timeline": the timed candidates' modelled_time_s
         }
 
 
@@ -467,7 +477,8 @@ class PlanCache:
     def add(self, plan: Plan) -> None:
         """Keep a plan made elsewhere (another process: a data loader's worker) under the key
         `plan_sequences` looks it up by."""
-        self.put(_cache_key(plan.cu_seqlens, plan.outer_size, plan.inner_size, plan.cost_model, plan.slacks), plan)
+        self.put(_cache_key(plan.cu_seqlens, plan.outer_size, plan.inner_size, plan.cost_model, plan.slacks,
+                            plan.choose_by), plan)
 
     def put(self, key: tuple, plan: Plan) -> None:
         with self._lock:
@@ -489,9 +500,9 @@ DEFAULT_CACHE = PlanCache()
 
 
 def _cache_key(cu_seqlens: tuple[int, ...], outer_size: int, inner_size: int, model: CostModel,
-               slacks: tuple[float, ...]) -> tuple:
+               slacks: tuple[float, ...], choose_by: str) -> tuple:
     """What a plan is cached under: everything `plan_sequences` plans from."""
-    return (cu_seqlens, outer_size, inner_size, model, slacks)
+    return (cu_seqlens, outer_size, inner_size, model, slacks, choose_by)
 
 
 def _cache_key_values(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[int, ...] | None:
@@ -544,6 +555,7 @@ def plan_sequences(
     cost_model: CostModel | str | None = None,
     cache: PlanCache | None = DEFAULT_CACHE,
     slacks: tuple[float, ...] = DEFAULT_SLACKS,
+    choose_by: str = "estimate",
 ) -> Plan:
     """Plan one packed batch for a CP group of `outer_size * inner_size` ranks.
 
@@ -561,8 +573,18 @@ def plan_sequences(
     finished candidate no slower than its floor (`Plan.pruned`).
     `cost_model` is a `CostModel` or a preset name (default: the `h100` preset); `slacks`
     the load slacks of the greedy passes (non-negative).
-    Plans are cached by (cu_seqlens, sizes, cost model, slacks): a repeated batch shape costs a
-    dictionary lookup. Pass `cache=None` to bypass the cache.
+    `choose_by="timeline"` chooses by the executor's schedule instead: the candidates are
+    built until over 5% slower than the fastest estimate (not 1%, and none given up for its
+    bytes); the estimate's choice and the 3 other layouts fastest by estimate within 5% of
+    it are compiled and timed, all ranks together (`timeline.plan_schedule`, the time
+    `stats()` reports as `modelled_time_s`); the fastest wins (ties: fewer bytes), never
+    slower than the estimate's choice by that time. The estimate
+    treats a rank's exchanges as equal and independent of its peers, and can favour a
+    layout whose exchanges wait on each other; timing the near candidates costs a compile
+    of every rank's programs each (`docs/planner.md`, "Choosing by the timeline"), which
+    planning in a data loader's workers hides.
+    Plans are cached by (cu_seqlens, sizes, cost model, slacks, choose_by): a repeated
+    batch shape costs a dictionary lookup. Pass `cache=None` to bypass the cache.
     """
     for name, size in (("outer_size", outer_size), ("inner_size", inner_size)):
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
@@ -576,6 +598,8 @@ def plan_sequences(
     if not slacks or any(not isinstance(s, numbers.Real) or isinstance(s, bool) or not 0 <= s < math.inf for s in slacks):
         raise ValueError(f"slacks must be finite non-negative numbers (load over the ideal a pass allows), got {slacks}")
     slacks = tuple(float(s) for s in slacks)
+    if choose_by not in CHOOSE_BY:
+        raise ValueError(f"choose_by must be one of {', '.join(map(repr, CHOOSE_BY))}, got {choose_by!r}")
     if cache is not None and not isinstance(cache, PlanCache):
         raise TypeError(f"cache must be a PlanCache or None, got {type(cache).__name__}")
     values, cu = _cache_key_values(cu_seqlens), None
@@ -584,14 +608,14 @@ def plan_sequences(
         values = tuple(cu)
     key = None
     if cache is not None:
-        key = _cache_key(values, outer_size, inner_size, model, slacks)
+        key = _cache_key(values, outer_size, inner_size, model, slacks, choose_by)
         plan = cache.get(key)
         if plan is not None:
             return plan
     if cu is None:
         cu = cu_seqlens_to_list(cu_seqlens)
     with _gc_paused():
-        plan = _fresh_plan(cu, outer_size, inner_size, model, slacks)
+        plan = _fresh_plan(cu, outer_size, inner_size, model, slacks, choose_by)
     if cache is not None:
         cache.put(key, plan)
     return plan
@@ -615,7 +639,8 @@ def _gc_paused() -> Iterator[None]:
         gc.enable()
 
 
-def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostModel, slacks: tuple[float, ...]) -> Plan:
+def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostModel, slacks: tuple[float, ...],
+                choose_by: str) -> Plan:
     """`plan_sequences` of a valid `cu_seqlens` list, planned (not looked up)."""
     total = cu[-1]
     world = outer_size * inner_size
@@ -665,17 +690,20 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
                 break
     # Candidates are built a document at a time, the one with the lowest floor next
     # (ties: the earlier candidate). A candidate whose floor (its tally's, plus the
-    # all-to-alls) is over TIME_TOLERANCE slower than the fastest built so far can be
-    # neither chosen nor near the choice: it is given up there. Once the lowest floor
-    # is out of reach, so are all the others.
+    # all-to-alls) is over TIME_TOLERANCE (choosing by the timeline, TIMELINE_BAND) slower
+    # than the fastest built so far can be neither chosen nor near the choice: it is given
+    # up there. Once the lowest floor is out of reach, so are all the others.
+    by_timeline = choose_by == "timeline"
+    band = TIMELINE_BAND if by_timeline else TIME_TOLERANCE
     queue = [] if done else [(b.floor_s, b.index, b) for b in builds if b.placement is None]
     heapq.heapify(queue)
     while queue:
         floor_s, _, build = queue[0]
-        if floor_s + a2a_s > fastest * (1 + TIME_TOLERANCE):
+        if floor_s + a2a_s > fastest * (1 + band):
             pruned.update((name, f + a2a_s) for f, _, b in queue for name in b.names)
             break
-        if build.placement is None and floor_s + a2a_s >= fastest and _outmoved(build, floor_s + a2a_s, evaluated):
+        if (not by_timeline and build.placement is None and floor_s + a2a_s >= fastest
+                and _outmoved(build, floor_s + a2a_s, evaluated)):
             heapq.heappop(queue)
             pruned.update((name, floor_s + a2a_s) for name in build.names)
             continue
@@ -691,9 +719,42 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
         heapq.heappop(queue)
         if weigh(build):
             break
-    # The fastest candidate; among those within TIME_TOLERANCE of it, the one that moves
-    # the fewest bytes (less contention with other traffic for the same modelled time),
-    # then the faster, then the earlier candidate.
-    near = [(i, p, ev) for i, p, ev in evaluated if ev.makespan_s <= fastest * (1 + TIME_TOLERANCE)]
-    _, placement, ev = min(near, key=lambda ipe: (ipe[2].traffic_total, ipe[2].makespan_s, ipe[0]))
+    if by_timeline:
+        return _timed_choice(cu, outer_size, inner_size, model, slacks, evaluated, fastest, considered, pruned)
+    _, placement, ev = _estimate_choice(evaluated, fastest)
     return Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks)
+
+
+def _estimate_choice(evaluated: list[tuple[int, Placement, Evaluation]], fastest: float) -> tuple[int, Placement, Evaluation]:
+    """The choice by estimate: the fastest candidate; among those within TIME_TOLERANCE of
+    it, the one that moves the fewest bytes (less contention with other traffic for the
+    same modelled time), then the faster, then the earlier candidate."""
+    near = [(i, p, ev) for i, p, ev in evaluated if ev.makespan_s <= fastest * (1 + TIME_TOLERANCE)]
+    return min(near, key=lambda ipe: (ipe[2].traffic_total, ipe[2].makespan_s, ipe[0]))
+
+
+def _timed_choice(cu: list[int], outer_size: int, inner_size: int, model: CostModel, slacks: tuple[float, ...],
+                  evaluated: list[tuple[int, Placement, Evaluation]], fastest: float, considered: dict[str, float],
+                  pruned: dict[str, float]) -> Plan:
+    """The choice by estimate (`_estimate_choice`) and the fastest by estimate of the other
+    evaluated candidates within TIMELINE_BAND of the `fastest` estimate, TIMELINE_CANDIDATES
+    in all, timed with their compiled programs (`plan_schedule`); the fastest by that time
+    wins (ties: fewer bytes, then the estimate, then the earlier candidate), so it is never
+    slower than the choice by estimate. The winner keeps its ranks' schedule times but not
+    the programs compiled to time them (a rank needs its own only; a plan cache or a
+    pickled plan would hold every rank's)."""
+    chosen = _estimate_choice(evaluated, fastest)
+    others = sorted((e for e in evaluated if e is not chosen and e[2].makespan_s <= fastest * (1 + TIMELINE_BAND)),
+                    key=lambda e: (e[2].makespan_s, e[0]))
+    timed: dict[str, float] = {}
+    best: tuple[tuple, Plan] | None = None
+    for i, placement, ev in [chosen, *others[: TIMELINE_CANDIDATES - 1]]:
+        plan = Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks, "timeline", timed)
+        time_s = max(rank.total_s for rank in plan_schedule(plan))
+        timed[placement.strategy] = time_s
+        key = (time_s, ev.traffic_total, ev.makespan_s, i)
+        if best is None or key < best[0]:
+            best = (key, plan)
+    plan = best[1]
+    plan._programs.clear()
+    return plan
