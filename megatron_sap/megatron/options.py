@@ -14,7 +14,7 @@ import torch
 
 from megatron_sap.attention import dtype_name
 from megatron_sap.planning.cost_model import CostModel
-from megatron_sap.planning.plan import CHOOSE_BY
+from megatron_sap.planning.plan import check_choose_by
 from megatron_sap.planning.program import SCHEDULES as PROGRAM_SCHEDULES
 from megatron_sap.planning.program import check_schedule
 
@@ -91,8 +91,7 @@ class SAPOptions:
                 raise ValueError(f"attention_dtype must name a floating-point torch dtype (e.g. 'bfloat16'), "
                                  f"got {self.attention_dtype!r}")
             object.__setattr__(self, "attention_dtype", dtype_name(getattr(torch, name)))  # "half" -> "float16"
-        if self.choose_by not in CHOOSE_BY:
-            raise ValueError(f"choose_by must be one of {CHOOSE_BY}, got {self.choose_by!r}")
+        check_choose_by(self.choose_by)
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0 (0: no SAP summary in the log), got {self.log_interval}")
         if (self.gpus_per_node is not None and self.gpus_per_node < 1) or self.tensor_parallel_size < 1:

@@ -40,6 +40,13 @@ TIMELINE_BAND = 0.05
 TIMELINE_CANDIDATES = 4
 
 
+def check_choose_by(choose_by: str) -> str:
+    """`choose_by` if it names one of `CHOOSE_BY`, else ValueError."""
+    if choose_by not in CHOOSE_BY:
+        raise ValueError(f"choose_by must be one of {', '.join(map(repr, CHOOSE_BY))}, got {choose_by!r}")
+    return choose_by
+
+
 def at_bound(time_s: float, bound_s: float) -> bool:
     """Whether a modelled layer time is within TIME_TOLERANCE (relative) or
     TIME_RESOLUTION_S (absolute, whichever is larger) of the lower bound: no other
@@ -598,8 +605,7 @@ def plan_sequences(
     if not slacks or any(not isinstance(s, numbers.Real) or isinstance(s, bool) or not 0 <= s < math.inf for s in slacks):
         raise ValueError(f"slacks must be finite non-negative numbers (load over the ideal a pass allows), got {slacks}")
     slacks = tuple(float(s) for s in slacks)
-    if choose_by not in CHOOSE_BY:
-        raise ValueError(f"choose_by must be one of {', '.join(map(repr, CHOOSE_BY))}, got {choose_by!r}")
+    check_choose_by(choose_by)
     if cache is not None and not isinstance(cache, PlanCache):
         raise TypeError(f"cache must be a PlanCache or None, got {type(cache).__name__}")
     values, cu = _cache_key_values(cu_seqlens), None
