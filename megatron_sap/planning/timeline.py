@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
+from weakref import WeakKeyDictionary
 
 from .cost_model import CostModel
 from .evaluate import ulysses_cost
@@ -81,6 +82,22 @@ def _kernel_s(program: RankProgram, calls: Sequence[KernelCall], inner_size: int
     return factor * model.compute_seconds(float(sum(_call_pairs(c, model) for c in calls)), head_fraction=1.0 / inner_size)
 
 
+_STEP_COSTS: WeakKeyDictionary = WeakKeyDictionary()  # program -> {(inner_size, model): `_step_costs`}
+
+
+def _step_costs(program: RankProgram, inner_size: int, model: CostModel) -> tuple[list[float], list[float], float]:
+    """(seconds of each step's exchange, forward seconds of each step's calls, of the local
+    calls) of `program`, worked out once: a rank's program is timed alone, forward and
+    backward, in both schedules, then with the others."""
+    per_model = _STEP_COSTS.setdefault(program, {})
+    key = (inner_size, model)
+    if key not in per_model:
+        per_model[key] = ([_exchange_s(program, s, inner_size, model) for s in program.transfers],
+                          [_kernel_s(program, s.calls, inner_size, model) for s in program.transfers],
+                          _kernel_s(program, program.local_calls, inner_size, model))
+    return per_model[key]
+
+
 def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: CostModel,
                   recompute_kv: bool = False, backward_program: RankProgram | None = None) -> RankSchedule:
     """The forward and backward seconds of one outer rank's `program` (see module
@@ -106,9 +123,10 @@ def _run(programs: Sequence[RankProgram], events: Sequence[Sequence[Event]], bac
     exchanges disagree (they would wait for each other forever)."""
     R = len(programs)
     factor = model.backward_factor if backward else 1.0
-    x = [[_exchange_s(p, s, inner_size, model) for s in p.transfers] for p in programs]
-    step_s = [[factor * _kernel_s(p, s.calls, inner_size, model) for s in p.transfers] for p in programs]
-    local_s = [factor * _kernel_s(p, p.local_calls, inner_size, model) for p in programs]
+    costs = [_step_costs(p, inner_size, model) for p in programs]
+    x = [exchanges for exchanges, _, _ in costs]
+    step_s = [[factor * s for s in kernels] for _, kernels, _ in costs]
+    local_s = [factor * local for _, _, local in costs]
     step_of = [{_peer(s): i for i, s in enumerate(p.transfers)} for p in programs]
     at, compute, link = [0] * R, [0.0] * R, [0.0] * R
     done: list[dict[tuple[str, int], float]] = [{} for _ in range(R)]
