@@ -36,8 +36,8 @@ TIME_RESOLUTION_S = 10e-6  # a candidate this close to the lower bound ends the 
 # together (`timeline.plan_schedule`), timing at most TIMELINE_CANDIDATES of those
 # within TIMELINE_BAND of the fastest estimate.
 CHOOSE_BY = ("estimate", "timeline")
-TIMELINE_BAND = 0.05
-TIMELINE_CANDIDATES = 4
+TIMELINE_BAND = 0.10
+TIMELINE_CANDIDATES = 6
 
 
 def check_choose_by(choose_by: str) -> str:
@@ -581,8 +581,8 @@ def plan_sequences(
     `cost_model` is a `CostModel` or a preset name (default: the `h100` preset); `slacks`
     the load slacks of the greedy passes (non-negative).
     `choose_by="timeline"` chooses by the executor's schedule instead: the candidates are
-    built until over 5% slower than the fastest estimate (not 1%, and none given up for its
-    bytes); the estimate's choice and the 3 other layouts fastest by estimate within 5% of
+    built until over 10% slower than the fastest estimate (not 1%, and none given up for its
+    bytes); the estimate's choice and the 5 other layouts fastest by estimate within 10% of
     it are compiled and timed, all ranks together (`timeline.plan_schedule`, the time
     `stats()` reports as `modelled_time_s`); the fastest wins (ties: fewer bytes), never
     slower than the estimate's choice by that time. The estimate
