@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_sap.bench.data import CORPORA, document_lengths  # noqa: E402
 from megatron_sap.bench.packing import pack  # noqa: E402
 from megatron_sap.planning import CostModel, plan_sequences  # noqa: E402
+from planner_ab import parse_layouts  # noqa: E402  (scripts/, the running script's folder, is on the path)
 
 LAYOUTS = ("1x8", "4x8", "8x8", "1x16", "2x16", "4x16")
 TOKENS = (32 * 1024, 128 * 1024)
@@ -44,12 +45,7 @@ def main() -> int:
     parser.add_argument("--preset", default="h100", help="cost-model preset")
     parser.add_argument("--seed", type=int, default=42, help="packing seed")
     args = parser.parse_args()
-    layouts = []
-    for text in args.layouts:
-        sizes = text.split("x")
-        if len(sizes) != 2 or not all(x.isdigit() and int(x) > 0 for x in sizes):
-            parser.error(f"layouts are UxR with positive integers, e.g. 8x8; got {text!r}")
-        layouts.append((int(sizes[0]), int(sizes[1])))
+    layouts = parse_layouts(parser, args.layouts)
     if args.rows < 1:
         parser.error(f"--rows must be >= 1, got {args.rows}")
     model = CostModel.preset(args.preset)

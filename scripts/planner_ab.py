@@ -49,6 +49,17 @@ def import_revision(rev: str, into: Path):
     return importlib.import_module(f"{OLD}.planning.plan")
 
 
+def parse_layouts(parser: argparse.ArgumentParser, texts: list[str]) -> list[tuple[int, int]]:
+    """(U, R) of each "UxR" in `texts`; a parser error names the first that is not one."""
+    layouts = []
+    for text in texts:
+        sizes = text.split("x")
+        if len(sizes) != 2 or not all(x.isdigit() and int(x) > 0 for x in sizes):
+            parser.error(f"layouts are UxR with positive integers, e.g. 8x8; got {text!r}")
+        layouts.append((int(sizes[0]), int(sizes[1])))
+    return layouts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rev", help="the git revision to compare with")
@@ -57,10 +68,7 @@ def main() -> int:
     parser.add_argument("--uniform", nargs=2, type=int, metavar=("MIN", "MAX"),
                         help="instead of the corpora, rows of document lengths drawn uniformly from [MIN, MAX]")
     args = parser.parse_args()
-    for layout in args.layouts:
-        sizes = layout.split("x")
-        if len(sizes) != 2 or not all(x.isdigit() and int(x) > 0 for x in sizes):
-            parser.error(f"layouts are UxR with positive integers, e.g. 8x8; got {layout!r}")
+    layouts = parse_layouts(parser, args.layouts)
     if args.rows < 1:
         parser.error(f"--rows must be >= 1, got {args.rows}")
     if args.uniform and not 1 <= args.uniform[0] <= args.uniform[1]:
@@ -78,8 +86,8 @@ def main() -> int:
         else:
             corpora = {corpus: document_lengths(corpus) for corpus in CORPORA}
         for corpus, lengths in corpora.items():
-            for index, layout in enumerate(args.layouts):
-                inner, outer = map(int, layout.split("x"))
+            for index, (inner, outer) in enumerate(layouts):
+                layout = f"{inner}x{outer}"
                 times: dict[str, list[float]] = {"rev": [], "now": []}
                 for i, cu in enumerate(pack(lengths, 128 * 1024, args.rows, seed=5 + index)):
                     order = (("rev", old), ("now", new)) if i % 2 == 0 else (("now", new), ("rev", old))
