@@ -27,7 +27,8 @@ import torch.distributed as dist
 from .comm.groups import SAPGroups
 from .comm.p2p import PendingExchange, collective_device, mark_ready, post_exchange, ready_for_batched_p2p
 from .comm.ulysses import GatherHeads, ScatterHeads, check_heads, replicate_kv_heads
-from .kernels import merge_into, resolve_backend, resolve_softmax_scale, varlen_backward, varlen_forward
+from .kernels import (add_rows, merge_into, resolve_backend, resolve_softmax_scale, take_rows, varlen_backward,
+                      varlen_forward, write_rows)
 from .planning import Plan, RankProgram
 from .planning.program import COMPUTE, FETCH, LOCAL, RETURN, check_schedule
 from .validation import check_bool, check_has_data
@@ -75,7 +76,7 @@ def _post_kv(program: RankProgram, index: int, kv: torch.Tensor, outer: _Outer, 
     step = program.transfers[index]
     if recv is None:
         recv = kv.new_empty((step.recv_tokens, *kv.shape[1:]))
-    send = None if step.send_rows is None else kv.index_select(0, step.send_rows)
+    send = None if step.send_rows is None else take_rows(kv, step.send_rows)
     return _post_step(program, index, send, recv, outer, tag), recv
 
 
@@ -88,8 +89,7 @@ def _forward_calls(calls, q, kv_source, acc_out, acc_lse, scale, backend) -> Non
 
 def _run_forward_call(call, q, kv_source, scale, backend):
     """One kernel call's (out, lse) for its query rows of `q` over its rows of `kv_source`."""
-    q_part = q if call.q_rows is None else q.index_select(0, call.q_rows)
-    kv = kv_source if call.k_rows is None else kv_source.index_select(0, call.k_rows)
+    q_part, kv = take_rows(q, call.q_rows), take_rows(kv_source, call.k_rows)
     return varlen_forward(
         q_part, kv[:, 0], kv[:, 1], call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
         causal=call.causal, softmax_scale=scale, backend=backend,
@@ -118,12 +118,8 @@ def _write_forward(calls, q, kv_source, out, lse, scale, backend) -> None:
     gathered schedule) and write their (out, lse) into those rows."""
     for call in calls:
         part_out, part_lse = _run_forward_call(call, q, kv_source, scale, backend)
-        if call.q_rows is None:
-            out.copy_(part_out)
-            lse.copy_(part_lse)
-        else:
-            out.index_copy_(0, call.q_rows, part_out.to(out.dtype))
-            lse.index_copy_(1, call.q_rows, part_lse.to(lse.dtype))
+        write_rows(out, call.q_rows, part_out)
+        write_rows(lse, call.q_rows, part_lse, dim=1)
 
 
 def _gathered_source(program: RankProgram, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -142,27 +138,18 @@ def _backward_calls(calls, dout, q, out, lse, kv_source, dq, dkv, scale, backend
     a call's dQ is written into its rows, not added."""
     for call in calls:
         rows = call.q_rows
-        pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-        kv = kv_source if call.k_rows is None else kv_source.index_select(0, call.k_rows)
-        lse_part = lse if rows is None else lse.index_select(1, rows)
+        kv = take_rows(kv_source, call.k_rows)
         g_q, g_k, g_v = varlen_backward(
-            pick(dout), pick(q), kv[:, 0], kv[:, 1], pick(out), lse_part,
-            call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
-            causal=call.causal, softmax_scale=scale, backend=backend,
+            take_rows(dout, rows), take_rows(q, rows), kv[:, 0], kv[:, 1], take_rows(out, rows),
+            take_rows(lse, rows, dim=1), call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
+            call.max_seqlen_k, causal=call.causal, softmax_scale=scale, backend=backend,
         )
-        if rows is None and dq_written_once:
-            dq.copy_(g_q)
-        elif rows is None:
-            dq.add_(g_q)
-        elif dq_written_once:
-            dq.index_copy_(0, rows, g_q.to(dq.dtype))
+        if dq_written_once:
+            write_rows(dq, rows, g_q)
         else:
-            dq.index_add_(0, rows, g_q.to(dq.dtype))
-        for target, grad in ((dkv[:, 0], g_k), (dkv[:, 1], g_v)):
-            if call.k_rows is None:
-                target.add_(grad)
-            else:
-                target.index_add_(0, call.k_rows, grad.to(dkv.dtype))
+            add_rows(dq, rows, g_q)
+        add_rows(dkv[:, 0], call.k_rows, g_k)
+        add_rows(dkv[:, 1], call.k_rows, g_v)
 
 
 class _SAPOuterAttention(torch.autograd.Function):
@@ -280,7 +267,7 @@ def _backward(ctx, program: RankProgram, dout, q, k, v, out, lse, saved) -> tupl
             handle, grad_in = returns.pop(i)
             handle.wait()
             if grad_in is not None:
-                dkv.index_add_(0, step.send_rows, grad_in.to(acc_dtype))
+                add_rows(dkv, step.send_rows, grad_in)
     return dq, dkv
 
 
@@ -289,7 +276,7 @@ def _post_gradients(program: RankProgram, index: int, grad_recv: torch.Tensor, k
     """Post step `index` in reverse: the gradients of the rows it received go back to their
     owner, those of the rows it sent come back (into a new buffer, returned with the handle)."""
     step = program.transfers[index]
-    grad_in = None if step.send_rows is None else kv.new_empty((len(step.send_rows), *kv.shape[1:]))
+    grad_in = None if step.send_rows is None else kv.new_empty((step.send_tokens, *kv.shape[1:]))
     send = grad_recv.to(kv.dtype) if step.recv_tokens else None
     return _post_step(program, index, send, grad_in, outer, _BACKWARD_TAG, reverse=True), grad_in
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import _accumulation_dtype, _backward_calls, _forward_calls, _local_forward, _write_forward, check_qkv
-from .kernels import resolve_softmax_scale
+from .kernels import add_rows, resolve_softmax_scale, take_rows
 from .planning import Plan
 
 
@@ -103,7 +103,7 @@ def simulate_plan(
         return next(s for s in programs[src].transfers if s.round == round_)
 
     def received(step) -> torch.Tensor:
-        return kvs[step.recv_peer].index_select(0, sender_step(step.recv_peer, step.round).send_rows)
+        return take_rows(kvs[step.recv_peer], sender_step(step.recv_peer, step.round).send_rows)
 
     outs, lses, fwd_timers = [], [], []
     gathered = [program.schedule == "gathered" for program in programs]
@@ -159,8 +159,7 @@ def simulate_plan(
         _backward_calls(programs[r].local_calls, douts, qs[r], outs[r], lses[r], kvs[r], dqs[r], dkvs[r], scale, backend)
         bwd_timers.append(stop(t0))
         for step, grad in grads:  # deliver to the owner, as the backward exchange does
-            send_rows = sender_step(step.recv_peer, step.round).send_rows
-            dkvs[step.recv_peer].index_add_(0, send_rows, grad.to(q.dtype).to(acc_dtype))
+            add_rows(dkvs[step.recv_peer], sender_step(step.recv_peer, step.round).send_rows, grad.to(q.dtype))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for r in range(R):
         dq.index_copy_(0, idx[r], dqs[r].to(q.dtype))

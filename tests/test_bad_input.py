@@ -583,6 +583,9 @@ def test_merge_into_rejects_parts_of_another_shape() -> None:
     for part in (torch.zeros(3, 1, 8), torch.zeros(3, 4, 1)):
         with pytest.raises(ValueError, match="must describe the same n rows of acc_out"):
             merge_into(acc_out, acc_lse, rows, part, torch.zeros(4, 3))
+    for run in (slice(0, 2), slice(4, 7), slice(0, 6, 2)):  # two rows, past the end, a stride
+        with pytest.raises(ValueError, match="must describe the same n rows of acc_out"):
+            merge_into(acc_out, acc_lse, run, torch.zeros(3, 4, 8), torch.zeros(4, 3))
     # An lse accumulator of one head (or too many rows) would broadcast over the heads: wrong, not an error.
     for wrong in (torch.full((1, 6), float("-inf")), torch.full((4, 7), float("-inf"))):
         with pytest.raises(ValueError, match=r"acc_lse must be \[H, T\] = \(4, 6\) for acc_out \(6, 4, 8\)"):

@@ -9,13 +9,16 @@ import pytest
 import torch
 
 from megatron_sap.kernels import (
+    add_rows,
     available_backends,
     merge_into,
     merge_partials,
     resolve_backend,
+    take_rows,
     torch_backend,
     varlen_backward,
     varlen_forward,
+    write_rows,
 )
 from megatron_sap.reference import dense_attention
 
@@ -259,6 +262,38 @@ def test_merge_into_accumulates_like_merge_partials():
         merge_into(acc_out, acc_lse, rows, out_b[rows], lse_b[:, rows])
     torch.testing.assert_close(acc_out, expected_out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(acc_lse, expected_lse, atol=1e-6, rtol=1e-6)
+
+
+def test_rows_as_a_slice_act_like_their_index_tensor():
+    """`take_rows`, `write_rows`, `add_rows` and `merge_into` give the same results for rows as a
+    slice (a view, nothing gathered) as for the same rows as an index tensor, and change no other row."""
+    gen = torch.Generator().manual_seed(5)
+    total, heads, dim = 20, 3, 4
+    part = slice(6, 13)
+    index = torch.arange(part.start, part.stop)
+    base_out, base_lse = _random(total, heads, dim, torch.float32, gen), torch.randn(heads, total, generator=gen)
+    out_b, lse_b = _random(7, heads, dim, torch.float32, gen), torch.randn(heads, 7, generator=gen)
+    lse_b[:, :2] = float("-inf")
+    assert torch.equal(take_rows(base_out, part), base_out.index_select(0, index))
+    assert torch.equal(take_rows(base_lse, part, dim=1), base_lse.index_select(1, index))
+    assert take_rows(base_out, part).data_ptr() == base_out[part.start].data_ptr()  # a view
+    results = []
+    for rows in (part, index):
+        out, lse = base_out.clone(), base_lse.clone()
+        merge_into(out, lse, rows, out_b, lse_b)
+        grads, written = torch.zeros(total, heads, dim, dtype=torch.float64), torch.zeros(heads, total)
+        add_rows(grads, rows, out_b)
+        add_rows(grads, rows, out_b)
+        write_rows(written, rows, lse_b, dim=1)
+        results.append((out, lse, grads, written))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    out, lse, grads, written = results[0]
+    outside = torch.ones(total, dtype=torch.bool)
+    outside[part] = False
+    assert torch.equal(out[outside], base_out[outside]) and torch.equal(lse[:, outside], base_lse[:, outside])
+    assert torch.all(grads[outside] == 0) and torch.all(written[:, outside] == 0)
+    torch.testing.assert_close(grads[part], 2 * out_b.double())
 
 
 def test_long_segment_memory_is_bounded():

@@ -29,10 +29,19 @@ def outer_batches(draw: st.DrawFn, max_outer: int = 16, max_tokens: int = 640) -
     return draw(cu_seqlens_for(outer * per_rank)), outer
 
 
+def row_array(rows, count: int) -> np.ndarray:
+    """The row numbers a program's `Rows` (None, a slice or an index tensor) select of `count` rows."""
+    if rows is None:
+        return np.arange(count)
+    if isinstance(rows, slice):
+        assert rows.step is None and 0 <= rows.start < rows.stop <= count
+        return np.arange(rows.start, rows.stop)
+    return rows.numpy()
+
+
 def segments(call: KernelCall, num_q: int, num_k: int):
     """(q_rows, k_rows, causal) of every segment of a call, rows as numpy arrays."""
-    q_rows = np.arange(num_q) if call.q_rows is None else call.q_rows.numpy()
-    k_rows = np.arange(num_k) if call.k_rows is None else call.k_rows.numpy()
+    q_rows, k_rows = row_array(call.q_rows, num_q), row_array(call.k_rows, num_k)
     cu_q, cu_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
     assert call.cu_seqlens_q.dtype == call.cu_seqlens_k.dtype == torch.int32
     assert len(cu_q) == len(cu_k) and cu_q[0] == cu_k[0] == 0
@@ -46,8 +55,7 @@ def segments(call: KernelCall, num_q: int, num_k: int):
 def add_call(count: np.ndarray, call: KernelCall, q_global: np.ndarray, k_global: np.ndarray) -> None:
     """Add the (q, k) pairs of one call to `count`; rows map to global positions through
     `q_global` (the rank's local rows) and `k_global` (the key source's rows)."""
-    q_rows = np.arange(len(q_global)) if call.q_rows is None else call.q_rows.numpy()
-    k_rows = np.arange(len(k_global)) if call.k_rows is None else call.k_rows.numpy()
+    q_rows, k_rows = row_array(call.q_rows, len(q_global)), row_array(call.k_rows, len(k_global))
     assert len(np.unique(q_rows)) == len(q_rows), "a query row appears twice in one call"
     assert len(np.unique(k_rows)) == len(k_rows), "a key row appears twice in one call"
     for q, k in segments(call, len(q_global), len(k_global)):
@@ -91,9 +99,10 @@ def simulate(plan: sap.Plan, schedule: str = "pipelined") -> list[np.ndarray]:
             if transfer.send_rows is None:
                 assert transfer.send_peer is None
             else:
-                assert transfer.send_peer == dst and len(transfer.send_rows) > 0
+                sent = row_array(transfer.send_rows, len(rows[r]))
+                assert transfer.send_peer == dst and len(sent) == transfer.send_tokens > 0
                 peer = transfer_at(programs[dst], d)
-                assert peer is not None and peer.recv_peer == r and peer.recv_tokens == len(transfer.send_rows)
+                assert peer is not None and peer.recv_peer == r and peer.recv_tokens == len(sent)
             # The receive side: the rows are what the sender sends at this offset, in order.
             if transfer.recv_peer is None:
                 assert transfer.recv_tokens == 0 and not transfer.calls
@@ -101,20 +110,20 @@ def simulate(plan: sap.Plan, schedule: str = "pipelined") -> list[np.ndarray]:
             assert transfer.recv_peer == src and transfer.recv_tokens > 0
             sender = transfer_at(programs[src], d)
             assert sender is not None and sender.send_peer == r and sender.send_rows is not None
-            received = rows[src][sender.send_rows.numpy()]
+            received = rows[src][row_array(sender.send_rows, len(rows[src]))]
             assert len(received) == transfer.recv_tokens
             source.append(received)
             for call in transfer.calls:
                 if schedule == "gathered":  # keys in the rows there so far: the local ones, then each step's
                     assert call.causal and call.k_rows is not None
-                    assert int(call.k_rows.max()) < sum(map(len, source))
+                    assert row_array(call.k_rows, sum(map(len, source))).max() < sum(map(len, source))
                     add_call(count, call, rows[r], np.concatenate(source))
                 else:
                     add_call(count, call, rows[r], received)
         if schedule == "gathered":
             # Every query row gets its whole result from one call: nothing to merge.
             calls = program.local_calls + tuple(c for t in program.transfers for c in t.calls)
-            used = np.concatenate([np.arange(len(rows[r])) if c.q_rows is None else c.q_rows.numpy() for c in calls])
+            used = np.concatenate([row_array(c.q_rows, len(rows[r])) for c in calls])
             np.testing.assert_array_equal(np.sort(used), np.arange(len(rows[r])))
         counts.append(count)
     return counts
@@ -207,7 +216,7 @@ def test_program_is_cached_and_moves_to_device():
 
 
 def _index_tensors(program: RankProgram) -> list:
-    """Every index tensor of a program, in order (None where a call takes all rows)."""
+    """Every `Rows` and `cu_seqlens` of a program, in order (None where a call takes all rows)."""
     out = []
     for call in (*program.local_calls, *(c for step in program.transfers for c in step.calls)):
         out += [call.q_rows, call.k_rows, call.cu_seqlens_q, call.cu_seqlens_k]
@@ -215,9 +224,15 @@ def _index_tensors(program: RankProgram) -> list:
 
 
 def _expected_tensors(program: RankProgram) -> list:
-    """`_index_tensors` spelled out from the ranges and segment lengths, one row at a time."""
+    """`_index_tensors` spelled out from the ranges and segment lengths, one row at a time: a
+    slice where the rows are one run of consecutive rows, else an index tensor."""
     def rows(ranges):
-        return None if ranges is None else torch.tensor([i for rg in ranges for i in rg], dtype=torch.int64)
+        if ranges is None:
+            return None
+        numbers = [i for rg in ranges for i in rg]
+        if numbers and numbers == list(range(numbers[0], numbers[-1] + 1)):
+            return slice(numbers[0], numbers[-1] + 1)
+        return torch.tensor(numbers, dtype=torch.int64)
 
     def offsets(lengths):
         return torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32)
@@ -234,7 +249,8 @@ def _expected_tensors(program: RankProgram) -> list:
 def test_a_moved_program_holds_the_tensors_its_calls_would_make(batch, schedule):
     """`RankProgram.to` makes every index tensor at once, as views of two buffers: each
     equals, in dtype and values, what the call or step makes from its ranges when first
-    used; the cu_seqlens start 16-byte aligned and every tensor is contiguous."""
+    used (rows that are one run of consecutive rows: the same slice, no tensor); the
+    cu_seqlens start 16-byte aligned and every tensor is contiguous."""
     cu, outer = batch
     plan = sap.plan_sequences(cu, outer_size=outer, cache=None)
     for r in range(outer):
@@ -245,7 +261,9 @@ def test_a_moved_program_holds_the_tensors_its_calls_would_make(batch, schedule)
         assert len(made) == len(lazy) == len(expected)
         for want, got_lazy, got in zip(expected, lazy, made):
             assert (want is None) == (got is None) == (got_lazy is None)
-            if got is not None:
+            if isinstance(want, slice):
+                assert got == got_lazy == want
+            elif got is not None:
                 for tensor in (got, got_lazy):
                     assert tensor.dtype == want.dtype and tensor.is_contiguous() and torch.equal(tensor, want)
         for call in (*moved.local_calls, *(c for step in moved.transfers for c in step.calls)):

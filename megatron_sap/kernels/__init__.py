@@ -35,17 +35,20 @@ from torch import Tensor
 
 from ..validation import check_bool, check_has_data
 from . import aten_flash, torch_backend  # aten_flash imports only torch; flash_attn_backend stays lazy
-from .merge import merge_into, merge_partials
+from .merge import add_rows, merge_into, merge_partials, take_rows, write_rows
 from .torch_backend import check_cu_seqlens
 
 __all__ = [
+    "add_rows",
     "available_backends",
     "merge_into",
     "merge_partials",
     "resolve_backend",
     "resolve_softmax_scale",
+    "take_rows",
     "varlen_backward",
     "varlen_forward",
+    "write_rows",
 ]
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)

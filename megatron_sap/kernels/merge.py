@@ -51,28 +51,67 @@ def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -
     return out.to(out_a.dtype), lse
 
 
-def merge_into(acc_out: Tensor, acc_lse: Tensor, rows: Tensor | None, out_part: Tensor, lse_part: Tensor) -> None:
+Rows = Tensor | slice | None  # all rows (None), one run of consecutive rows, or an index tensor
+
+
+def take_rows(t: Tensor, rows: Rows, dim: int = 0) -> Tensor:
+    """Rows `rows` of `t` along `dim`: all of them (None), a view (a slice of consecutive
+    rows), or a gathered copy (an index tensor)."""
+    if rows is None:
+        return t
+    if isinstance(rows, slice):
+        return t.narrow(dim, rows.start, rows.stop - rows.start)
+    return t.index_select(dim, rows)
+
+
+def write_rows(t: Tensor, rows: Rows, values: Tensor, dim: int = 0) -> None:
+    """Write `values` into rows `rows` of `t` along `dim`, in place (`take_rows`'s rows)."""
+    if rows is None or isinstance(rows, slice):
+        take_rows(t, rows, dim).copy_(values)
+    else:
+        t.index_copy_(dim, rows, values.to(t.dtype))
+
+
+def add_rows(t: Tensor, rows: Rows, values: Tensor) -> None:
+    """Add `values` to rows `rows` of `t` (dim 0), in place; the rows are distinct."""
+    if rows is None or isinstance(rows, slice):
+        take_rows(t, rows).add_(values)
+    else:
+        t.index_add_(0, rows, values.to(t.dtype))
+
+
+def _num_rows(rows: Rows, total: int) -> int:
+    if rows is None:
+        return total
+    if isinstance(rows, slice):
+        return len(range(*rows.indices(total)))
+    return rows.numel()
+
+
+def merge_into(acc_out: Tensor, acc_lse: Tensor, rows: Rows, out_part: Tensor, lse_part: Tensor) -> None:
     """Merge a partial result for a subset of rows into running accumulators, in place.
 
     acc_out [T, H, D] and acc_lse [H, T] are floating accumulators (start them at
-    0 and -inf); rows is a LongTensor of n distinct row indices, or None for all T
-    rows in order (merged without gathering them); out_part is [n, H, D] and
-    lse_part [H, n]. The merge runs in acc_out's dtype, so keeping the accumulators
-    in float32 avoids rounding partial sums to bf16.
+    0 and -inf); rows is a LongTensor of n distinct row indices, a slice of n
+    consecutive rows or None for all T rows in order (those two merged in place,
+    without gathering them); out_part is [n, H, D] and lse_part [H, n]. The merge
+    runs in acc_out's dtype, so keeping the accumulators in float32 avoids rounding
+    partial sums to bf16.
     """
-    n = acc_out.shape[0] if rows is None else rows.numel()
+    n = _num_rows(rows, acc_out.shape[0])
     if acc_out.dim() != 3 or acc_lse.shape != (acc_out.shape[1], acc_out.shape[0]):
         raise ValueError(f"merge_into: acc_lse must be [H, T] = {tuple(acc_out.shape[1::-1])} for acc_out "
                          f"{tuple(acc_out.shape)} [T, H, D], got {tuple(acc_lse.shape)}")
-    if ((rows is not None and rows.dim() != 1) or out_part.shape != (n, *acc_out.shape[1:])
-            or lse_part.shape != (acc_lse.shape[0], n)):
+    bad_rows = (isinstance(rows, Tensor) and rows.dim() != 1) or (isinstance(rows, slice) and rows.step not in (None, 1))
+    if bad_rows or out_part.shape != (n, *acc_out.shape[1:]) or lse_part.shape != (acc_lse.shape[0], n):
+        shown = tuple(rows.shape) if isinstance(rows, Tensor) else rows
         raise ValueError(
-            f"merge_into: rows {None if rows is None else tuple(rows.shape)}, out_part {tuple(out_part.shape)} and "
+            f"merge_into: rows {shown}, out_part {tuple(out_part.shape)} and "
             f"lse_part {tuple(lse_part.shape)} must describe the same n rows of acc_out {tuple(acc_out.shape)} "
             f"and acc_lse {tuple(acc_lse.shape)}"
         )
-    if rows is None:
-        _merge_in_place(acc_out, acc_lse, out_part, lse_part)
+    if rows is None or isinstance(rows, slice):
+        _merge_in_place(take_rows(acc_out, rows), take_rows(acc_lse, rows, dim=1), out_part, lse_part)
         return
     cur_out = acc_out.index_select(0, rows)
     cur_lse = acc_lse.index_select(1, rows)

@@ -23,8 +23,8 @@ from .evaluate import Evaluation, evaluate, inner_peer_links, ulysses_cost, whol
 from .order import exchange_order
 from .candidates import candidates
 from .placement import Build, Placement
-from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _Layout, _rows, check_schedule,
-                      compile_program, exchange_levels)
+from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _index_tensor, _Layout,
+                      check_schedule, compile_program, exchange_levels)
 from .timeline import RankSchedule, plan_schedule, rank_schedule
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -161,7 +161,7 @@ class Plan:
         """`group_indices`, the plan's own (cached) tensor."""
         if outer_rank not in self._indices:
             pieces = self.placement.ranks[outer_rank]
-            self._indices[outer_rank] = _rows(tuple(range(p.start, p.end) for p in pieces), CPU)
+            self._indices[outer_rank] = _index_tensor(tuple(range(p.start, p.end) for p in pieces), CPU)
         return self._indices[outer_rank]
 
     def group_indices(self, outer_rank: int) -> torch.Tensor:

@@ -38,8 +38,9 @@ peer; a piece waits for its last keys. Backward, its calls run first and the gra
 of the received rows then go back, in step order, under the local calls.
 
 Within one call every query row and every key row appears at most once, so a call's
-outputs merge into their rows by gather and write-back, and gradients accumulate
-without atomics (the merges
+outputs merge into their rows by gather and write-back (in place, through a view, where
+the rows are one run of consecutive rows, as are most received rows and many query
+pieces), and gradients accumulate without atomics (the merges
 are bitwise deterministic on every device; for the kernels' own backward see
 docs/architecture.md).
 """
@@ -59,12 +60,17 @@ from .placement import Piece, Placement
 
 CPU = torch.device("cpu")
 
+# Which rows of a tensor a call or step reads or writes (`kernels.take_rows` and its
+# siblings apply it): None for all rows in order, a slice where they are one run of
+# consecutive rows (a view: no gather, no scatter), else an int64 index tensor.
+Rows = torch.Tensor | slice | None
+
 
 @dataclass(frozen=True, eq=False)
 class KernelCall:
     """One varlen kernel call: segment i pairs query rows i with key rows i.
 
-    The rows are kept as ranges; their index tensors and `cu_seqlens` are made on
+    The rows are kept as ranges; their `Rows` and `cu_seqlens` are made on
     `device` when first used (`RankProgram.to` makes them all at once): the cost model
     times a program from `seqlens` alone, and a rank compiles both schedules to time
     them but runs one.
@@ -77,11 +83,11 @@ class KernelCall:
     device: torch.device = CPU
 
     @cached_property
-    def q_rows(self) -> torch.Tensor | None:
+    def q_rows(self) -> Rows:
         return None if self.q_ranges is None else _rows(self.q_ranges, self.device)
 
     @cached_property
-    def k_rows(self) -> torch.Tensor | None:
+    def k_rows(self) -> Rows:
         return None if self.k_ranges is None else _rows(self.k_ranges, self.device)
 
     @cached_property
@@ -103,7 +109,7 @@ class KernelCall:
 
 @dataclass(frozen=True, eq=False)
 class Transfer:
-    """One batched P2P step: send the rows `send_ranges` (`send_rows` as a tensor on
+    """One batched P2P step: send the rows `send_ranges` (`send_rows`, as `Rows` on
     `device`, made when first used or by `RankProgram.to`) to `send_peer`, receive
     `recv_tokens` rows from `recv_peer` (outer ranks; None when that side is empty), then
     run `calls`."""
@@ -122,7 +128,7 @@ class Transfer:
         return sum(map(len, self.send_ranges)) if self.send_ranges else 0
 
     @cached_property
-    def send_rows(self) -> torch.Tensor | None:
+    def send_rows(self) -> Rows:
         return None if self.send_ranges is None else _rows(self.send_ranges, self.device)
 
 
@@ -171,8 +177,9 @@ class RankProgram:
         rows, offsets = _Staged(np.int64), _Staged(np.int32, align=4)  # cu_seqlens views start 16-byte aligned
         views: list[tuple[dict, str, _Staged, int]] = []  # (attributes of a call or step, name, buffer, array)
 
-        def staged(item, **tensors: tuple[_Staged, int]):
+        def staged(item, runs: dict[str, slice], **tensors: tuple[_Staged, int]):
             moved = replace(item, device=device)
+            moved.__dict__.update(runs)  # where the cached properties keep what they make
             for name, (buffer, array) in tensors.items():
                 views.append((moved.__dict__, name, buffer, array))
             return moved
@@ -180,17 +187,26 @@ class RankProgram:
         def call_on(call: KernelCall) -> KernelCall:
             tensors = {"cu_seqlens_q": (offsets, offsets.add_offsets([q for q, _ in call.seqlens])),
                        "cu_seqlens_k": (offsets, offsets.add_offsets([k for _, k in call.seqlens]))}
+            runs = {}
             for name, ranges in (("q_rows", call.q_ranges), ("k_rows", call.k_ranges)):
-                if ranges is not None:
+                if ranges is None:
+                    continue
+                run = _one_run(ranges)
+                if run is None:
                     tensors[name] = (rows, rows.add_ranges(ranges))
-            return staged(call, **tensors)
+                else:
+                    runs[name] = run
+            return staged(call, runs, **tensors)
 
         local_calls = tuple(map(call_on, self.local_calls))
         transfers = []
         for step in self.transfers:
             moved = replace(step, calls=tuple(map(call_on, step.calls)))
-            sends = {} if step.send_ranges is None else {"send_rows": (rows, rows.add_ranges(step.send_ranges))}
-            transfers.append(staged(moved, **sends))
+            run = None if step.send_ranges is None else _one_run(step.send_ranges)
+            if step.send_ranges is None or run is not None:
+                transfers.append(staged(moved, {} if run is None else {"send_rows": run}))
+            else:
+                transfers.append(staged(moved, {}, send_rows=(rows, rows.add_ranges(step.send_ranges))))
         made = {buffer: buffer.to(device) for buffer in (rows, offsets)}
         for attributes, name, buffer, array in views:
             attributes[name] = made[buffer][array]  # where the cached property keeps what it makes
@@ -307,8 +323,30 @@ def _offsets(lengths: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(accumulate(lengths, initial=0)), dtype=torch.int32).to(device, non_blocking=True)
 
 
-def _rows(ranges: tuple[range, ...], device: torch.device) -> torch.Tensor:
-    """The rows of consecutive ranges, as one index tensor (int64)."""
+def _one_run(ranges: tuple[range, ...]) -> slice | None:
+    """The rows of these ranges, in order, as one slice where they are consecutive rows
+    (at least one), else None."""
+    start = end = None
+    for r in ranges:
+        if not len(r):
+            continue
+        if end is None:
+            start = r.start
+        elif r.start != end:
+            return None
+        end = r.stop
+    return None if start is None else slice(start, end)
+
+
+def _rows(ranges: tuple[range, ...], device: torch.device) -> Rows:
+    """The rows of these ranges, in order: one slice where they are consecutive, else an
+    index tensor (int64)."""
+    run = _one_run(ranges)
+    return _index_tensor(ranges, device) if run is None else run
+
+
+def _index_tensor(ranges: tuple[range, ...], device: torch.device) -> torch.Tensor:
+    """The rows of these ranges, in order, as one index tensor (int64)."""
     if not ranges:
         return torch.zeros(0, dtype=torch.long, device=device)
     rows = torch.from_numpy(np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in ranges]))
