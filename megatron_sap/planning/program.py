@@ -184,29 +184,27 @@ class RankProgram:
                 views.append((moved.__dict__, name, buffer, array))
             return moved
 
+        def stage_rows(name: str, ranges: tuple[range, ...] | None, runs: dict, tensors: dict) -> None:
+            """`Rows` `name` of these ranges: a slice now, or an index tensor to stage."""
+            run = None if ranges is None else _one_run(ranges)
+            if run is not None:
+                runs[name] = run
+            elif ranges is not None:
+                tensors[name] = (rows, rows.add_ranges(ranges))
+
         def call_on(call: KernelCall) -> KernelCall:
-            tensors = {"cu_seqlens_q": (offsets, offsets.add_offsets([q for q, _ in call.seqlens])),
-                       "cu_seqlens_k": (offsets, offsets.add_offsets([k for _, k in call.seqlens]))}
-            runs = {}
-            for name, ranges in (("q_rows", call.q_ranges), ("k_rows", call.k_ranges)):
-                if ranges is None:
-                    continue
-                run = _one_run(ranges)
-                if run is None:
-                    tensors[name] = (rows, rows.add_ranges(ranges))
-                else:
-                    runs[name] = run
+            runs, tensors = {}, {"cu_seqlens_q": (offsets, offsets.add_offsets([q for q, _ in call.seqlens])),
+                                 "cu_seqlens_k": (offsets, offsets.add_offsets([k for _, k in call.seqlens]))}
+            stage_rows("q_rows", call.q_ranges, runs, tensors)
+            stage_rows("k_rows", call.k_ranges, runs, tensors)
             return staged(call, runs, **tensors)
 
         local_calls = tuple(map(call_on, self.local_calls))
         transfers = []
         for step in self.transfers:
-            moved = replace(step, calls=tuple(map(call_on, step.calls)))
-            run = None if step.send_ranges is None else _one_run(step.send_ranges)
-            if step.send_ranges is None or run is not None:
-                transfers.append(staged(moved, {} if run is None else {"send_rows": run}))
-            else:
-                transfers.append(staged(moved, {}, send_rows=(rows, rows.add_ranges(step.send_ranges))))
+            runs, tensors = {}, {}
+            stage_rows("send_rows", step.send_ranges, runs, tensors)
+            transfers.append(staged(replace(step, calls=tuple(map(call_on, step.calls))), runs, **tensors))
         made = {buffer: buffer.to(device) for buffer in (rows, offsets)}
         for attributes, name, buffer, array in views:
             attributes[name] = made[buffer][array]  # where the cached property keeps what it makes
