@@ -277,6 +277,7 @@ def test_rows_as_a_slice_act_like_their_index_tensor():
     assert torch.equal(take_rows(base_out, part), base_out.index_select(0, index))
     assert torch.equal(take_rows(base_lse, part, dim=1), base_lse.index_select(1, index))
     assert take_rows(base_out, part).data_ptr() == base_out[part.start].data_ptr()  # a view
+    assert torch.equal(take_rows(base_out, slice(-3, None)), base_out[-3:])  # any slice, as Python reads it
     results = []
     for rows in (part, index):
         out, lse = base_out.clone(), base_lse.clone()

@@ -60,7 +60,7 @@ def take_rows(t: Tensor, rows: Rows, dim: int = 0) -> Tensor:
     if rows is None:
         return t
     if isinstance(rows, slice):
-        return t.narrow(dim, rows.start, rows.stop - rows.start)
+        return t[(slice(None),) * dim + (rows,)]
     return t.index_select(dim, rows)
 
 
