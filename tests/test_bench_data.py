@@ -147,6 +147,20 @@ def test_scale_projection_small(tmp_path):
     assert all(p.exists() and p.stat().st_size > 0 for p in paths)
 
 
+def test_scale_projection_with_kv_heads_replaced():
+    """`num_kv_heads` projects another model shape: its points say so, and the KV ring
+    moves as many more bytes as the KV heads grow (it sends every K/V row round)."""
+    from megatron_sap.bench import scale
+
+    config = dict(corpora=("sharegpt",), presets=("h100",), Ps=(16,), Ts=(32_768,), num_batches=1)
+    default = scale.project(**config)
+    mha = scale.project(**config, num_kv_heads=32)
+    assert {p.preset for p in default} == {"h100"} and {p.preset for p in mha} == {"h100-kv32"}
+    ring, ring32 = (next(p for p in points if p.method == "p2p") for points in (default, mha))
+    assert ring32.sent_bytes_mean == pytest.approx(4 * ring.sent_bytes_mean)
+    assert [r.preset for r in scale.scale_rows(mha)] == ["h100-kv32"]
+
+
 def test_scale_target_says_how_close_to_ideal_the_misses_would_need_to_be():
     """A miss that some plan could still turn into 1.5x reports how close to the ideal
     SAP would have to come there; one that none could is counted apart."""

@@ -8,7 +8,8 @@ the hand-written methodology header, which is kept):
 2. measured: every method's real implementation, forward + backward, on 4 gloo CPU
    processes (T = 8K, small heads): wall time, bytes counted at the send sites, bytes
    per link class, peak tracked memory, next to the model's bytes for the same shape;
-3. scale: the cost-model projection to 1,024 GPUs (`megatron_sap.bench.scale`);
+3. scale: the cost-model projection to 1,024 GPUs (`megatron_sap.bench.scale`), for the
+   default model shape and again without grouped-query attention;
 
 and, from the GPU check's last report (docs/gpu_results.json, when present), what was
 measured on a GPU (`megatron_sap.bench.gpu_report`): the checks' results, kernel speed,
@@ -42,6 +43,7 @@ BENCH_T: tuple[int, ...] = (32 * 1024, 128 * 1024)
 BENCH_BATCHES = 4
 BENCH_SEED = 1  # the packing seed of the modelled rows and the placement figures
 TWO_LEVEL_INNER = 8  # U of the two-level layout (one node) at P = 32: 8 x 4
+MHA_PRESET = "h100"  # the scale model again with as many KV heads as query heads
 MAX_IMBALANCE = 1.10
 
 METHOD_ORDER = (SAP,) + BASELINES
@@ -249,6 +251,21 @@ def main(argv: list[str] | None = None) -> None:
          "baseline's busiest rank needs longer to move its bytes than to compute; `ceiling` is that "
          "baseline's time over the lower bound on any SAP plan (`scale.sap_bound_s`).\n\n"
          + scale.scale_table(scale_rows) + f"\n\n({time.perf_counter() - t0:.0f} s)")
+
+    t0 = time.perf_counter()
+    mha = CostModel.preset(MHA_PRESET)
+    mha_points = scale.project(presets=(MHA_PRESET,), num_kv_heads=mha.num_heads, num_batches=args.scale_batches)
+    mha_rows = scale.scale_rows(mha_points)
+    label = scale.preset_label(MHA_PRESET, mha.num_heads)
+    figures.append(plots.time_vs_p(mha_points, img_dir / f"scale_time_vs_p_{label}.png", label))
+    emit(f"Scale model without grouped-query attention ({MHA_PRESET}, {mha.num_heads} KV heads), mean of "
+         f"{args.scale_batches} packed batches per point",
+         f"The same projection for a model whose {mha.num_heads} query heads each have their own K/V (Megatron-LM's "
+         f"GPT without `--group-query-attention`): a token's K/V is {mha.num_heads // mha.num_kv_heads} times the bytes "
+         "of the default shape's, for every method. Its targets are checked beside the table and not counted in the list of targets below, "
+         "which holds the default shape's.\n\n"
+         + scale.scale_table(mha_rows) + "\n\n" + scale.targets_table(scale.scale_targets(mha_rows))
+         + f"\n\n({time.perf_counter() - t0:.0f} s)")
 
     report = Path(args.report)
     emit("Figures", "\n".join(f"![{p.stem}]({os.path.relpath(p, report.parent)})" for p in figures))

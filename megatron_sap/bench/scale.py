@@ -204,17 +204,22 @@ def project(
     Ts: Iterable[int] = SCALE_T,
     num_batches: int = SCALE_BATCHES,
     seed: int = 0,
+    num_kv_heads: int | None = None,
 ) -> list[MethodPoint]:
     """Every method at every (corpus, preset, T, P) point with at least
     MIN_TOKENS_PER_RANK tokens per rank, once per layout: SAP's from `sap_layouts`,
-    the baselines' from `baseline_layouts`."""
+    the baselines' from `baseline_layouts`. `num_kv_heads` replaces the presets' KV
+    heads (the query heads: a model without grouped-query attention); the points'
+    preset then reads `preset_label`'s name, such as "h100-kv32"."""
     points: list[MethodPoint] = []
+    overrides = {} if num_kv_heads is None else {"num_kv_heads": num_kv_heads}
     for corpus in corpora:
         lengths = document_lengths(corpus)
         for T in Ts:
             batches = pack(lengths, T, num_batches, seed)
-            for preset in presets:
-                model = CostModel.preset(preset)
+            for name in presets:
+                model = CostModel.preset(name, **overrides)
+                preset = preset_label(name, num_kv_heads)
                 for P in Ps:
                     if T // P < MIN_TOKENS_PER_RANK:
                         continue
@@ -228,6 +233,11 @@ def project(
                             if point is not None:
                                 points.append(point)
     return points
+
+
+def preset_label(preset: str, num_kv_heads: int | None = None) -> str:
+    """How the points of `preset` name it, with its KV heads where they are replaced."""
+    return preset if num_kv_heads is None else f"{preset}-kv{num_kv_heads}"
 
 
 def best(points: list[MethodPoint], sap: bool) -> MethodPoint | None:
@@ -387,11 +397,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="one corpus, one preset, fewer points")
     parser.add_argument("--batches", type=int, default=SCALE_BATCHES,
                         help=f"packed batches averaged per point (default {SCALE_BATCHES}, as in make bench)")
-    parser.add_argument("--img-dir", help="where the plots go (default: docs/img; with --quick, none unless given, "
-                                          "so that a quick run leaves the published plots alone)")
+    parser.add_argument("--kv-heads", type=int, help="KV heads of the model (default: the presets'; as many as the "
+                                                     "query heads for a model without grouped-query attention)")
+    parser.add_argument("--img-dir", help="where the plots go (default: docs/img; with --quick or --kv-heads, none "
+                                          "unless given, so that such a run leaves the published plots alone)")
     args = parser.parse_args(argv)
     if args.batches < 1:
         parser.error(f"--batches must be >= 1, got {args.batches}")
+    if args.kv_heads is not None:
+        try:
+            for preset in PRESETS:
+                CostModel.preset(preset, num_kv_heads=args.kv_heads)
+        except ValueError as exc:
+            parser.error(f"--kv-heads {args.kv_heads}: {exc}")
     if args.img_dir is not None:
         try:  # before the projection: where the plots go
             Path(args.img_dir).mkdir(parents=True, exist_ok=True)
@@ -400,14 +418,14 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     if args.quick:
         points = project(corpora=("sharegpt",), presets=("h100",), Ps=(8, 64, 512), Ts=(128 * 1024, 1 << 20),
-                         num_batches=args.batches)
+                         num_batches=args.batches, num_kv_heads=args.kv_heads)
     else:
-        points = project(num_batches=args.batches)
+        points = project(num_batches=args.batches, num_kv_heads=args.kv_heads)
     rows = scale_rows(points)
     print(scale_table(rows))
     print()
     print(targets_table(scale_targets(rows)))
-    img_dir = args.img_dir or (None if args.quick else "docs/img")
+    img_dir = args.img_dir or (None if args.quick or args.kv_heads is not None else "docs/img")
     if img_dir is not None:
         for path in plots.scale_plots(points, Path(img_dir)):
             print("wrote", path)
