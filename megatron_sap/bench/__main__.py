@@ -261,9 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     emit(f"Scale model without grouped-query attention ({MHA_PRESET}, {mha.num_heads} KV heads), mean of "
          f"{args.scale_batches} packed batches per point",
          f"The same projection for a model whose {mha.num_heads} query heads each have their own K/V (Megatron-LM's "
-         f"GPT without `--group-query-attention`): a token's K/V is {mha.num_heads // mha.num_kv_heads} times the bytes "
-         "of the default shape's, for every method. Its targets are checked beside the table and not counted in the list of targets below, "
-         "which holds the default shape's.\n\n"
+         f"GPT without `--group-query-attention`): a token's K/V is {mha.num_heads // mha.num_kv_heads} times the "
+         "bytes of the default shape's, for every method. Its targets are checked beside the table and not counted "
+         "in the list of targets below, which holds the default shape's.\n\n"
          + scale.scale_table(mha_rows) + "\n\n" + scale.targets_table(scale.scale_targets(mha_rows))
          + f"\n\n({time.perf_counter() - t0:.0f} s)")
 
