@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from dataclasses import replace
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,8 @@ from megatron_sap.planning.evaluate import evaluate, inner_peer_links, rank_work
 from megatron_sap.planning.candidates import FILL_MIN_RANKS, candidates
 from megatron_sap.planning.cuts import Cut, _chunks, chunk_sizes, ring_cut, split_cut, split_need, tile_pairs, whole_pairs
 from megatron_sap.planning.greedy import greedy, heaviest_first
-from megatron_sap.planning.layouts import BALANCED, DEALT, ZigzagBuild, balanced_order, contiguous, dealt_order, whole_packing
+from megatron_sap.planning.layouts import (BALANCED, DEALT, REFINED, ZigzagBuild, balanced_order, contiguous, dealt_order,
+                                          refined_order, whole_packing)
 from megatron_sap.planning.placement import build_all
 from megatron_sap.planning.tally import Tally
 from megatron_sap.planning.plan import (DEFAULT_SLACKS, TIME_RESOLUTION_S, TIME_TOLERANCE, TIMELINE_BAND, TIMELINE_CANDIDATES,
@@ -489,9 +491,12 @@ def test_many_short_documents_over_64_ranks_stay_whole(scale):
 def test_whole_candidate_packs_what_the_greedy_fragments():
     """The greedy puts 128, 128, 122 and 72 tokens on the least-loaded ranks and has to
     cut the 62-token document over the rooms left (6 and 56 tokens); the whole packing
-    {128, 128}, {122, 62, 72} moves nothing and is chosen."""
+    {128, 128}, {122, 62, 72} moves nothing and is chosen. The refined contiguous order
+    lays the row out as that packing too, and may be the candidate that finds it first."""
     plan = sap.plan_sequences([0, 122, 184, 312, 440, 512], outer_size=2, cache=None)
-    assert plan.strategy == "whole" and all(len(record.ranks) == 1 for record in plan.placement.records)
+    assert plan.strategy in ("whole", REFINED)
+    assert all(len(record.ranks) == 1 for record in plan.placement.records)
+    assert sorted(sorted(p.end - p.start for p in plan.placement.ranks[r]) for r in range(2)) == [[62, 72, 122], [128, 128]]
     assert sum(plan.stats()["sent_bytes_per_rank"]) == 0
 
 
@@ -891,6 +896,46 @@ def test_balanced_and_dealt_orders_list_every_document_once(lengths, ranks):
     assert sorted(dealt_order(docs, ranks)) == sorted(docs)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 400), min_size=1, max_size=40), st.integers(2, 8), st.sampled_from([1, 16, 128]))
+def test_refined_order_evens_the_slices_by_swapping_documents(lengths, ranks, tile):
+    """`refined_order` lists the same documents and, where it returns an order, that
+    order's contiguous layout has a lighter heaviest slice than the balanced order's (or as
+    heavy, with a smaller sum of squares): tile pairs counted here piece by piece from the
+    two layouts."""
+    capacity = max(max(lengths), -(-sum(lengths) // ranks))
+    fill = ranks * capacity - sum(lengths)
+    lengths = lengths + [capacity] * (fill // capacity) + [fill % capacity] * (fill % capacity > 0)
+    costs = [tile_pairs(tile, 0, n) for n in lengths]
+    balanced = balanced_order(heaviest_first(lengths, costs), lengths, costs, ranks, capacity)
+    refined = refined_order(balanced, lengths, ranks, capacity, tile)
+    if refined is None:
+        return
+    assert sorted(refined) == sorted(balanced)
+    starts = [0, *accumulate(lengths)][:-1]
+
+    def slices(order: list[int]) -> tuple[int, int]:
+        ranks_of = contiguous(starts, lengths, ranks, capacity, tile, order).ranks
+        pairs = [sum(tile_pairs(tile, p.start - starts[p.doc], p.end - p.start) for p in held) for held in ranks_of]
+        return max(pairs), sum(x * x for x in pairs)
+
+    assert slices(refined) < slices(balanced)
+
+
+def test_a_refined_order_evens_a_one_node_row_of_1k_token_documents():
+    """28 documents of 300-2,000 tokens over 8 ranks of 4,096: a bin of the balanced order
+    seldom holds a slice's tokens exactly, and the greedy passes must cut documents over
+    rooms they leave; a few swaps of the balanced order even the slices. That layout is
+    chosen, 3% or more faster than every other candidate, within 2% of the ideal."""
+    cu = uniform_row(300, 2000, 32768)
+    model = CostModel.preset("h100")
+    plan = sap.plan_sequences(cu, outer_size=8, cache=None)
+    times = {p.strategy: evaluate(p, 1, model).makespan_s for p in candidates_of(cu, 8, 1)}
+    assert plan.strategy == REFINED and plan.evaluation.makespan_s == times[REFINED]
+    assert all(plan.evaluation.makespan_s < 0.97 * t for name, t in times.items() if name != REFINED)
+    assert plan.evaluation.makespan_s < 1.02 * whole_documents_s(np.diff(cu).tolist(), 8, model)
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from([0, 1, 5, 127, 128, 129, 300]), st.integers(0, 3)), min_size=1, max_size=60))
 def test_heaviest_first_is_by_cost_then_length_then_packed_order(documents):
@@ -958,7 +1003,7 @@ def test_short_documents_over_many_ranks_take_a_balanced_contiguous_layout():
     cu = uniform_row(100, 1000, 32768)
     model = CostModel.preset("h100")
     plan = sap.plan_sequences(cu, outer_size=16, cache=None)
-    assert plan.strategy in (BALANCED, DEALT)
+    assert plan.strategy in (BALANCED, DEALT, REFINED)
     assert sum(len(rec.ranks) > 1 for rec in plan.placement.records) <= 15
     times = {p.strategy: evaluate(p, 1, model).makespan_s for p in candidates_of(cu, 16, 1)}
     assert plan.evaluation.makespan_s == times[plan.strategy]

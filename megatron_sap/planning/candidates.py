@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from .cost_model import CostModel
 from .greedy import GreedyPasses, greedy_name
-from .layouts import BALANCED, DEALT, ContiguousBuild, WholeBuild, ZigzagBuild, balanced_order, dealt_order
+from .layouts import (BALANCED, DEALT, REFINE_MAX_DOCS, REFINED, ContiguousBuild, WholeBuild, ZigzagBuild,
+                      balanced_order, dealt_order, refined_order)
 from .placement import Build
 from .tally import Tally
 
@@ -26,8 +27,9 @@ def candidates(
     that moves fewer bytes first; then one that spreads each document heavier than a
     rank's share over as many ranks as it can (balance when one document dominates the
     work, worth its traffic where links are fast); then the zigzag, contiguous and
-    whole layouts, and the contiguous layouts of the documents in `balanced_order` and
-    in `dealt_order` (where every document fits on one rank); then, over FILL_MIN_RANKS
+    whole layouts, and the contiguous layouts of the documents in `balanced_order`, in
+    `dealt_order` and, on rows of at most REFINE_MAX_DOCS documents, in `refined_order`
+    (where every document fits on one rank); then, over FILL_MIN_RANKS
     outer ranks or more, the zigzag greedy passes again with `fill` (the row's last
     documents cut through the rooms left in a chain, once each). The greedy passes start
     as one build."""
@@ -51,11 +53,15 @@ def candidates(
         if max(lengths, default=0) <= capacity:  # else no packing keeps every document whole
             builds.append(WholeBuild(2 * len(slacks) + 3, doc_starts, lengths, passes.cost, capacity,
                                       Tally(num_ranks, inner_size, model)))
+            balanced = balanced_order(passes.order, lengths, passes.cost, num_ranks, capacity)
             builds.append(ContiguousBuild(2 * len(slacks) + 4, doc_starts, lengths, passes.cost, capacity,
-                                           Tally(num_ranks, inner_size, model),
-                                           balanced_order(passes.order, lengths, passes.cost, num_ranks, capacity),
-                                           BALANCED))
+                                           Tally(num_ranks, inner_size, model), balanced, BALANCED))
             builds.append(ContiguousBuild(2 * len(slacks) + 5, doc_starts, lengths, passes.cost, capacity,
                                            Tally(num_ranks, inner_size, model), dealt_order(passes.order, num_ranks),
                                            DEALT))
+            refined = (refined_order(balanced, lengths, num_ranks, capacity, model.tile)
+                       if len(passes.order) <= REFINE_MAX_DOCS else None)  # the non-empty documents
+            if refined is not None:
+                builds.append(ContiguousBuild(3 * len(slacks) + 6, doc_starts, lengths, passes.cost, capacity,
+                                               Tally(num_ranks, inner_size, model), refined, REFINED))
     return [passes.build(members)] + builds if members else builds

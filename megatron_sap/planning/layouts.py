@@ -3,8 +3,8 @@
 - ``zigzag``: every document split over all ranks in 2R paired chunks (the ring layout
   without padding).
 - ``contiguous``: the packed row cut into R equal contiguous slices (the all-gather
-  layout), also of the documents reordered (`balanced_order`, `dealt_order`) so that
-  the slices balance the work.
+  layout), also of the documents reordered (`balanced_order`, `dealt_order`, and the
+  balanced order with a few swaps, `refined_order`) so that the slices balance the work.
 - ``whole``: every document whole, every rank exactly full (a bounded search for such
   a packing, where the greedy's choices leave rooms no remaining document fits).
 """
@@ -22,6 +22,11 @@ import numpy as np
 from .cuts import Cut, ring_cut, split_cut, tile_pairs
 from .placement import Build, Placement, Record, finish_placement
 from .tally import Tally
+
+# `refined_order`: at most this many swaps, on rows of at most this many documents (each
+# swap step weighs documents on the heaviest slice times all documents, over all of them).
+REFINE_SWAPS = 8
+REFINE_MAX_DOCS = 64
 
 
 def _laid_out(lengths: Sequence[int], capacity: int,
@@ -113,6 +118,62 @@ def balanced_order(docs: Sequence[int], lengths: Sequence[int], costs: Sequence[
         if tokens[chosen] < capacity:
             heapq.heappush(open_bins, (load[chosen], chosen))
     return [d for bin_ in bins for d in bin_]
+
+
+def refined_order(order: Sequence[int], lengths: Sequence[int], num_ranks: int, capacity: int, tile: int,
+                  swaps: int = REFINE_SWAPS) -> list[int] | None:
+    """`order` (of documents no longer than a slice, such as `balanced_order`'s) with up to
+    `swaps` pairs of documents swapped to even out its contiguous layout's slices; None
+    where no swap does. A bin of `balanced_order` seldom holds exactly a slice's tokens,
+    so the slices cut from its row are less even than its bins. Each step takes, of every
+    swap of a document on the heaviest slice with one of another length, the one that
+    leaves the slices' tile pairs lowest (the heaviest slice, then the sum of squares), as
+    long as that beats the order before it; every such swap is weighed on the whole row
+    re-sliced, all of a step's in one array operation."""
+    laid = np.asarray([d for d in order if lengths[d] > 0], dtype=np.int64)
+    sizes = np.asarray(lengths, dtype=np.int64)[laid]
+    tiles = _slice_tiles(sizes[None], num_ranks, capacity, tile)[0]
+    best, swapped_any = (tiles.max(), np.square(tiles).sum()), False
+    for _ in range(swaps):
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        heavy = tiles.argmax()
+        on_heavy = np.flatnonzero((starts // capacity <= heavy) & ((ends - 1) // capacity >= heavy))
+        first, second = np.repeat(on_heavy, len(sizes)), np.tile(np.arange(len(sizes)), len(on_heavy))
+        differ = sizes[first] != sizes[second]
+        first, second = first[differ], second[differ]
+        if not len(first):
+            break
+        tried = np.repeat(sizes[None], len(first), axis=0)
+        rows = np.arange(len(first))
+        tried[rows, first], tried[rows, second] = sizes[second], sizes[first]
+        slices = _slice_tiles(tried, num_ranks, capacity, tile)
+        heaviest, squares = slices.max(axis=1), np.square(slices).sum(axis=1)
+        k = np.lexsort((squares, heaviest))[0]
+        if (heaviest[k], squares[k]) >= best:
+            break
+        best, tiles, swapped_any = (heaviest[k], squares[k]), slices[k], True
+        pair = [first[k], second[k]]
+        laid[pair], sizes[pair] = laid[pair[::-1]], sizes[pair[::-1]]
+    if not swapped_any:
+        return None
+    return laid.tolist() + [d for d in order if lengths[d] == 0]
+
+
+def _slice_tiles(sizes: np.ndarray, num_ranks: int, capacity: int, tile: int) -> np.ndarray:
+    """Tile pairs of every slice of `capacity` tokens of rows of documents (each no longer
+    than a slice) laid end to end: [rows, documents] sizes to [rows, num_ranks] pairs
+    (float64; exact below 2^53 pairs). A document crossing a boundary is its head in the
+    slice it starts in and the rest, at that offset, in the next."""
+    rows = sizes.shape[0]
+    ends = np.cumsum(sizes, axis=1)
+    starts = ends - sizes
+    head = np.minimum(sizes, capacity - starts % capacity)
+    slot = (np.arange(rows) * num_ranks)[:, None] + starts // capacity
+    size = rows * num_ranks + 1  # the slot after a row's last slice only ever gets empty tails
+    pairs = np.bincount(slot.ravel(), tile_pairs(tile, 0, head).ravel(), size)
+    pairs += np.bincount((slot + 1).ravel(), tile_pairs(tile, head, sizes - head).ravel(), size)
+    return pairs[:-1].reshape(rows, num_ranks)
 
 
 class ZigzagBuild(Build):
@@ -292,6 +353,7 @@ class ContiguousBuild(Build):
 
 BALANCED = "contiguous(balanced)"  # the contiguous layout of the documents in `balanced_order`
 DEALT = "contiguous(dealt)"  # the contiguous layout of the documents in `dealt_order`
+REFINED = "contiguous(refined)"  # the contiguous layout of the documents in `refined_order`
 WHOLE_SEARCH_VISITS = 4096  # ranks looked at by the search for a whole-document packing, at most
 
 
