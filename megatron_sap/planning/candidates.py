@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .cost_model import CostModel
-from .greedy import GreedyPasses, greedy_name
+from .greedy import SPREAD_NODE, SPREAD_WIDE, GreedyPasses, greedy_name
 from .layouts import (BALANCED, DEALT, REFINE_MAX_DOCS, REFINED, ContiguousBuild, WholeBuild, ZigzagBuild,
                       balanced_order, dealt_order, refined_order)
 from .placement import Build
@@ -31,21 +31,28 @@ def candidates(
     `dealt_order` and, on rows of at most REFINE_MAX_DOCS documents, in `refined_order`
     (where every document fits on one rank); then, over FILL_MIN_RANKS
     outer ranks or more, the zigzag greedy passes again with `fill` (the row's last
-    documents cut through the rooms left in a chain, once each). The greedy passes start
-    as one build."""
+    documents cut through the rooms left in a chain, once each); then, where nodes hold
+    several outer ranks each and there is more than one node, the zigzag greedy passes
+    again with `node spread` (a document heavier than a rank's share, whose fewest
+    balancing ranks would cross nodes, spread over one node instead). The greedy passes
+    start as one build."""
     passes = GreedyPasses(doc_starts, lengths, num_ranks, capacity, model, inner_size)
     members = [
-        (greedy_name(s, split), 2 * i + j, s, split, False, False)
+        (greedy_name(s, split), 2 * i + j, s, split, None, False)
         for i, s in enumerate(slacks)
         for j, split in enumerate(("contiguous", "zigzag"))
     ]
     if num_ranks >= FILL_MIN_RANKS:
-        members += [(greedy_name(s, "zigzag", fill=True), 2 * len(slacks) + 6 + i, s, "zigzag", False, True)
+        members += [(greedy_name(s, "zigzag", fill=True), 2 * len(slacks) + 6 + i, s, "zigzag", None, True)
                     for i, s in enumerate(slacks)]
     builds: list[Build] = []
     if num_ranks > 1:
         spread_slack = min(slacks, default=0.0)
-        members.append((greedy_name(spread_slack, "zigzag", spread=True), 2 * len(slacks), spread_slack, "zigzag", True, False))
+        members.append((greedy_name(spread_slack, "zigzag", SPREAD_WIDE), 2 * len(slacks), spread_slack, "zigzag",
+                        SPREAD_WIDE, False))
+        if passes.node_aware:
+            members += [(greedy_name(s, "zigzag", SPREAD_NODE), 3 * len(slacks) + 7 + i, s, "zigzag", SPREAD_NODE, False)
+                        for i, s in enumerate(slacks)]
         builds.append(ZigzagBuild(2 * len(slacks) + 1, doc_starts, lengths, passes.cost, capacity,
                                    Tally(num_ranks, inner_size, model)))
         builds.append(ContiguousBuild(2 * len(slacks) + 2, doc_starts, lengths, passes.cost, capacity,

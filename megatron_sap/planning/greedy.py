@@ -7,7 +7,9 @@ head-to-tail (rank i holds chunks i and 2k-1-i) so causal work balances, or as k
 consecutive chunks (the ``contiguous`` split); chunks are whole kernel tiles where the
 document has enough, token-level where the ranks' room is not whole tiles. What no
 longer fits whole is cut over the ranks with the most room. With `spread`, a document
-heavier than one rank's share of the work goes over as many ranks as it can; with
+heavier than one rank's share of the work goes over as many ranks as it can (SPREAD_WIDE),
+or, where the fewest ranks that balance it outnumber a node's, over as many ranks of one
+node as it can (SPREAD_NODE: balance bought with fast links only); with
 `fill`, a document that fits on one rank but finds no rank with room for it whole goes
 through the rooms left in consecutive chunks, each fill starting where the last ended.
 Ranks of one node are preferred for a split.
@@ -27,6 +29,9 @@ from .cost_model import CostModel
 from .cuts import Cut, split_cut, split_need, token_split_cut, whole_pairs
 from .placement import Build, Placement, Record, build_all
 from .tally import Tally
+
+SPREAD_WIDE = "wide"  # a document heavier than a rank's share: over as many ranks as have room
+SPREAD_NODE = "node"  # ... over as many ranks of one node as have room
 
 
 def heaviest_first(lengths: Sequence[int], costs: Sequence[int]) -> list[int]:
@@ -48,7 +53,7 @@ def greedy(
     slack: float,
     inner_size: int = 1,
     split: str = "zigzag",
-    spread: bool = False,
+    spread: str | None = None,
     fill: bool = False,
 ) -> Placement:
     """Sequence-aware placement: keep documents whole, split the ones that would
@@ -56,7 +61,9 @@ def greedy(
     (see the module docstring). Outer rank r is on node `model.node_of(r * inner_size)`;
     `split` is how a document is cut over k ranks (see `split_cut`); with `spread`, a
     document heavier than one rank's share of the work is split as wide as the ranks'
-    room and chunks of at least one tile allow, instead of over the fewest ranks; with
+    room and chunks of at least one tile allow (SPREAD_WIDE), or, where the fewest
+    ranks that fit the limit outnumber a node's, as wide as that allows inside one node
+    (SPREAD_NODE, `_DocChoices.node_wide`), instead of over the fewest ranks; with
     `fill`, a document that fits on one rank where none has room for it whole is cut
     through the rooms (`_DocChoices.fill`) instead of weighed by load."""
     passes = GreedyPasses(doc_starts, lengths, num_ranks, capacity, model, inner_size)
@@ -64,13 +71,14 @@ def greedy(
     return placement
 
 
-def greedy_name(slack: float, split: str, spread: bool = False, fill: bool = False) -> str:
+def greedy_name(slack: float, split: str, spread: str | None = None, fill: bool = False) -> str:
     """The pass's candidate name; the slack short (``0.25``) where that reads back as the
     same number, else in full, so that passes at different slacks never share a name."""
     text = f"{slack:g}"
     if float(text) != slack:
         text = repr(float(slack))
-    return f"greedy(slack={text}, {split}{', spread' if spread else ''}{', fill' if fill else ''})"
+    mode = {None: "", SPREAD_WIDE: ", spread", SPREAD_NODE: ", node spread"}[spread]
+    return f"greedy(slack={text}, {split}{mode}{', fill' if fill else ''})"
 
 
 class _Member(NamedTuple):
@@ -80,7 +88,7 @@ class _Member(NamedTuple):
     index: int
     slack: float
     split: str
-    spread: bool
+    spread: str | None
     fill: bool
 
 
@@ -110,6 +118,7 @@ class GreedyPasses:
                 self.node_index[r] = n
         # With one node, or one rank per node, the node-local choice is the least-loaded ranks.
         self.node_aware = 1 < len(self.node_ranks) < num_ranks
+        self.node_width = max(map(len, self.node_ranks))  # the most outer ranks on one node
         self.cost = whole_pairs(lengths, self.tile).tolist()
         self.total = sum(self.cost)
         self.share = self.total / num_ranks
@@ -121,7 +130,7 @@ class GreedyPasses:
         in_order = np.asarray(lengths, dtype=np.int64)[self.order]
         self.units = np.minimum(np.maximum.accumulate(in_order[::-1])[::-1], self.tile).tolist() + [0]
 
-    def build(self, members: Sequence[tuple[str, int, float, str, bool, bool]]) -> Build:
+    def build(self, members: Sequence[tuple[str, int, float, str, str | None, bool]]) -> Build:
         """The passes (name, index, slack, split, spread, fill), built together while they
         place documents alike."""
         build = GreedyBuild(self, tuple(_Member(*m) for m in members), Tally(self.R, self.inner_size, self.model),
@@ -130,7 +139,7 @@ class GreedyPasses:
         build.floor_s = build.tally.floor_s
         return build
 
-    def choose(self, doc: _DocChoices, slack: float, split: str, spread: bool, fill: bool) -> tuple[tuple[int, ...], Cut]:
+    def choose(self, doc: _DocChoices, slack: float, split: str, spread: str | None, fill: bool) -> tuple[tuple[int, ...], Cut]:
         """Where a pass at `slack` puts the document: (rank of each slot, cut). What does
         not depend on the slack is worked out once per document in `doc`."""
         n, c, load = doc.n, doc.c, doc.load
@@ -144,7 +153,12 @@ class GreedyPasses:
                 return (whole,), split_cut(n, 1, "contiguous", self.tile)
             options.append((load[whole] + c, 1, [whole], None))
         degrees = _split_degrees(c, doc.sorted_loads, limit, min(self.R, n))
-        if spread and degrees and c > self.share and doc.widest > degrees[0]:
+        if spread == SPREAD_NODE and c > self.share and degrees and degrees[0] > self.node_width:
+            # The fewest ranks that fit the limit would cross nodes: one node's, as many as can.
+            inside = doc.node_wide(split)
+            if inside is not None:
+                return inside
+        if spread == SPREAD_WIDE and degrees and c > self.share and doc.widest > degrees[0]:
             # A document heavier than a rank's share: as wide as chunks of at least a
             # tile and the ranks' room allow; the usual degrees as fallback.
             degrees = [doc.widest] + degrees
@@ -175,7 +189,8 @@ class _DocChoices:
     fill left part-filled (see `fill`)."""
 
     __slots__ = ("greedy", "d", "load", "room", "n", "c", "by_load", "whole_rank", "shared", "spill",
-                 "_sorted_loads", "_roomy", "_rooms", "_widest", "_splits", "_slots", "_fragments", "filled")
+                 "_sorted_loads", "_roomy", "_rooms", "_widest", "_splits", "_slots", "_fragments", "_node_wide",
+                 "filled")
 
     def __init__(self, greedy: GreedyPasses, d: int, load: list[int], room: list[int], by_load: list[int],
                  whole_rank: int | None, shared: bool, spill: int | None):
@@ -189,6 +204,7 @@ class _DocChoices:
         self._splits: dict[tuple[int, str], tuple | None] = {}
         self._slots: dict[tuple[int, int], tuple[tuple[int, ...], Cut]] = {}
         self._fragments: tuple[tuple[int, ...], Cut] | None = None
+        self._node_wide: dict[str, tuple[tuple[int, ...], Cut] | None] = {}
         self.filled: tuple[tuple[int, ...], Cut] | None = None
 
     @property
@@ -223,6 +239,24 @@ class _DocChoices:
         found = self._weigh_split(k, split)
         if self.shared:
             self._splits[key] = found
+        return found
+
+    def node_wide(self, split: str) -> tuple[tuple[int, ...], Cut] | None:
+        """The document over as many ranks of one node as have room for it (chunks of a
+        tile at least), those `split_over` picks node-locally (the least-loaded node that
+        has them); None where no node has two. For a document heavier than a rank's share
+        whose fewest balancing ranks would cross nodes: balanced as well as one node's
+        fast links allow instead."""
+        if split in self._node_wide:
+            return self._node_wide[split]
+        g, found = self.greedy, None
+        for k in range(min(g.node_width, self.n // (2 * g.tile), len(self.roomy)), 1, -1):
+            split_k = self.split_over(k, split)
+            if split_k is not None and len({g.node_index[r] for r in split_k[0]}) == 1:
+                found = self.slots(split_k[0], split_k[4])
+                break
+        if self.shared:
+            self._node_wide[split] = found
         return found
 
     def _weigh_split(self, k: int, split: str) -> tuple | None:
