@@ -1298,7 +1298,7 @@ def test_node_spread_keeps_a_dominant_document_on_one_nodes_fast_links():
     """Two nodes of 8 ranks (flat `1 x 16`): an 8,192-token document beside 24 of 1,024 holds
     most of the work. The fewest ranks that balance it cross into the second node (slow links);
     spread over every rank, its keys cross nodes for all; the node spread pass keeps it on the 8
-    ranks of one node, and the plan takes that layout: every other candidate is at least 15%
+    ranks of one node, and the plan takes that layout: every other candidate is at least 10%
     slower under the model (finished, or by the floor it was given up at)."""
     model = CostModel.preset("h100")
     lengths = [8192] + [1024] * 24
@@ -1317,7 +1317,7 @@ def test_node_spread_keeps_a_dominant_document_on_one_nodes_fast_links():
     assert stats["candidate"].endswith("zigzag, node spread)")
     others = {**stats["candidates_pruned_floor_s"], **stats["candidates_modelled_time_s"]}
     fastest_other = min(t for name, t in others.items() if "node spread" not in name)
-    assert fastest_other > 1.15 * stats["planner_estimate_s"]
+    assert fastest_other > 1.1 * stats["planner_estimate_s"]
 
 
 # ---- pinned placements (guards speed work on placement.py / evaluate.py) ---------------------
