@@ -34,8 +34,8 @@ def candidates(
     documents cut through the rooms left in a chain, once each); then, where nodes hold
     several outer ranks each and there is more than one node, the zigzag greedy passes
     again with `node spread` (a document heavier than a rank's share, whose fewest
-    balancing ranks would cross nodes, spread over one node instead). The greedy passes
-    start as one build."""
+    balancing ranks would cross nodes, spread over one node instead), over FILL_MIN_RANKS
+    outer ranks or more with `fill` as well. The greedy passes start as one build."""
     passes = GreedyPasses(doc_starts, lengths, num_ranks, capacity, model, inner_size)
     members = [
         (greedy_name(s, split), 2 * i + j, s, split, None, False)
@@ -51,7 +51,9 @@ def candidates(
         members.append((greedy_name(spread_slack, "zigzag", SPREAD_WIDE), 2 * len(slacks), spread_slack, "zigzag",
                         SPREAD_WIDE, False))
         if passes.node_aware:
-            members += [(greedy_name(s, "zigzag", SPREAD_NODE), 3 * len(slacks) + 7 + i, s, "zigzag", SPREAD_NODE, False)
+            members += [(greedy_name(s, "zigzag", SPREAD_NODE, fill), (3 + fill) * len(slacks) + 7 + i, s, "zigzag",
+                         SPREAD_NODE, fill)
+                        for fill in (False, True)[: 1 + (num_ranks >= FILL_MIN_RANKS)]
                         for i, s in enumerate(slacks)]
         builds.append(ZigzagBuild(2 * len(slacks) + 1, doc_starts, lengths, passes.cost, capacity,
                                    Tally(num_ranks, inner_size, model)))
