@@ -51,9 +51,11 @@ def candidates(
         members.append((greedy_name(spread_slack, "zigzag", SPREAD_WIDE), 2 * len(slacks), spread_slack, "zigzag",
                         SPREAD_WIDE, False))
         if passes.node_aware:
+            # After every other candidate: the node spread passes, then their fill ones.
+            fills = (False, True) if num_ranks >= FILL_MIN_RANKS else (False,)
             members += [(greedy_name(s, "zigzag", SPREAD_NODE, fill), (3 + fill) * len(slacks) + 7 + i, s, "zigzag",
                          SPREAD_NODE, fill)
-                        for fill in (False, True)[: 1 + (num_ranks >= FILL_MIN_RANKS)]
+                        for fill in fills
                         for i, s in enumerate(slacks)]
         builds.append(ZigzagBuild(2 * len(slacks) + 1, doc_starts, lengths, passes.cost, capacity,
                                    Tally(num_ranks, inner_size, model)))
