@@ -160,6 +160,19 @@ def test_ranks_may_run_different_schedules(pool8, recompute_kv):
         check_against_reference(pool8, cu, inner, 8, 2, 8, "float64", seed=6, schedule="mixed", recompute_kv=recompute_kv)
 
 
+@pytest.mark.parametrize("recompute_kv", [False, True])
+def test_backward_in_the_reverse_of_the_forward_order(pool8, recompute_kv):
+    """Rows whose plans run the backward's exchanges in the reverse of the forward's order
+    (`Plan.backward_exchange_order`): exact in every schedule, with and without recompute_kv,
+    and no rank waits for another forever."""
+    for cu, inner in (([0, 421, 496], 1), ([0, 43, 54, 62, 72, 83, 92, 119, 131, 139, 147, 155, 163, 384], 2)):
+        plan = sap.plan_sequences(cu, outer_size=8 // inner, inner_size=inner, cost_model="h100", cache=None)
+        forward = plan.exchange_order()
+        assert len(forward) > 2 and plan.backward_exchange_order() == {p: len(forward) - 1 - i for p, i in forward.items()}
+        for schedule in ("pipelined", "gathered", "mixed"):
+            check_against_reference(pool8, cu, inner, 8, 2, 8, "float64", seed=7, schedule=schedule, recompute_kv=recompute_kv)
+
+
 def test_world1_is_plain_varlen():
     """P = 1 runs in-process without groups or communication."""
     import megatron_sap as sap

@@ -9,9 +9,10 @@ import megatron_sap as sap
 from megatron_sap.bench.data import document_lengths
 from megatron_sap.bench.packing import pack
 from megatron_sap.planning import CostModel, compile_all
-from megatron_sap.planning.evaluate import evaluate
+from megatron_sap.planning.evaluate import evaluate, step_pairs
 from megatron_sap.planning.greedy import greedy
-from megatron_sap.planning.order import MAX_ORDERED_PAIRS, exchange_order
+from megatron_sap.planning.order import (MAX_ORDERED_PAIRS, backward_order, backward_seconds, exchange_order,
+                                         exchange_seconds)
 from megatron_sap.planning.program import _Layout, exchange_round
 from megatron_sap.planning.timeline import joint_schedule
 from test_program import outer_batches
@@ -121,3 +122,77 @@ def test_the_plans_order_is_read_only():
     assert plan.exchange_order() is order and len(order) == 3
     with pytest.raises(TypeError):
         order[0, 1] = 5
+
+
+def test_backward_seconds_steps_through_the_order():
+    """Three ranks, pairs (0, 1) then (1, 2). Rank 0 computes its step for 1 in 3 s and 1
+    its step for 0 in 1 s: their return starts at 3 and ends at 4. Rank 2 computes its step
+    for 1 in 5 s: that return starts at 5 and ends at 7, after every rank's kernels. Run
+    the other way round, (0, 1) waits for the (1, 2) return: 8 s, so the order stays."""
+    order = {(0, 1): 0, (1, 2): 1}
+    exchange_s = {(0, 1): 1.0, (1, 2): 2.0}
+    step_s = [[0.0, 3.0, 0.0], [1.0, 0.0, 1.0], [0.0, 5.0, 0.0]]
+    total_s = [4.0, 3.0, 6.0]
+    reverse = {(1, 2): 0, (0, 1): 1}
+    assert backward_seconds(order, exchange_s, step_s, total_s) == 7.0
+    assert backward_seconds(reverse, exchange_s, step_s, total_s) == 8.0
+    assert backward_order(order, exchange_s, np.array(step_s), total_s) == order
+
+
+def test_backward_runs_the_reverse_where_heavy_first_steps_hold_up_the_others():
+    """Rank 1's first step (with 0) takes 4 s to compute, so the (1, 2) exchange after it
+    waits until 6 s although rank 2 is ready at once: 7 s. Reversed, (1, 2) goes first and
+    is done under rank 0's kernels: 6 s."""
+    order = {(0, 1): 0, (1, 2): 1}
+    exchange_s = {(0, 1): 1.0, (1, 2): 1.0}
+    step_s = np.array([[0.0, 5.0, 0.0], [4.0, 0.0, 0.1], [0.0, 0.1, 0.0]])
+    total_s = [5.0, 4.1, 0.1]
+    assert backward_seconds(order, exchange_s, step_s.tolist(), total_s) == 7.0
+    assert backward_seconds({(1, 2): 0, (0, 1): 1}, exchange_s, step_s.tolist(), total_s) == 6.0
+    assert backward_order(order, exchange_s, step_s, total_s) == {(1, 2): 0, (0, 1): 1}
+
+
+def test_the_plans_backward_order_is_the_forward_one_or_its_reverse():
+    """On packed rows of both corpora, each plan's backward exchange order holds the same
+    pairs as its forward one, in that order or reversed, whichever `backward_seconds` says
+    ends sooner; both occur."""
+    model = CostModel.preset("h100")
+    chosen = {"forward": 0, "reverse": 0}
+    for corpus in ("stdlib", "sharegpt"):
+        for cu in pack(document_lengths(corpus), 32 * 1024, 3, seed=4):
+            for outer, inner in ((16, 1), (32, 1), (8, 4)):
+                plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cost_model=model, cache=None)
+                forward, backward = dict(plan.exchange_order()), dict(plan.backward_exchange_order())
+                last = len(forward) - 1
+                reverse = {pair: last - i for pair, i in forward.items()}
+                assert backward in (forward, reverse)
+                kind = "forward" if backward == forward else "reverse"
+                chosen[kind] += 1
+                if forward != reverse:
+                    ev = plan.evaluation  # as the plan weighs them
+                    pair_s = model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=True, head_fraction=1 / inner)
+                    steps = (step_pairs(plan.placement) * pair_s).tolist()
+                    exchange_s = exchange_seconds(ev.traffic_tokens, model, inner)
+                    total = (ev.tile_pairs * pair_s).tolist()
+                    times = {name: backward_seconds(o, exchange_s, steps, total) for name, o in (("forward", forward), ("reverse", reverse))}
+                    assert times[kind] == min(times.values()) and (kind == "reverse") == (times["reverse"] < times["forward"])
+    assert chosen["forward"] and chosen["reverse"], chosen
+
+
+def test_the_backward_order_shortens_the_ranks_joint_backward():
+    """Run together (`joint_schedule`), the ranks' backward passes on packed rows at 32
+    outer ranks end sooner in the plans' backward order than in their forward order (the
+    programs compiled with the backward in the forward's order), and never later on a row."""
+    model = CostModel.preset("h100")
+    totals = {"planned": 0.0, "forward": 0.0}
+    for corpus in ("stdlib", "sharegpt"):
+        for cu in pack(document_lengths(corpus), 64 * 1024, 2, seed=6):
+            plan = sap.plan_sequences(cu, outer_size=32, cost_model=model, cache=None)
+            planned = [plan.program(r, schedule="pipelined") for r in range(32)]
+            forward = compile_all(plan.placement, "pipelined", plan.exchange_order())
+            times = {name: max(r.backward_s for r in joint_schedule(programs, 1, plan.capacity, model))
+                     for name, programs in (("planned", planned), ("forward", forward))}
+            assert times["planned"] <= times["forward"] * (1 + 1e-9), (corpus, times)
+            for name, seconds in times.items():
+                totals[name] += seconds
+    assert totals["planned"] < 0.9 * totals["forward"], totals

@@ -1110,18 +1110,18 @@ def test_choosing_by_the_timeline_takes_the_fastest_timed_candidate(corpus, toke
 
 
 def test_choosing_by_the_timeline_avoids_a_layout_whose_exchanges_wait():
-    """A row where the estimate's choice (within 1% of the fastest estimate, the fewest bytes)
-    waits on its peers' exchanges: the executor's schedule times it about 1.4x the one
-    the timeline choice takes."""
+    """A ShareGPT 32K row at `4 x 8` where the estimate's choice waits on its peers'
+    exchanges: the executor's schedule times it about 1.13x the layout the timeline
+    chooses, which the estimate puts about 5% slower."""
     from megatron_sap.bench.data import document_lengths
     from megatron_sap.bench.packing import pack
 
-    cu = pack(document_lengths("stdlib"), 32768, 1, seed=42)[0]
-    by_estimate = sap.plan_sequences(cu, outer_size=16, cache=None)
-    by_timeline = sap.plan_sequences(cu, outer_size=16, cache=None, choose_by="timeline")
+    cu = pack(document_lengths("sharegpt"), 32768, 12, seed=42)[8]
+    by_estimate = sap.plan_sequences(cu, outer_size=8, inner_size=4, cache=None)
+    by_timeline = sap.plan_sequences(cu, outer_size=8, inner_size=4, cache=None, choose_by="timeline")
     assert by_timeline.strategy != by_estimate.strategy
-    assert by_timeline.evaluation.makespan_s >= by_estimate.evaluation.makespan_s * 0.99  # the estimate ranks them alike
-    assert by_timeline.stats()["modelled_time_s"] < 0.8 * by_estimate.stats()["modelled_time_s"]
+    assert by_timeline.evaluation.makespan_s > by_estimate.evaluation.makespan_s  # the estimate prefers the other
+    assert by_timeline.stats()["modelled_time_s"] < 0.9 * by_estimate.stats()["modelled_time_s"]
 
 
 def test_choose_by_must_be_known():

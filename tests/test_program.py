@@ -9,6 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import megatron_sap as sap
+from megatron_sap.bench.data import document_lengths
+from megatron_sap.bench.packing import pack
 from megatron_sap.planning import CostModel, KernelCall, RankProgram, compile_all
 from megatron_sap.planning.evaluate import evaluate
 from megatron_sap.planning.candidates import FILL_MIN_RANKS, candidates
@@ -367,6 +369,23 @@ def test_every_pass_posts_its_exchanges_in_one_order_all_ranks_follow(seed):
                                 [recompute_kv and p.schedule == "pipelined" for p in forward])
             backward = [plan.backward_program(r, schedule=s, recompute_kv=recompute_kv) for r, s in enumerate(schedules)]
             run_posted_in_order(plan, backward, [p.backward_events(recompute_kv) for p in backward], [recompute_kv] * outer)
+
+
+def test_backward_in_its_own_order_is_posted_in_one_order_all_ranks_follow():
+    """Plans whose backward runs the reverse of the forward's exchange order: run as NCCL
+    runs a group's batches, every rank gets through its backward events, in every schedule,
+    with and without recompute_kv (and its window)."""
+    rows = [([0, 421, 496], 8), ([0, 13, 22, 216], 6), ([0, 116, 165, 167, 176], 4)]
+    rows += [(cu, 32) for cu in pack(document_lengths("stdlib"), 32 * 1024, 2, seed=4)]
+    reversed_plans = 0
+    for cu, outer in rows:
+        plan = sap.plan_sequences(cu, outer_size=outer, cache=None)
+        reversed_plans += plan.backward_exchange_order() != plan.exchange_order()
+        for recompute_kv in (False, True):
+            for schedules in (["pipelined"] * outer, ["gathered", "pipelined"] * (outer // 2)):
+                backward = [plan.backward_program(r, schedule=s, recompute_kv=recompute_kv) for r, s in enumerate(schedules)]
+                run_posted_in_order(plan, backward, [p.backward_events(recompute_kv) for p in backward], [recompute_kv] * outer)
+    assert reversed_plans >= 4
 
 
 def test_backward_posted_by_each_rank_s_own_step_count_would_wait_in_a_cycle():

@@ -89,6 +89,27 @@ def rank_work(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
     return np.array(exact, dtype=np.float64), traffic.reshape(R, R)
 
 
+def step_pairs(placement: Placement) -> np.ndarray:
+    """[R, R] float64: the causal (q, k) pairs the row rank computes on keys the column
+    rank holds (what its exchange step with that rank computes): every piece of a split
+    document against the other ranks' pieces before it."""
+    R = placement.num_ranks
+    index, pairs = [], []
+    for record in placement.records:
+        if len(record.ranks) == 1:
+            continue
+        cut = record.cut
+        owner = np.array(record.ranks * 2)
+        offset = np.array(cut.head_at + cut.tail_at)
+        length = np.array(cut.heads + cut.tails, dtype=np.float64)
+        earlier = (offset[None, :] < offset[:, None]) & (owner[None, :] != owner[:, None])  # [query chunk, key chunk]
+        index.append((owner[:, None] * R + owner[None, :]).ravel())
+        pairs.append(np.where(earlier, length[:, None] * length[None, :], 0.0).ravel())
+    if not pairs:
+        return np.zeros((R, R))
+    return np.bincount(np.concatenate(index), weights=np.concatenate(pairs), minlength=R * R).reshape(R, R)
+
+
 def whole_documents_s(lengths: list[int], world_size: int, model: CostModel) -> float:
     """Forward + backward of every document computed whole, spread evenly over
     `world_size` ranks, with no communication: no placement is modelled faster

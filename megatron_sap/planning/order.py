@@ -14,10 +14,19 @@ soonest takes, among the peers it still has to meet, the one whose link is free 
 the lower rank). It reads only the tokens the ranks send each other (an exchange takes
 its larger direction over its link). Every rank computes the same order from the same
 plan and cost model (integer ties, the same floating-point operations in the same order).
+
+Backward the same pairs exchange again, the gradients of the rows each step received
+going back, but a step's return can start only once both its ranks have computed their
+step for each other, and each rank computes its steps in its own order. The forward's
+order, built for links that are all free at the start, can make a rank whose first
+steps are heavy hold up peers that have little to compute before them, and them the
+next. `backward_order` runs the backward in the forward's order or in its reverse,
+whichever a step-level model of the joint backward (`backward_seconds`) finishes first.
 """
 from __future__ import annotations
 
 import heapq
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -29,25 +38,32 @@ from .program import exchange_round
 MAX_ORDERED_PAIRS = 8192
 
 
+def exchange_seconds(traffic_tokens: np.ndarray, model: CostModel, inner_size: int) -> dict[tuple[int, int], float]:
+    """The seconds of every exchanging pair's exchange `(a, b)`, a < b (in row-major order):
+    its larger direction over its link, one message's latency (`CostModel.transfer_seconds`)."""
+    R = len(traffic_tokens)
+    first, second = np.nonzero(np.triu(traffic_tokens + traffic_tokens.T, 1))
+    larger = np.maximum(traffic_tokens[first, second], traffic_tokens[second, first])
+    larger = larger * model.inner_kv_bytes_per_token(inner_size)
+    node = model.node_of(np.arange(R) * inner_size)  # as `CostModel.link_between` compares them
+    rate = np.where(node[first] == node[second], model.bandwidth(LINK_INTRA), model.bandwidth(LINK_INTER))
+    seconds = (model.message_latency_us * 1e-6 + larger / rate).tolist()
+    return dict(zip(zip(first.tolist(), second.tolist()), seconds))
+
+
 def exchange_order(traffic_tokens: np.ndarray, model: CostModel, inner_size: int) -> dict[tuple[int, int], int]:
     """The position of every exchanging pair of outer ranks `(a, b)`, a < b, in the order
     all ranks run their exchanges in (see the module docstring; round order beyond
     MAX_ORDERED_PAIRS pairs); `traffic_tokens[s, d]` is the forward K/V tokens outer rank
     s sends d."""
     R = len(traffic_tokens)
-    first, second = np.nonzero(np.triu(traffic_tokens + traffic_tokens.T, 1))
-    pairs = list(zip(first.tolist(), second.tolist()))
+    exchange_s = exchange_seconds(traffic_tokens, model, inner_size)
+    pairs = list(exchange_s)
     if len(pairs) > MAX_ORDERED_PAIRS:
         # Rounds, each a matching of the ranks: cheap, but blind to the sizes.
         pairs.sort(key=lambda pair: (exchange_round(*pair, R), pair))
         return {pair: i for i, pair in enumerate(pairs)}
-    # Each pair's exchange: its larger direction over its link, one message's latency.
-    larger = np.maximum(traffic_tokens[first, second], traffic_tokens[second, first])
-    larger = larger * model.inner_kv_bytes_per_token(inner_size)
-    node = model.node_of(np.arange(R) * inner_size)  # as `CostModel.link_between` compares them
-    rate = np.where(node[first] == node[second], model.bandwidth(LINK_INTRA), model.bandwidth(LINK_INTER))
-    seconds = (model.message_latency_us * 1e-6 + larger / rate).tolist()  # `CostModel.transfer_seconds`
-    exchange_s = dict(zip(pairs, seconds))
+    seconds = list(exchange_s.values())
     # Each rank's peers, the longest exchange first, then the lower rank.
     ends = [(r, -s, q) for (x, y), s in zip(pairs, seconds) for r, q in ((x, y), (y, x))]
     ends.sort()
@@ -80,3 +96,35 @@ def exchange_order(traffic_tokens: np.ndarray, model: CostModel, inner_size: int
         if theirs:
             push(heap, (done, p))
     return order
+
+
+def backward_order(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tuple[int, int], float],
+                   step_s: np.ndarray, total_s: Sequence[float]) -> dict[tuple[int, int], int]:
+    """The position of every pair of `order` in the order the backward runs its exchanges:
+    `order` itself, or its reverse where the joint backward of that one ends sooner
+    (`backward_seconds`; `step_s[a, b]`: the seconds of a's step with b; ties: `order`).
+    Every rank chooses alike from the same plan."""
+    last = len(order) - 1
+    reverse = {pair: last - i for pair, i in order.items()}
+    step_s = step_s.tolist()  # indexed pair by pair below: lists are faster there
+    if backward_seconds(reverse, exchange_s, step_s, total_s) < backward_seconds(order, exchange_s, step_s, total_s):
+        return reverse
+    return dict(order)
+
+
+def backward_seconds(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tuple[int, int], float],
+                     step_s: Sequence[Sequence[float]], total_s: Sequence[float]) -> float:
+    """When the last outer rank is done with a backward pass whose exchanges run in `order`,
+    step by step: each rank computes its steps in that order (`step_s[a][b]`: the seconds of
+    a's step with b), posting each step's return once computed; the return starts when both
+    ranks have posted it and both links are free, and takes `exchange_s`; a rank is done
+    when its link is and its kernels (`total_s`, the local ones included) are. Every rank
+    in the pipelined schedule, as `timeline.joint_schedule` times the compiled programs."""
+    computed = [0.0] * len(total_s)
+    link = [0.0] * len(total_s)
+    for a, b in sorted(order, key=order.__getitem__):
+        computed[a] += step_s[a][b]
+        computed[b] += step_s[b][a]
+        start = max(link[a], link[b], computed[a], computed[b])
+        link[a] = link[b] = start + exchange_s[a, b]
+    return max(max(t, x) for t, x in zip(total_s, link))

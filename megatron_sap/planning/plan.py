@@ -19,8 +19,8 @@ import torch
 
 from ..validation import check_bool, check_divisible, cu_seqlens_to_list
 from .cost_model import CostModel
-from .evaluate import Evaluation, evaluate, inner_peer_links, ulysses_cost, whole_documents_s
-from .order import exchange_order
+from .evaluate import Evaluation, evaluate, inner_peer_links, step_pairs, ulysses_cost, whole_documents_s
+from .order import backward_order, exchange_order, exchange_seconds
 from .candidates import candidates
 from .placement import Build, Placement
 from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _index_tensor, _Layout,
@@ -80,6 +80,8 @@ class Plan:
     _layout: _Layout | None = field(default=None, repr=False)
     _order: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
     _levels: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
+    _backward_order: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
+    _backward_levels: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
     _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _timings: dict[int, dict[str, RankSchedule]] = field(default_factory=dict, repr=False)  # per outer rank
@@ -220,7 +222,8 @@ class Plan:
             if cpu_key not in self._programs:
                 with _gc_paused():
                     self._programs[cpu_key] = compile_program(self.placement, outer_rank, self._get_layout(), schedule,
-                                                              self.exchange_order(), self._exchange_levels())
+                                                              self.exchange_order(), self._exchange_levels(),
+                                                              self._backward_exchange_levels())
             if key != cpu_key:
                 self._programs[key] = self._programs[cpu_key].to(device)
         return self._programs[key]
@@ -244,17 +247,36 @@ class Plan:
             self._levels = MappingProxyType(exchange_levels(self.exchange_order()))
         return self._levels
 
+    def backward_exchange_order(self) -> Mapping[tuple[int, int], int]:
+        """The position of every exchanging pair in the order every rank runs its backward
+        exchanges: `exchange_order()` or its reverse, whichever the backward modelled step by
+        step ends sooner (`order.backward_order`; computed once, read-only)."""
+        if self._backward_order is None:
+            model, inner, ev = self.cost_model, self.inner_size, self.evaluation
+            # Backward kernel seconds per pair, in the pipelined schedule the model assumes.
+            pair_s = model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=True, head_fraction=1.0 / inner)
+            self._backward_order = MappingProxyType(backward_order(
+                self.exchange_order(), exchange_seconds(ev.traffic_tokens, model, inner),
+                step_pairs(self.placement) * pair_s, (ev.tile_pairs * pair_s).tolist()))
+        return self._backward_order
+
+    def _backward_exchange_levels(self) -> Mapping[tuple[int, int], int]:
+        """`program.exchange_levels` of the backward's exchange order (computed once, read-only)."""
+        if self._backward_levels is None:
+            self._backward_levels = MappingProxyType(exchange_levels(self.backward_exchange_order()))
+        return self._backward_levels
+
     def __getstate__(self) -> dict[str, Any]:
         """What pickling keeps (a plan made in a data loader's worker goes to the training
-        process): the exchange order and levels as plain dicts."""
+        process): the exchange orders and levels, forward and backward, as plain dicts."""
         state = dict(self.__dict__)
-        for name in ("_order", "_levels"):
+        for name in ("_order", "_levels", "_backward_order", "_backward_levels"):
             if state.get(name) is not None:
                 state[name] = dict(state[name])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        for name in ("_order", "_levels"):
+        for name in ("_order", "_levels", "_backward_order", "_backward_levels"):
             if state.get(name) is not None:
                 state[name] = MappingProxyType(state[name])
         self.__dict__.update(state)

@@ -19,7 +19,9 @@ documents. Structure, for outer rank r:
   ranks from waiting long for each other; any such order is free of deadlock.
 
 The backward pass runs the same steps with the roles reversed: the gradients of the
-received rows go back to their owner, which adds them at `send_rows`. A pass runs as a
+received rows go back to their owner, which adds them at `send_rows`. It takes them in
+its own order of the rank pairs (each step's `backward_level`: the forward's order or its
+reverse, `Plan.backward_exchange_order`), one that every rank follows too. A pass runs as a
 list of events (`RankProgram.forward_events`, `backward_events`) that the executor
 follows, the timeline times and `Plan.memory_bytes` counts; with `recompute_kv` the
 backward's refetches and returns are ordered by each exchange's level
@@ -116,6 +118,7 @@ class Transfer:
 
     round: int  # exchange round s: the peer is (s - rank) mod R on both sides (the messages' tag)
     level: int  # the pair's level in the exchange order, the same on both sides (`exchange_levels`)
+    backward_level: int  # its level in the order the backward runs the exchanges (`Plan.backward_exchange_order`)
     send_peer: int | None
     send_ranges: tuple[range, ...] | None
     recv_peer: int | None
@@ -225,30 +228,32 @@ class RankProgram:
         return tuple(events)
 
     def backward_events(self, recompute_kv: bool = False) -> tuple[Event, ...]:
-        """The backward pass in order. Keeping the K/V: each step's calls and its gradients
-        posted back (gathered: every step's calls first, a piece's keys may come from several
-        steps), the local calls under the returns, then every return waited for. With
-        `recompute_kv` (pipelined programs only: a gathered forward's backward runs the
-        pipelined program) every event is keyed by its step's level, which both ranks of
-        an exchange share: the refetch at level - RECOMPUTE_KV_AHEAD, the calls and the
-        return at the level, the wait for the return at level + RECOMPUTE_KV_AHEAD; the
-        local calls run under the first refetches. A rank meets one peer per level at most,
-        so it holds the K/V of at most RECOMPUTE_KV_AHEAD + 1 steps and as many steps'
+        """The backward pass in order, its steps by `backward_level` (the backward's own
+        order of rank pairs, which every rank follows). Keeping the K/V: each step's calls
+        and its gradients posted back (gathered: every step's calls first, a piece's keys
+        may come from several steps), the local calls under the returns, then every return
+        waited for. With `recompute_kv` (pipelined programs only: a gathered forward's
+        backward runs the pipelined program) every event is keyed by its step's level, which
+        both ranks of an exchange share: the refetch at level - RECOMPUTE_KV_AHEAD, the calls
+        and the return at the level, the wait for the return at level + RECOMPUTE_KV_AHEAD;
+        the local calls run under the first refetches. A rank meets one peer per level at
+        most, so it holds the K/V of at most RECOMPUTE_KV_AHEAD + 1 steps and as many steps'
         returning gradients, and every rank posts its exchanges in one global order."""
-        n = len(self.transfers)
+        steps = sorted(range(len(self.transfers)), key=lambda i: self.transfers[i].backward_level)
         if not recompute_kv:
             if self.schedule == "gathered":
-                calls = [(COMPUTE, i) for i in range(n)] + [(RETURN, i) for i in range(n)]
+                calls = [(COMPUTE, i) for i in steps] + [(RETURN, i) for i in steps]
             else:
-                calls = [event for i in range(n) for event in ((COMPUTE, i), (RETURN, i))]
-            return tuple(calls + [(LOCAL, -1)] + [(COLLECT, i) for i in range(n)])
+                calls = [event for i in steps for event in ((COMPUTE, i), (RETURN, i))]
+            return tuple(calls + [(LOCAL, -1)] + [(COLLECT, i) for i in steps])
         if self.schedule != "pipelined":
             raise ValueError("with recompute_kv the backward runs the pipelined program (Plan.backward_program)")
         ahead = RECOMPUTE_KV_AHEAD
         keyed = []
-        for i, step in enumerate(self.transfers):
-            keyed += [(step.level - ahead, 0, FETCH, i), (step.level, 1, COMPUTE, i), (step.level, 2, RETURN, i),
-                      (step.level + ahead, 3, COLLECT, i)]
+        for i in steps:
+            level = self.transfers[i].backward_level
+            keyed += [(level - ahead, 0, FETCH, i), (level, 1, COMPUTE, i), (level, 2, RETURN, i),
+                      (level + ahead, 3, COLLECT, i)]
         events = [(kind, i) for _, _, kind, i in sorted(keyed)]
         first_calls = next((e for e, (kind, _) in enumerate(events) if kind == COMPUTE), len(events))
         events.insert(first_calls, (LOCAL, -1))
@@ -468,11 +473,14 @@ def exchange_levels(order: Mapping[tuple[int, int], int]) -> dict[tuple[int, int
 
 def compile_program(placement: Placement, rank: int, layout: _Layout | None = None,
                     schedule: str = "pipelined", order: Mapping[tuple[int, int], int] | None = None,
-                    levels: Mapping[tuple[int, int], int] | None = None) -> RankProgram:
+                    levels: Mapping[tuple[int, int], int] | None = None,
+                    backward_levels: Mapping[tuple[int, int], int] | None = None) -> RankProgram:
     """The program of outer rank `rank` for `placement`, in `schedule` (see `SCHEDULES`),
     its exchanges in `order` (the position of each pair (a, b), a < b, that exchanges
     anything: `order.exchange_order`; default: by exchange round), each at its level
-    (`exchange_levels(order)`, given or computed; by round: the round)."""
+    (`exchange_levels(order)`, given or computed; by round: the round), and backward at
+    its level in `backward_levels` (`exchange_levels` of the backward's order; default:
+    the same as forward)."""
     check_schedule(schedule)
     layout = layout or _Layout(placement)
     R = placement.num_ranks
@@ -497,17 +505,21 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
             step_calls.append(_full_calls(layout, rank, [(p, range(o, o + p.length)) for p, o in zip(recv, offsets)]))
     else:
         local_calls, step_calls = _prefix_calls(layout, rank, [recv for _, _, _, recv in exchanges])
+    pairs = [(min(rank, peer), max(rank, peer)) for _, peer, _, _ in exchanges]
+    forward_levels = [round_ for round_, _, _, _ in exchanges] if order is None else [levels[pair] for pair in pairs]
+    back_levels = forward_levels if backward_levels is None else [backward_levels[pair] for pair in pairs]
     transfers = tuple(
         Transfer(
             round=round_,
-            level=round_ if order is None else levels[min(rank, peer), max(rank, peer)],
+            level=level,
+            backward_level=back,
             send_peer=peer if send else None,
             send_ranges=tuple(layout.rows(p) for p in send) if send else None,
             recv_peer=peer if recv else None,
             recv_tokens=sum(p.length for p in recv),
             calls=tuple(calls),
         )
-        for (round_, peer, send, recv), calls in zip(exchanges, step_calls)
+        for (round_, peer, send, recv), calls, level, back in zip(exchanges, step_calls, forward_levels, back_levels)
     )
     return RankProgram(rank, placement.capacity, tuple(local_calls), transfers, schedule)
 
