@@ -548,6 +548,28 @@ def test_fill_cuts_the_last_documents_through_consecutive_rooms():
     assert sum(len(r.ranks) for r in plain.records if r.doc >= 4) > 6
 
 
+def test_rows_of_documents_that_fit_weigh_the_greedy_passes_with_fill_only():
+    """From FILL_MIN_RANKS outer ranks, on a row whose documents all fit on one rank, the
+    greedy passes run with `fill` only (the spread pass as it is): the plain ones would
+    differ only in cutting the documents no rank has room for by load. Fewer ranks, or
+    one document longer than a rank holds, and the plain passes are back."""
+    model = CostModel.preset("h100")
+    rng = np.random.default_rng(3)
+    short = [0]
+    while short[-1] < 64 * 1024:
+        short.append(min(64 * 1024, short[-1] + int(rng.integers(50, 500))))
+    long_doc = [0, 4000, *[x for x in short[1:] if x > 4000]]  # one 4,000-token document, then the same
+    for cu, outer, plain in ((short, 64, False), (short, 32, False), (short, 16, True), (long_doc, 64, True)):
+        lengths = np.diff(cu).tolist()
+        assert (max(lengths) <= cu[-1] // outer) == (not plain or outer < FILL_MIN_RANKS)
+        names = set(build_all(candidates(cu[:-1], lengths, outer, cu[-1] // outer, model, DEFAULT_SLACKS, 1)))
+        greedy_names = {n for n in names if n.startswith("greedy(")}
+        with_fill = {n for n in greedy_names if n.endswith(", fill)")}
+        assert (greedy_names - with_fill == {"greedy(slack=0, zigzag, spread)"}) == (not plain), (outer, sorted(greedy_names))
+        assert ("greedy(slack=0.1, contiguous)" in names) == plain
+        assert bool(with_fill) == (outer >= FILL_MIN_RANKS)
+
+
 def test_fill_passes_are_weighed_from_many_outer_ranks():
     """Fill passes are candidates only where the row is cut over FILL_MIN_RANKS outer ranks
     or more (small rooms, many last documents to cut). Built in one shared build with the
@@ -1358,10 +1380,12 @@ def pinned_batch(name: str) -> list[int]:
 
 # Where several outer ranks share a node and there is more than one node, the `node spread`
 # passes (over 32 outer ranks and more with `fill` too) are among the candidates (the others'
-# digests, without them, are unchanged from before).
+# digests, without them, are unchanged from before). Over 32 outer ranks where every document
+# fits on one rank, the greedy passes but the spread one run with `fill` only ("ones" at 64:
+# the other candidates' digest is unchanged).
 PINNED = {
     ('one-and-ones', 16, 4): 'ad3f2fbee9aa75cf',
-    ('ones', 64, 1): '51078453010a78ba',  # a whole candidate since the best fit (1,024 documents)
+    ('ones', 64, 1): 'a54c9c310d246584',  # a whole candidate since the best fit (1,024 documents)
     ('realistic:131072:20', 64, 1): '6d867bf1a5682b28',
     ('realistic:131072:3', 64, 1): 'dac089ad9c675bd1',
     ('realistic:131072:4', 32, 2): '1c8498fd454033b3',

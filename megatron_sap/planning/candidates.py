@@ -35,13 +35,19 @@ def candidates(
     several outer ranks each and there is more than one node, the zigzag greedy passes
     again with `node spread` (a document heavier than a rank's share, whose fewest
     balancing ranks would cross nodes, spread over one node instead), over FILL_MIN_RANKS
-    outer ranks or more with `fill` as well. The greedy passes start as one build."""
+    outer ranks or more with `fill` as well. Over FILL_MIN_RANKS outer ranks or more where
+    every document fits on one rank, every greedy pass but the spread one runs with `fill`
+    only. The greedy passes start as one build."""
     passes = GreedyPasses(doc_starts, lengths, num_ranks, capacity, model, inner_size)
+    # The passes without `fill`: all of them but over FILL_MIN_RANKS outer ranks or more
+    # where every document fits on one rank (there they differ from their fill ones only in
+    # how the documents no rank has room for whole are cut).
+    plain = num_ranks < FILL_MIN_RANKS or max(lengths, default=0) > capacity
     members = [
         (greedy_name(s, split), 2 * i + j, s, split, None, False)
         for i, s in enumerate(slacks)
         for j, split in enumerate(("contiguous", "zigzag"))
-    ]
+    ] if plain else []
     if num_ranks >= FILL_MIN_RANKS:
         members += [(greedy_name(s, "zigzag", fill=True), 2 * len(slacks) + 6 + i, s, "zigzag", None, True)
                     for i, s in enumerate(slacks)]
@@ -52,7 +58,7 @@ def candidates(
                         SPREAD_WIDE, False))
         if passes.node_aware:
             # After every other candidate: the node spread passes, then their fill ones.
-            fills = (False, True) if num_ranks >= FILL_MIN_RANKS else (False,)
+            fills = (False,) * plain + (True,) * (num_ranks >= FILL_MIN_RANKS)
             members += [(greedy_name(s, "zigzag", SPREAD_NODE, fill), (3 + fill) * len(slacks) + 7 + i, s, "zigzag",
                          SPREAD_NODE, fill)
                         for fill in fills
