@@ -35,7 +35,7 @@ def candidates(
     several outer ranks each and there is more than one node, the zigzag greedy passes
     again with `node spread` (a document heavier than a rank's share, whose fewest
     balancing ranks would cross nodes, spread over one node instead), over FILL_MIN_RANKS
-    outer ranks or more with `fill` as well. Over FILL_MIN_RANKS outer ranks or more where
+    outer ranks or more with `fill` only. Over FILL_MIN_RANKS outer ranks or more where
     every document fits on one rank, every greedy pass but the spread one runs with `fill`
     only. The greedy passes start as one build."""
     passes = GreedyPasses(doc_starts, lengths, num_ranks, capacity, model, inner_size)
@@ -57,11 +57,11 @@ def candidates(
         members.append((greedy_name(spread_slack, "zigzag", SPREAD_WIDE), 2 * len(slacks), spread_slack, "zigzag",
                         SPREAD_WIDE, False))
         if passes.node_aware:
-            # After every other candidate: the node spread passes, then their fill ones.
-            fills = (False,) * plain + (True,) * (num_ranks >= FILL_MIN_RANKS)
+            # After every other candidate: the node spread passes, from FILL_MIN_RANKS outer
+            # ranks with fill only (without, they were all but never faster there).
+            fill = num_ranks >= FILL_MIN_RANKS
             members += [(greedy_name(s, "zigzag", SPREAD_NODE, fill), (3 + fill) * len(slacks) + 7 + i, s, "zigzag",
                          SPREAD_NODE, fill)
-                        for fill in fills
                         for i, s in enumerate(slacks)]
         builds.append(ZigzagBuild(2 * len(slacks) + 1, doc_starts, lengths, passes.cost, capacity,
                                    Tally(num_ranks, inner_size, model)))
