@@ -24,8 +24,8 @@ its own order of the rank pairs (each step's `backward_level`: the forward's ord
 reverse, `Plan.backward_exchange_order`), one that every rank follows too. A pass runs as a
 list of events (`RankProgram.forward_events`, `backward_events`) that the executor
 follows, the timeline times and `Plan.memory_bytes` counts; with `recompute_kv` the
-backward's refetches and returns are ordered by each exchange's level
-(`exchange_levels`), which keeps them in one order all ranks share.
+backward's refetches and returns are ordered by each exchange's backward level
+(`exchange_levels` of the backward's order), which keeps them in one order all ranks share.
 
 That is the ``pipelined`` schedule: each step's calls run on the rows it received while
 the next exchange is in flight, and every call's partial (out, lse) is merged into fp32
