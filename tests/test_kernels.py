@@ -540,6 +540,42 @@ def test_backend_resolution_weighs_the_head_dim(monkeypatch):
         resolve_backend("aten-flash", "cpu", torch.bfloat16, head_dim=100)
 
 
+@pytest.mark.parametrize("capability, wide_heads", [((8, 0), True), ((9, 0), True), ((8, 6), False), ((8, 9), False),
+                                                    ((10, 0), False)])
+def test_flash_backends_refuse_head_dims_their_backward_refuses_on_the_gpu(monkeypatch, capability, wide_heads):
+    """The flash kernels' backward takes head dims 200-224 on sm80 and sm90 GPUs only (it
+    raises elsewhere, after the forward ran): "auto" takes the torch backend there, and a
+    named flash backend refuses at once; 192 and 256 (without dropout) run everywhere."""
+    import megatron_sap.kernels as kernels
+
+    monkeypatch.setattr(kernels, "available_backends", lambda device=None: ["flash-attn", "aten-flash", "torch"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    for head_dim in (192, 256):
+        assert resolve_backend("auto", "cuda", torch.bfloat16, head_dim=head_dim) == "flash-attn"
+    for head_dim in (200, 224):
+        assert resolve_backend("auto", "cuda", torch.bfloat16, head_dim=head_dim) == ("flash-attn" if wide_heads else "torch")
+        if wide_heads:
+            assert resolve_backend("aten-flash", "cuda", torch.bfloat16, head_dim=head_dim) == "aten-flash"
+        else:
+            with pytest.raises(ValueError, match=rf"head_dim 200..224 on sm80/sm90 GPUs only, got {head_dim} on "
+                                                 rf"sm{capability[0]}{capability[1]}"):
+                resolve_backend("aten-flash", "cuda", torch.bfloat16, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("hip", [None, "6.2.41133"])
+def test_flash_backends_are_offered_on_nvidia_gpus_only(monkeypatch, hip):
+    """ROCm builds run other kernels behind the same calls, unchecked against this
+    package's conventions (rows without keys, causal alignment): only "torch" there."""
+    import megatron_sap.kernels as kernels
+
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4) if hip else (9, 0))
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    monkeypatch.setattr(kernels, "_flash_attn_importable", lambda: True)
+    assert available_backends("cuda") == (["torch"] if hip else ["flash-attn", "aten-flash", "torch"])
+
+
 def _bad_inputs():
     q, kv = torch.randn(6, 4, 8), torch.randn(6, 2, 8)
     cu = _cu([2, 4])
@@ -651,12 +687,14 @@ def _fake_flash_attn(new_api: bool):
 
 
 @pytest.mark.parametrize("version, interface_loads, usable", [
-    ("2.7.4.post1", True, True), ("2.1.0", True, True), ("2.0.9", True, False), (None, True, False),
-    ("2.7.4", False, False),
+    ("2.7.4.post1", True, True), ("2.3.4", True, True), ("2.3.3", True, False), ("2.1.0", True, False),
+    ("2.0.9", True, False), (None, True, False), ("2.7.4", False, False),
 ])
-def test_flash_attn_counts_only_when_it_imports_and_is_2_1_or_newer(monkeypatch, version, interface_loads, usable):
-    """A flash_attn older than 2.1 (top-left causal masks, another return layout) or one
-    whose compiled kernels fail to load (built against another torch) is not offered."""
+def test_flash_attn_counts_only_when_it_imports_and_is_2_3_4_or_newer(monkeypatch, version, interface_loads, usable):
+    """A flash_attn older than 2.3.4 (before 2.1 top-left causal masks; before 2.3.4 a
+    segment without keys or queries left out/lse or dk/dv unwritten, where this package's
+    calls have such segments) or one whose compiled kernels fail to load (built against
+    another torch) is not offered."""
     from megatron_sap import kernels
 
     package, interface = _fake_flash_attn(new_api=True)

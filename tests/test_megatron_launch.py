@@ -193,6 +193,12 @@ def test_a_calibration_file_is_read_when_the_flags_are(tmp_path) -> None:
         (dict(num_attention_heads=16, num_query_groups=4, hidden_size=1024), (16, 16, 64, 4)),  # no GQA flag: MHA
         (dict(num_attention_heads=8, group_query_attention=True, num_query_groups=2, kv_channels=64,
               tensor_model_parallel_size=4, fp16=True), (2, 1, 64, 2)),
+        # MLA (DeepSeek-V3's dims): keys of qk + rope dims, one per query head; hidden / heads is not the head dim.
+        (dict(num_attention_heads=128, hidden_size=7168, kv_channels=56, multi_latent_attention=True, qk_head_dim=128,
+              qk_pos_emb_head_dim=64, v_head_dim=128, group_query_attention=True, num_query_groups=8,
+              tensor_model_parallel_size=8, bf16=True), (16, 16, 192, 2)),
+        (dict(num_attention_heads=4, multi_latent_attention=True, qk_head_dim=16, qk_pos_emb_head_dim=8,
+              v_head_dim=32), (4, 4, 32, 4)),  # values wider than keys: q and k padded to them
         ({}, None),
     ],
 )

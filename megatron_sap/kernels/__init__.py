@@ -55,34 +55,39 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
-_MIN_FLASH_ATTN = (2, 1)  # bottom-right causal alignment and the 8-value varlen forward
+# Bottom-right causal alignment (2.1), and zeros written for a segment without queries or
+# keys (2.3.4; before, such rows' out/lse and such keys' dk/dv were left unwritten).
+_MIN_FLASH_ATTN = (2, 3, 4)
 
 
 @functools.cache
 def _flash_attn_importable() -> bool:
     """Whether the flash_attn package imports (a build compiled against another torch
-    fails here, not at the first call) and is at least 2.1."""
+    fails here, not at the first call) and is at least 2.3.4."""
     try:
         import flash_attn
 
         importlib.import_module("flash_attn.flash_attn_interface")  # loads the compiled kernels
     except (ImportError, OSError, RuntimeError):
         return False
-    version = tuple(int(part) for part in re.findall(r"\d+", getattr(flash_attn, "__version__", "0"))[:2])
+    version = tuple(int(part) for part in re.findall(r"\d+", getattr(flash_attn, "__version__", "0"))[:3])
     return version >= _MIN_FLASH_ATTN
 
 
 def available_backends(device: torch.device | str | None = None) -> list[str]:
     """Backends usable on `device` (default: CUDA if present, else CPU), fastest first.
 
-    The flash kernels need an Ampere or newer GPU; aten-flash also needs a
-    PyTorch build that includes them.
+    The flash kernels need an NVIDIA Ampere or newer GPU; aten-flash also needs a
+    PyTorch build that includes them. On ROCm builds of PyTorch only "torch" is offered:
+    their flash kernels (other implementations behind the same calls) have not been
+    checked against this package's conventions.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     names = []
-    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 8:
+    if (device.type == "cuda" and torch.cuda.is_available() and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 8):
         if _flash_attn_importable():
             names.append("flash-attn")
         if torch.backends.cuda.is_flash_attention_available():
@@ -97,7 +102,9 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, h
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; expected one of {list(_FLOAT_DTYPES)}")
     available = available_backends(device)
-    flash_head_dim = head_dim is None or aten_flash.head_dim_supported(head_dim)
+    on_gpu = available[0] != "torch" and torch.device(device).type == "cuda"
+    capability = torch.cuda.get_device_capability(device) if on_gpu else None
+    flash_head_dim = head_dim is None or aten_flash.head_dim_supported(head_dim, capability)
     if name == "auto":
         if dtype in _FLASH_DTYPES and available[0] != "torch" and flash_head_dim:
             return available[0]
@@ -109,7 +116,7 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, h
     if name != "torch" and dtype not in _FLASH_DTYPES:
         raise ValueError(f"attention backend {name!r} needs float16 or bfloat16 inputs, got {dtype}; use 'torch'")
     if name != "torch" and head_dim is not None:
-        aten_flash.check_head_dim(head_dim)
+        aten_flash.check_head_dim(head_dim, capability)
     return name
 
 

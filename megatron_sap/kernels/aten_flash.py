@@ -23,17 +23,27 @@ import torch
 from torch import Tensor
 
 _MAX_HEAD_DIM = 256
+_WIDE_HEADS = (192, 224)  # head dims in (192, 224]: the backward runs on sm80 and sm90 GPUs only
+_WIDE_HEAD_GPUS = ((8, 0), (9, 0))  # A100/A800, H100/H800/H200
 
 
-def head_dim_supported(dim: int) -> bool:
-    """The flash kernels need a head dim that is a multiple of 8 and at most 256."""
-    return dim % 8 == 0 and dim <= _MAX_HEAD_DIM
+def head_dim_supported(dim: int, capability: tuple[int, int] | None = None) -> bool:
+    """The flash kernels need a head dim that is a multiple of 8 and at most 256; their
+    backward refuses 192 < dim <= 224 on GPUs other than sm80 and sm90 (`capability`,
+    the GPU's compute capability, where known)."""
+    if dim % 8 or dim > _MAX_HEAD_DIM:
+        return False
+    return not (_WIDE_HEADS[0] < dim <= _WIDE_HEADS[1] and capability is not None
+                and tuple(capability) not in _WIDE_HEAD_GPUS)
 
 
-def check_head_dim(dim: int) -> None:
-    """ValueError unless `head_dim_supported(dim)`."""
-    if not head_dim_supported(dim):
+def check_head_dim(dim: int, capability: tuple[int, int] | None = None) -> None:
+    """ValueError unless `head_dim_supported(dim, capability)`."""
+    if dim % 8 or dim > _MAX_HEAD_DIM:
         raise ValueError(f"flash kernels need head_dim % 8 == 0 and head_dim <= {_MAX_HEAD_DIM}, got {dim}; use backend='torch'")
+    if not head_dim_supported(dim, capability):
+        raise ValueError(f"flash kernels' backward takes head_dim {_WIDE_HEADS[0] + 8}..{_WIDE_HEADS[1]} on sm80/sm90 "
+                         f"GPUs only, got {dim} on sm{capability[0]}{capability[1]}; use backend='torch'")
 
 
 def rows_of(t: Tensor) -> Tensor:

@@ -45,7 +45,7 @@ def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor,
         leftpad_k=None, seqused_k=None,
     )
     result = fn(q, k, v, cu_q, cu_k, max_q, max_k, **options)
-    # <= 2.5: (out, q, k, v, out_padded, lse, S_dmask, rng_state); >= 2.6: (out, lse, S_dmask, rng_state)
+    # <= 2.6: (out, q, k, v, out_padded, lse, S_dmask, rng_state); >= 2.7: (out, lse, S_dmask, rng_state)
     return result[0], result[5] if len(result) == 8 else result[1]
 
 

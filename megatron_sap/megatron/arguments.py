@@ -247,13 +247,22 @@ def attention_dtype_from_args(args: argparse.Namespace) -> str:
 
 def model_shape_from_args(args: argparse.Namespace) -> Optional[tuple[int, int, int, int]]:
     """(query heads, key/value heads, head dim, bytes per element) of one CP rank's attention
-    from Megatron-LM's model flags: the heads over the TP size; None without them."""
+    from Megatron-LM's model flags: the heads over the TP size; None without them. With
+    --multi-latent-attention every query head has its own key head, of --qk-head-dim plus
+    --qk-pos-emb-head-dim, and the values are padded to that (or it to theirs,
+    `SAPDotProductAttention`)."""
     heads = getattr(args, "num_attention_heads", None)
-    hidden = getattr(args, "hidden_size", None)
-    head_dim = getattr(args, "kv_channels", None) or (hidden // heads if heads and hidden else None)
-    if not heads or not head_dim:
+    if not heads:
         return None
-    groups = _kv_heads(args)
+    if getattr(args, "multi_latent_attention", False):
+        qk_dim = (getattr(args, "qk_head_dim", None) or 0) + (getattr(args, "qk_pos_emb_head_dim", None) or 0)
+        head_dim, groups = max(qk_dim, getattr(args, "v_head_dim", None) or 0), heads
+    else:
+        hidden = getattr(args, "hidden_size", None)
+        head_dim = getattr(args, "kv_channels", None) or (hidden // heads if hidden else None)
+        groups = _kv_heads(args)
+    if not head_dim:
+        return None
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     nbytes = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4
     return max(heads // tp, 1), max(groups // tp, 1), int(head_dim), nbytes
