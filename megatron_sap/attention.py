@@ -385,13 +385,16 @@ def _shape_key(shape: Sequence) -> tuple:
     return (*(int(x) for x in sizes), dtype_name(kind) if isinstance(kind, (str, torch.dtype)) else int(kind))
 
 
-# id(CP group) -> (the plan last checked on it, the (recompute_kv, attention shape) checked with it).
-_LAST_CHECKED: dict[int, tuple[Plan, set[tuple[bool, tuple | None]]]] = {}
+# id(CP group) -> (the signature of the plan last checked on it, the (recompute_kv, attention
+# shape) checked with it). The signature, not the plan object: ranks holding equal plans as
+# different objects (one planned afresh, the other's from its cache) skip the check alike.
+_LAST_CHECKED: dict[int, tuple[str, set[tuple[bool, tuple | None]]]] = {}
 
 
 def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: tuple[int, int, int, str]) -> None:
-    """`verify_plan_agreement` unless it was last run on this CP group for this very plan,
-    `recompute_kv` and attention shape (a batch split's check, or an earlier layer's).
+    """`verify_plan_agreement` unless it was last run on this CP group for this plan (an
+    equal one: `Plan.signature`), `recompute_kv` and attention shape (a batch split's
+    check, or an earlier layer's).
 
     Checking whenever a rank changes plan, not only on a plan's first use, is what keeps
     ranks that agreed from parting silently: a rank that goes back to a plan it checked
@@ -399,7 +402,7 @@ def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: t
     group's timeout (the others fail waiting for its messages) instead of exchanging
     messages of the right sizes for another batch."""
     last = _LAST_CHECKED.get(id(groups.cp_group))
-    if last is None or last[0] is not plan or (bool(recompute_kv), shape) not in last[1]:
+    if last is None or last[0] != plan.signature() or (bool(recompute_kv), shape) not in last[1]:
         verify_plan_agreement(plan, groups, recompute_kv, shape)
 
 
@@ -439,10 +442,10 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
             f"recompute_kv={recompute_kv}), the group has hashes from {low:x} to {high:x}"
         )
     last = _LAST_CHECKED.get(id(groups.cp_group))
-    if last is not None and last[0] is plan:
+    if last is not None and last[0] == plan.signature():
         last[1].add((recompute_kv, shape))
     else:
-        _LAST_CHECKED[id(groups.cp_group)] = (plan, {(recompute_kv, shape)})
+        _LAST_CHECKED[id(groups.cp_group)] = (plan.signature(), {(recompute_kv, shape)})
     mark_ready(group)  # the CP group (and the outer group when it is the CP group, U = 1), or the host group
 
 

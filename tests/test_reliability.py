@@ -241,6 +241,43 @@ def test_ranks_going_back_to_a_checked_plan_fail_instead_of_computing_garbage(po
     assert pool4.run(healthy_job) == pytest.approx([0.0] * 4, abs=1e-10)
 
 
+def equal_plan_job(rank: int, world: int) -> tuple[float, int]:
+    """Both ranks attend with one plan (checked); then rank 1 plans the same row afresh (an
+    equal plan, another object, as after a cache miss) and both attend again: (error against
+    the reference, all-reduces of the second step)."""
+    import megatron_sap as sap
+
+    groups = sap.init_sap_groups(inner_size=1, outer_size=world, timeout=timedelta(seconds=SHORT_TIMEOUT_S))
+    cu = [0, 99, 123, 145, 238, 256]
+    plan = sap.plan_sequences(cu, outer_size=world, cache=None)
+    q, k, v, _ = make_inputs(cu, 4, 2, 8, 7)
+    idx = plan.local_indices(groups.cp_rank)
+    sap.sap_attention(q[idx], k[idx], v[idx], plan, groups)
+    if rank == 1:
+        plan = sap.plan_sequences(cu, outer_size=world, cache=None)
+    calls, real = 0, dist.all_reduce
+
+    def counting(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        out = sap.sap_attention(q[idx], k[idx], v[idx], plan, groups)
+    finally:
+        dist.all_reduce = real
+    return (out - dense_attention(q, k, v, torch.tensor(cu))[0][idx]).abs().max().item(), calls
+
+
+def test_ranks_holding_equal_plans_as_other_objects_skip_the_check_alike(pool2: WorkerPool) -> None:
+    """The last plan checked on a group is remembered by its signature: a rank whose equal
+    plan is another object (planned afresh) skips the check as its peer does, where keyed
+    by the object it alone entered the all-reduce and both waited out the group's timeout."""
+    results = pool2.run(equal_plan_job, timeout=30)
+    assert all(error < 1e-10 and calls == 0 for error, calls in results), results
+
+
 def split_agreement_job(rank: int, world: int, model_shape, attention_dtype=None) -> list[int]:
     """all_reduce calls of a batch split and a layer's forward, two micro-batches, with the
     model's shape and attention dtype known to the options or not."""
