@@ -994,6 +994,19 @@ def test_release_specific_settings_are_refused_where_they_would_fail(settings: d
         configure_sap(args)
 
 
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_per_layer_sap_list_becomes_one_type_for_every_layer(cp: int) -> None:
+    """`--cp-comm-type sap sap` (one per layer, as Megatron-LM's check wants such a list)
+    reaches the layers as one `sap`: up to core_v0.16 a layer reads a per-layer list at its
+    1-based number, past the end for the last layer."""
+    from megatron_sap.megatron.hooks import configure_sap
+
+    args = _parse(f"--context-parallel-size {cp} --cp-comm-type sap sap")
+    assert args.cp_comm_type == ["sap", "sap"]
+    configure_sap(args)
+    assert args.cp_comm_type == ["sap"]
+
+
 def test_pipelines_with_tp_are_fine_and_mla_rope_fusion_is_turned_off() -> None:
     from megatron_sap.megatron.compat import mla_keeps_packed_rope_table
     from megatron_sap.megatron.hooks import configure_sap

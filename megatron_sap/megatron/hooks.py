@@ -119,6 +119,11 @@ def configure_sap(args: Any) -> Optional[list[int]]:
     """
     settings = sap_settings_from_args(args)
     _refuse_unsupported(args)
+    # `--cp-comm-type sap sap ...` (one per layer) as one `sap`: Megatron-LM then gives every
+    # layer the string, where up to core_v0.16 a layer reads a per-layer list at its 1-based
+    # number and the last one reads past the end (IndexError while the model is built).
+    if not isinstance(args.cp_comm_type, str):
+        args.cp_comm_type = ["sap"]
     use_sap_core_attention()
     install_sap_rope()
     install_gpt_forward_hook()  # the fork patch leaves GPTModel as it is: chunks that read no data need it
