@@ -302,6 +302,34 @@ def test_collective_and_exchange_times_pay_one_latency_per_message_on_each_link(
     assert exchange_seconds(model, 0, {}) == 0.0
 
 
+def test_the_ring_model_overlaps_one_message_per_backward_step_and_no_trailing_hop() -> None:
+    """As Transformer Engine runs it: forward, each step but the last overlaps the next KV;
+    backward the other way round, the first step overlaps a KV message, the middle ones a
+    KV + dKV message, the last (the own, diagonal block) the dKV coming home."""
+    from megatron_sap.baselines.ring_p2p import ring_seconds, ring_sent
+
+    model = CostModel.preset("h100")
+    diagonal, off = 3 << 30, 1 << 30
+
+    def f(pairs):
+        return model.compute_seconds(pairs)
+
+    def b(pairs):
+        return model.compute_seconds(pairs, backward=True)
+
+    # Computing only: every step's kernels.
+    assert ring_seconds(model, 4, diagonal, off, 0.0, 0.0) == pytest.approx(f(diagonal) + 3 * f(off) + 3 * b(off) + b(diagonal))
+    # Communication-bound: the messages.
+    kv_s, bundle_s = 1.0, 1.5
+    assert ring_seconds(model, 4, diagonal, off, kv_s, bundle_s) == pytest.approx(3 * kv_s + f(off) + 2 * kv_s + 2 * bundle_s)
+    assert ring_seconds(model, 2, diagonal, off, kv_s, bundle_s) == pytest.approx(kv_s + f(off) + 2 * kv_s)
+    assert ring_seconds(model, 1, diagonal, off, kv_s, bundle_s) == pytest.approx(f(diagonal) + b(diagonal))
+    # Bytes: forward to the next rank, backward KV and dKV to the previous one.
+    assert ring_sent(0, 4, 1, 10.0) == {1: 30.0, 3: 60.0}
+    assert ring_sent(2, 8, 2, 10.0) == {4: 30.0, 0: 60.0}  # a ring of every second rank
+    assert ring_sent(1, 4, 2, 10.0) == {3: 30.0} and ring_sent(0, 2, 2, 10.0) == {}
+
+
 def test_summarize_counts_each_rank_s_bytes_received_from_what_the_others_send() -> None:
     """Uneven sends: the receiver's count is what was sent to it, split by link at the sender."""
     from megatron_sap.baselines.common import summarize

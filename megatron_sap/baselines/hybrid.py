@@ -28,7 +28,9 @@ from megatron_sap.baselines.ring_p2p import (
     RingShape,
     ZigzagLayout,
     ZigzagRingAttention,
+    ring_message_seconds,
     ring_seconds,
+    ring_sent,
     ring_step_pairs,
     zigzag_layout,
 )
@@ -110,7 +112,8 @@ def model_stats(cu_seqlens: Tensor | Sequence[int], world_size: int, cost_model:
     """Analytic cost of `a2a+p2p` with inner groups of `inner_size` consecutive ranks.
 
     Per rank: the four Ulysses all-to-alls within the inner group, and the `p2p` ring
-    traffic (3(R-1) buffers of U*n rows for the rank's KV heads) to the next outer rank.
+    traffic (3(R-1) buffers of U*n rows for the rank's KV heads) to the next and previous outer
+    ranks (`ring_sent`).
     """
     lay = layout(cu_seqlens, world_size, inner_size)
     u_size, r_size = inner_size, world_size // inner_size
@@ -118,22 +121,19 @@ def model_stats(cu_seqlens: Tensor | Sequence[int], world_size: int, cost_model:
     phases = exchange_bytes(cost_model, lay.local_tokens, u_size)
     buffer = u_size * lay.local_tokens * 2 * kv_heads * cost_model.head_dim * cost_model.bytes_per_element
 
-    def next_outer(rank: int) -> int:
-        return (rank + u_size) % world_size
-
     groups = [list(range(g * u_size, (g + 1) * u_size)) for g in range(r_size)]
     sent = []
     for members in groups:
         for rank in members:
             by_peer = {p: sum(phases) for p in members if p != rank}
-            if r_size > 1:
-                by_peer[next_outer(rank)] = 3 * (r_size - 1) * buffer
+            for peer, nbytes in ring_sent(rank, world_size, u_size, buffer).items():
+                by_peer[peer] = by_peer.get(peer, 0) + nbytes
             sent.append(by_peer)
-    transfer_s = max(cost_model.transfer_seconds(buffer, cost_model.link_between(r, next_outer(r)))
-                     for r in range(world_size))
+    transfer_s, bundle_s = ring_message_seconds(cost_model, world_size, u_size, buffer)
     diagonal, off_diagonal = ring_step_pairs(cost_model, [u_size * c for c in lay.chunk_sizes])
     time_s = (sum(max(collective_seconds(cost_model, members, b) for members in groups) for b in phases)
-              + ring_seconds(cost_model, r_size, diagonal, off_diagonal, transfer_s, head_fraction=1.0 / u_size))
+              + ring_seconds(cost_model, r_size, diagonal, off_diagonal, transfer_s, bundle_s,
+                             head_fraction=1.0 / u_size))
     group_pairs = [causal_pairs(torch.cat([lay.positions[r] for r in members]), lay.cu_seqlens) / u_size
                    for members in groups]
     pairs = [group_pairs[r // u_size] for r in range(world_size)]

@@ -11,11 +11,13 @@ r holds the KV of rank s = r - i (mod P) and computes what causality allows:
   * i = 0: its own chunks, causal per document (the diagonal tile);
   * s < r: all local queries against the first-half KV chunk (chunk s);
   * s > r: the second-half query chunk against all KV.
-Partial results merge by log-sum-exp. Backward sends the same KV around again and
-a dKV buffer chases it, collecting every other rank's share of a block's gradient
-and arriving at the owner after P-1 hops (the owner's own share never travels).
-Each KV transfer is posted before the step's kernels run, so it overlaps them;
-a dKV hop overlaps the next step's kernels.
+Partial results merge by log-sum-exp. Backward runs the ring the other way, as
+Transformer Engine does: each rank starts from the last KV it received forward (rank
+r + 1's) and ends with its own block, and at every step sends the previous rank, as one
+message, the KV it computed with and the dKV of the block before, its own share added to
+the shares of the ranks it came through; the first message is KV only, the last dKV only,
+which reaches its owner as that rank computes its own block. Each transfer is posted
+before the step's kernels run, so it overlaps them.
 
 Padding sits at the end of each document, so real queries never see a padding key.
 """
@@ -132,11 +134,13 @@ class Ring:
 
 
 class _Shift:
-    """Send a buffer to the next rank while receiving an equal one from the previous rank."""
+    """Send a buffer to the next rank while receiving one from the previous rank into
+    `recv` (default: a new buffer like `send`); `backward`: to the previous rank, from the next."""
 
-    def __init__(self, send: Tensor, ring: Ring) -> None:
-        self.recv = torch.empty_like(send)
-        self.pending = post_exchange(send, ring.next_peer, self.recv, ring.prev_peer, ring.group, 0, "ring step")
+    def __init__(self, send: Tensor, ring: Ring, recv: Tensor | None = None, backward: bool = False) -> None:
+        self.recv = torch.empty_like(send) if recv is None else recv
+        to, source = (ring.prev_peer, ring.next_peer) if backward else (ring.next_peer, ring.prev_peer)
+        self.pending = post_exchange(send, to, self.recv, source, ring.group, 0, "ring step")
 
     def wait(self) -> Tensor:
         self.pending.wait()
@@ -195,23 +199,29 @@ class ZigzagRingAttention(torch.autograd.Function):
             if shift is not None:
                 kv = shift.wait()
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, kv)  # kv: rank r + 1's (the last received), where backward starts
         ctx.shape, ctx.ring, ctx.kw = shape, ring, kw
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, last_kv = ctx.saved_tensors
         shape, ring, kw = ctx.shape, ctx.ring, ctx.kw
         dout = dout.contiguous()
         acc = accumulation_dtype(q)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
-        own = None  # gradient of this rank's KV from its own queries
-        chase: _Shift | None = None  # dKV buffer following the KV around the ring
-        for step in range(ring.size):
-            shift = _Shift(kv, ring) if step + 1 < ring.size else None
-            b = _block(step, ring, shape)
+        # Two message buffers [KV, dKV] in turn: this step's (its KV computed with, the dKV of
+        # the previous block to send) and the one arriving (the next KV, this block's dKV so far).
+        here, arriving = (torch.empty((2, *last_kv.shape), dtype=k.dtype, device=k.device) for _ in range(2))
+        here[0].copy_(last_kv)
+        size = ring.size
+        for i in range(size):  # rank r + 1 + i's block, forward step size - 1 - i; the own block last
+            shift = None
+            if size > 1:
+                part = slice(0, 1) if i == 0 else slice(1, 2) if i == size - 1 else slice(0, 2)
+                shift = _Shift(here[part], ring, arriving[part], backward=True)
+            b = _block(size - 1 - i, ring, shape)
+            kv = here[0]
             dq_b, dk_b, dv_b = varlen_backward(
                 _rows(dout, b.q_rows), _rows(q, b.q_rows), _rows(kv[0], b.kv_rows), _rows(kv[1], b.kv_rows),
                 _rows(out, b.q_rows), _rows(lse, b.q_rows, dim=1),
@@ -223,17 +233,14 @@ class ZigzagRingAttention(torch.autograd.Function):
             dkv = torch.stack([dk_b, dv_b]).to(acc)
             if b.kv_rows is not None:
                 dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device).index_copy_(1, b.kv_rows, dkv)
-            if step == 0:
-                own = dkv
-            else:
-                if chase is not None:
-                    dkv += chase.wait()
-                chase = _Shift(dkv.to(k.dtype), ring)
             if shift is not None:
-                kv = shift.wait()
-        if chase is not None:  # the last hop brings this rank's own block home
-            own += chase.wait()
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
+                shift.wait()
+                if i > 0:  # the shares of the ranks this block came through
+                    dkv += arriving[1]
+            if i == size - 1:  # the own block: every share is in
+                return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+            arriving[1].copy_(dkv)  # sent with the next KV at the next step
+            here, arriving = arriving, here
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout, group: dist.ProcessGroup | None, *,
@@ -256,24 +263,47 @@ def ring_step_pairs(cost_model: CostModel, chunk_sizes: Sequence[int]) -> tuple[
 
 
 def ring_seconds(cost_model: CostModel, size: int, diagonal_pairs: int, off_diagonal_pairs: int,
-                 transfer_s: float, head_fraction: float = 1.0) -> float:
+                 transfer_s: float, bundle_s: float, head_fraction: float = 1.0) -> float:
     """Forward plus backward of a zigzag ring of `size` ranks with overlapped transfers.
 
-    transfer_s: the slowest link's time for one buffer (the ring moves at its pace).
-    Forward step i overlaps the KV transfer for step i+1; backward step i overlaps
-    the next KV transfer and the dKV sent after step i-1, both to the next rank over
-    the same link (two buffers' time); the last dKV hop is exposed.
+    transfer_s: the slowest link's time for one KV buffer; bundle_s: for one message of a
+    KV and a dKV buffer (the ring moves at its slowest link's pace). Forward step i
+    overlaps the KV transfer for step i+1. Backward runs the other way, the own block
+    last: its first step overlaps a KV message, the middle ones a KV and dKV message, the
+    last one the dKV coming home (see the module docstring).
     """
     total = 0.0
-    for backward in (False, True):
-        for step in range(size):
-            pairs = diagonal_pairs if step == 0 else off_diagonal_pairs
-            step_s = cost_model.compute_seconds(pairs, backward=backward, head_fraction=head_fraction)
-            in_flight = (step + 1 < size) + (backward and step >= 2)
-            total += max(step_s, in_flight * transfer_s)
-        if backward and size > 1:
-            total += transfer_s
+    for step in range(size):  # forward
+        step_s = cost_model.compute_seconds(diagonal_pairs if step == 0 else off_diagonal_pairs,
+                                            head_fraction=head_fraction)
+        total += max(step_s, transfer_s if step + 1 < size else 0.0)
+    for step in range(size):  # backward
+        step_s = cost_model.compute_seconds(diagonal_pairs if step == size - 1 else off_diagonal_pairs,
+                                            backward=True, head_fraction=head_fraction)
+        message_s = 0.0 if size == 1 else transfer_s if step in (0, size - 1) else bundle_s
+        total += max(step_s, message_s)
     return total
+
+
+def ring_sent(rank: int, world_size: int, stride: int, buffer: float) -> dict[int, float]:
+    """Bytes global `rank` sends per peer in a ring of the ranks `stride` apart (`world_size`
+    in all; buffers of `buffer` bytes): P-1 KV buffers forward to the next rank, P-1 KV and
+    P-1 dKV buffers backward to the previous one."""
+    size = world_size // stride
+    if size == 1:
+        return {}
+    sent = {(rank + stride) % world_size: (size - 1) * buffer}
+    previous = (rank - stride) % world_size
+    sent[previous] = sent.get(previous, 0) + 2 * (size - 1) * buffer
+    return sent
+
+
+def ring_message_seconds(cost_model: CostModel, world_size: int, stride: int, buffer: float) -> tuple[float, float]:
+    """(one buffer's, one KV + dKV message's) seconds over the slowest link of the rings of
+    ranks `stride` apart."""
+    links = [cost_model.link_between(r, (r + stride) % world_size) for r in range(world_size)]
+    return (max(cost_model.transfer_seconds(buffer, link) for link in links),
+            max(cost_model.transfer_seconds(2 * buffer, link) for link in links))
 
 
 def model_stats(cu_seqlens: Tensor | Sequence[int], world_size: int, cost_model: CostModel,
@@ -281,17 +311,15 @@ def model_stats(cu_seqlens: Tensor | Sequence[int], world_size: int, cost_model:
     """Analytic cost of `p2p` (inner_size is unused: one signature for all baselines).
 
     Each rank sends its KV buffer to the next rank P-1 times in forward, and in
-    backward P-1 times again plus P-1 dKV buffers of the same size.
+    backward P-1 times again plus P-1 dKV buffers of the same size to the previous one.
     """
     lay = layout(cu_seqlens, world_size)
     buffer = lay.local_tokens * cost_model.kv_bytes_per_token
-    sent = [{(r + 1) % world_size: 3 * (world_size - 1) * buffer} if world_size > 1 else {}
-            for r in range(world_size)]
-    transfer_s = max(cost_model.transfer_seconds(buffer, cost_model.link_between(r, (r + 1) % world_size))
-                     for r in range(world_size))
+    sent = [ring_sent(r, world_size, 1, buffer) for r in range(world_size)]
+    transfer_s, bundle_s = ring_message_seconds(cost_model, world_size, 1, buffer)
     diagonal, off_diagonal = ring_step_pairs(cost_model, lay.chunk_sizes)
     pairs = [causal_pairs(p, lay.cu_seqlens) for p in lay.positions]
-    time_s = ring_seconds(cost_model, world_size, diagonal, off_diagonal, transfer_s)
+    time_s = ring_seconds(cost_model, world_size, diagonal, off_diagonal, transfer_s, bundle_s)
     stats = summarize(cost_model, lay.cu_seqlens, [lay.local_tokens] * world_size, pairs, sent, time_s)
     stats["peak_extra_bytes_per_rank"] = [float(peak_extra_bytes(lay.local_tokens, cost_model))] * world_size
     return stats
@@ -301,14 +329,14 @@ def peak_extra_bytes(rows: int, cost_model: CostModel) -> int:
     """Modelled extra memory of the op on one rank, beyond q, k, v and the output.
 
     Forward: the stacked K/V and the incoming K/V of the next step, fp32 output and lse
-    accumulators. Backward: the same two K/V buffers, the fp32 dq accumulator, the fp32
-    gradient of the rank's own K/V, the dK/dV buffer being built (fp32) with its send
-    copy and the one arriving (input dtype), and the saved fp32 lse.
+    accumulators. Backward: the K/V saved from the forward, the two [KV, dKV] message
+    buffers (input dtype), the fp32 dq accumulator, this step's dK/dV (fp32) with the
+    rows it is built from, and the saved fp32 lse.
     """
     a, b = 4, cost_model.bytes_per_element
     kv = rows * 2 * cost_model.num_kv_heads * cost_model.head_dim
     q = rows * cost_model.num_heads * cost_model.head_dim
     lse = rows * cost_model.num_heads
     forward = 2 * kv * b + (q + lse) * a
-    backward = 2 * kv * b + q * a + kv * (2 * a + 2 * b) + lse * a
+    backward = 5 * kv * b + q * a + 2 * kv * a + lse * a
     return max(forward, backward)
