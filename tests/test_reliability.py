@@ -155,7 +155,8 @@ def test_a_nan_on_one_rank_raises_on_every_rank(pool4: WorkerPool, inner: int) -
 
 
 def count_agreement_job(rank: int, world: int, check: bool) -> list[int]:
-    """all_reduce calls per forward: fresh plan, same plan again, another fresh plan, the first again."""
+    """all_reduce calls per forward: a fresh plan, the same plan again, another batch's plan, the
+    first again, then the first batch planned afresh (an equal plan, another object)."""
     import torch.distributed as dist
 
     import megatron_sap as sap
@@ -176,14 +177,15 @@ def count_agreement_job(rank: int, world: int, check: bool) -> list[int]:
         return real(*args, **kwargs)
 
     counts = []
-    cu = [0, 3, 20, 32]
+    cu, other_cu = [0, 3, 20, 32], [0, 9, 32]
     first = sap.plan_sequences(cu, outer_size=world, cache=PlanCache())
-    second = sap.plan_sequences(cu, outer_size=world, cache=PlanCache())
+    second = sap.plan_sequences(other_cu, outer_size=world, cache=PlanCache())
+    again = sap.plan_sequences(cu, outer_size=world, cache=PlanCache())
     dist.all_reduce = counting
     try:
-        for plan in (first, first, second, first):
+        for plan in (first, first, second, first, again):
             before = calls
-            q, k, v, _ = _local_inputs(plan, groups.cp_rank, cu, 2, 1, seed=1)
+            q, k, v, _ = _local_inputs(plan, groups.cp_rank, list(plan.cu_seqlens), 2, 1, seed=1)
             sap.sap_attention(q, k, v, plan, groups, check_agreement=check)
             counts.append(calls - before)
     finally:
@@ -192,8 +194,8 @@ def count_agreement_job(rank: int, world: int, check: bool) -> list[int]:
 
 
 def test_agreement_check_runs_when_the_plan_changes_and_can_be_switched_off(pool2: WorkerPool) -> None:
-    assert pool2.run(count_agreement_job, True) == [[1, 0, 1, 1]] * 2
-    assert pool2.run(count_agreement_job, False) == [[1, 0, 0, 0]] * 2
+    assert pool2.run(count_agreement_job, True) == [[1, 0, 1, 1, 0]] * 2
+    assert pool2.run(count_agreement_job, False) == [[1, 0, 0, 0, 0]] * 2
 
 
 def switch_back_job(rank: int, world: int) -> tuple[float, str]:
