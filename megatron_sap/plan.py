@@ -227,9 +227,11 @@ def describe(plan: Plan) -> str:
     """A human-readable report of the plan's layout, traffic and modelled times."""
     ev, stats, model = plan.evaluation, plan.stats(), plan.cost_model
     lengths = [b - a for a, b in zip(plan.cu_seqlens, plan.cu_seqlens[1:])]
+    documents, empty = sum(1 for n in lengths if n), sum(1 for n in lengths if not n)
     kv_mb = model.inner_kv_bytes_per_token(plan.inner_size) / 1e6
     lines = [
-        f"batch: T={plan.total_tokens} tokens, {len(lengths)} document{'' if len(lengths) == 1 else 's'} "
+        f"batch: T={plan.total_tokens} tokens, {documents} document{'' if documents == 1 else 's'}"
+        f"{f' and {empty} empty' if empty else ''} "
         f"(longest {max(lengths)}, {sum(1 for n in lengths if n > plan.local_tokens)} longer than T/P={plan.local_tokens})",
         f"layout: P={plan.world_size} CP ranks = outer R={plan.outer_size} x inner U={plan.inner_size}; "
         f"{plan.capacity} tokens per outer rank; cost model {model.name!r}",

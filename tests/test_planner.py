@@ -1428,6 +1428,8 @@ def test_cli_prints_layout_and_writes_png(tmp_path, capsys):
     assert all(name in out for name in plan.considered) and all(name in out for name in plan.pruned)
     assert "d2(1)" in out  # a whole one-token document
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plan_cli(["--cu-seqlens", "0,0,4,4,8,8", "--outer-size", "2"]) == 0
+    assert "T=8 tokens, 2 documents and 3 empty (longest 4" in capsys.readouterr().out
 
 
 def test_cli_writes_the_png_it_names_or_says_why_not(tmp_path, capsys):
