@@ -153,6 +153,15 @@ def run_host_group_rank(rank: int, world_size: int) -> dict:
             host = groups.pipeline_host_group()[0]
             found["members"] = dist.get_process_group_ranks(host)
             found["own group"] = host is not parallel_state.get_pipeline_model_parallel_group()
+        made, real = [], dist.new_group
+        dist.new_group = lambda *args, **kwargs: made.append(args) or real(*args, **kwargs)
+        try:  # a second call (a patched script through the launcher) makes nothing more
+            groups.prepare_pipeline_host_group()
+        finally:
+            dist.new_group = real
+        found["made again"] = len(made)
+        if stage < 2:
+            found["same host"] = groups.pipeline_host_group()[0] is host
         for cu in rows:
             if stage == 0:
                 send_documents(cu, b"plan")
@@ -176,6 +185,8 @@ def test_documents_go_over_a_host_group_of_the_first_and_middle_stages(pool6) ->
         assert r["stage"] == pipeline.index(rank)
         if r["stage"] < 2:
             assert r["members"] == pipeline[:2] and r["own group"] and "prepare_pipeline_host_group" in r["unprepared"]
+            assert r["same host"]
+        assert r["made again"] == 0
         if r["stage"] == 1:
             assert r["received"] == [(cu, b"plan") for cu in ([0, 5, 8], [0, 8], [0, 1, 2, 8])]
 

@@ -215,10 +215,14 @@ def prepare_pipeline_host_group() -> None:
     the job together, right after `initialize_model_parallel` (a collective of all ranks: every
     rank makes every group, in one order, as Megatron makes its own; a group made by its
     members alone would be named after how many groups each has, which differs between
-    stages). Nothing where no documents cross stages."""
+    stages). Nothing where no documents cross stages, or where they are made for these groups
+    already (a patched `pretrain_gpt.py` run through the launcher calls this twice)."""
     if not documents_cross_stages():
         return
     group, first, receivers = _pipeline_ranks()
+    made = _PIPELINE_TWINS.get(id(group))
+    if made is not None and made[0] is group:  # on every rank alike: all were made in one call
+        return
     mine = tuple(sorted([first, *receivers]))
     pipelines: list[Optional[tuple[int, ...]]] = [None] * dist.get_world_size()
     dist.all_gather_object(pipelines, mine)
