@@ -412,6 +412,43 @@ def test_legacy_batch_hooks_plan_from_the_loaders_host_copy() -> None:
     assert torch.equal(local["position_ids"][0], torch.tensor([0, 1, 2, 0, 1, 0, 1, 2])[local["tokens"][0]])
 
 
+def test_a_loader_on_the_device_still_gives_every_tp_rank_the_documents() -> None:
+    """A data loader whose micro-batches are already on the GPU leaves no host copy to read:
+    the TP source reads the documents back from the device once and shares them, so the last
+    stage's other TP ranks (no tokens) split by them too instead of by Megatron's own split."""
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True, context_parallel_size=2)
+    shared = []
+
+    def broadcast(box, src, group):
+        shared.append(box[0])
+
+    get_batch = wrap_get_batch_on_this_tp_rank(lambda iterator: dict(next(iterator)), get_args=lambda: args,
+                                               host_group=lambda: ("tp twin", 0))
+    with mock.patch("megatron_sap.megatron.hooks.host_boundaries", lambda item, reset: None), \
+            mock.patch("megatron_sap.megatron.hooks.dist.broadcast_object_list", broadcast):
+        batch = get_batch(iter([_row([0, 1, 2, 0, 1, 0, 1, 2])]))
+    assert shared == [([0, 3, 5, 8], None)] and batch["cu_seqlens"].tolist() == [[0, 3, 5, 8]]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_last_stage_tp_ranks_that_get_no_documents_fail_clearly(cp: int) -> None:
+    """Where the source shares no documents, a TP rank without tokens cannot pack its batch:
+    under CP it would take Megatron's own split while the source takes SAP's (labels in
+    another order than the logits, no error), so it raises; at CP 1 both orders are the row's."""
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True, context_parallel_size=cp)
+    receiver = {"tokens": None, "labels": torch.arange(1, 9).unsqueeze(0), "loss_mask": torch.ones(1, 8),
+                "attention_mask": None, "position_ids": None}
+    get_batch = wrap_get_batch_on_this_tp_rank(lambda iterator: dict(receiver), get_args=lambda: args,
+                                               host_group=lambda: ("tp twin", 0))
+    with mock.patch("megatron_sap.megatron.hooks.dist.broadcast_object_list",
+                    lambda box, src, group: box.__setitem__(0, (None, None))):
+        if cp == 1:
+            assert get_batch(None).get("cu_seqlens") is None
+        else:
+            with pytest.raises(ValueError, match=r"this rank got neither them nor the tokens .* \(its TP source could not"):
+                get_batch(None)
+
+
 @pytest.mark.parametrize("pack", [True, False], ids=["core_v0.16", "before"])
 def test_last_stage_tp_ranks_without_tokens_split_by_the_shared_documents(pack: bool) -> None:
     """A last pipeline stage's TP ranks other than the source get labels and loss mask but no

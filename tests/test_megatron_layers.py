@@ -277,16 +277,21 @@ def test_split_batch_slices_by_plan_and_builds_packed_params() -> None:
 
 def test_split_batch_leaves_the_packing_entries_as_they_are() -> None:
     """A THD batch that still holds its packing (as Megatron's data loaders build it) splits
-    like one without: those entries, and non-tensors, come back unchanged."""
+    like one without: those entries, a sample's one-element metadata (a blend's `dataset_id`)
+    and non-tensors come back unchanged."""
     tokens = torch.arange(CU[-1]).unsqueeze(0)
     cu = torch.tensor([CU], dtype=torch.int32)
     max_seqlen = torch.tensor([13], dtype=torch.int32)
-    batch = {"tokens": tokens, "cu_seqlens": cu, "cu_seqlens_padded": cu, "max_seqlen": max_seqlen, "step": 3}
+    dataset_id = torch.tensor([1], dtype=torch.int16)  # a blended dataset's, collated (kept from core_v0.18)
+    batch = {"tokens": tokens, "cu_seqlens": cu, "cu_seqlens_padded": cu, "max_seqlen": max_seqlen, "step": 3,
+             "dataset_id": dataset_id}
     local, params = sap_split_batch(batch, cu)
     plain, _ = sap_split_batch({"tokens": tokens}, CU)
     assert torch.equal(local["tokens"], plain["tokens"])
     assert local["cu_seqlens"] is cu and local["cu_seqlens_padded"] is cu and local["max_seqlen"] is max_seqlen
-    assert local["step"] == 3 and params.cu_seqlens_q.tolist() == CU
+    assert local["step"] == 3 and local["dataset_id"] is dataset_id and params.cu_seqlens_q.tolist() == CU
+    with pytest.raises(ValueError, match=r"batch\['labels'\] must be \[1, T\]"):  # a sequence entry is no metadata
+        sap_split_batch({"tokens": tokens, "labels": tokens[0]}, CU)
 
 
 def test_split_batch_drops_the_empty_documents_that_pad_an_sft_rows_boundaries() -> None:

@@ -94,8 +94,11 @@ PACKING_KEYS = frozenset({"cu_seqlens", "cu_seqlens_padded", "max_seqlen"})  # b
 
 
 def _is_token_tensor(key: str, value: object) -> bool:
-    """Whether a batch entry is one of the [1, T] tensors the split slices."""
-    return isinstance(value, Tensor) and key != "attention_mask" and key not in PACKING_KEYS
+    """Whether a batch entry is one of the [1, T] tensors the split slices: not the packing
+    entries, the mask, nor a sample's metadata of at most one element (a blend's `dataset_id`,
+    which Megatron-LM's get_batch keeps from core_v0.18)."""
+    return (isinstance(value, Tensor) and key != "attention_mask" and key not in PACKING_KEYS
+            and not (value.dim() < 2 and value.numel() <= 1))
 
 
 def sap_split_batch(
@@ -112,7 +115,8 @@ def sap_split_batch(
     such as the padding of SFT rows) and the longest document length. The SAP-aware RoPE is
     installed and told the per-token positions, keyed by the returned cu_seqlens tensor. The
     packing entries Megatron's THD batches carry (`cu_seqlens`, `cu_seqlens_padded`,
-    `max_seqlen`) and entries that are not tensors come back unchanged, as Megatron's own
+    `max_seqlen`), a sample's one-element metadata (a blend's `dataset_id`) and entries that
+    are not tensors come back unchanged, as Megatron's own
     `get_thd_batch_on_this_cp_rank` leaves them. `cu_seqlens` as a list of ints (read on the
     host, as the hooks read them from the data loader's CPU copy) is planned from without a
     device read; a device tensor is read back, which waits for the GPU.
