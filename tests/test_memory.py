@@ -85,8 +85,22 @@ def test_peak_memory_matches_formula(pool4, inner, schedule, recompute_kv):
         model = max(r["model"]["forward"], r["model"]["backward"])
         # The formula's buffers are all allocated, and nothing else of comparable size:
         # on top come only the returned gradients/output and one kernel call's workspace.
-        assert r["peak"] >= r["model"]["received_kv"]
-        assert r["peak"] <= model + r["io"] + r["kernel"], (r["peak"], model, r["io"], r["kernel"])
+        assert model <= r["peak"] <= model + r["io"] + r["kernel"], (r["peak"], model, r["io"], r["kernel"])
+
+
+@pytest.mark.parametrize("cu, world, rank, heads, schedule", [
+    ([0, 3464, 4096], 8, 7, 1, "pipelined"), ([0, 3464, 4096], 8, 7, 1, "gathered"),
+    ([0, 2494, 2872, 4096], 16, 9, 1, "gathered"), ([0, 4584, 8192], 16, 0, 4, "gathered"),
+])
+def test_sends_of_consecutive_rows_are_not_counted_as_copies(cu, world, rank, heads, schedule):
+    """A step's K/V rows that are one run go out as a view of the stacked K/V: the formula
+    counts no copy of them, which had it over the rank's whole measured peak here (up to
+    1.9x in the forward pass)."""
+    from megatron_sap.bench.rank_memory import sap_rank_memory
+
+    small_kernel_chunks()
+    run = sap_rank_memory(cu, world, rank, heads, heads, 64, schedule=schedule, recompute_kv=True)
+    assert run.formula <= run.measured, run
 
 
 def test_recompute_kv_drops_the_kept_rows(pool4):
@@ -267,8 +281,8 @@ def test_recompute_kv_memory_does_not_grow_with_the_document(outer):
         keep = plan.memory_bytes(rank, schedule="pipelined")
         again = plan.memory_bytes(rank, schedule="pipelined", recompute_kv=True)
         assert again["received_kv"] == 0
-        moved = (stats["recv_tokens_per_outer_rank"][rank] + stats["sent_tokens_per_outer_rank"][rank]) * row
-        assert again["forward"] <= keep["forward"] - moved + window_bound
+        kept = stats["recv_tokens_per_outer_rank"][rank] * row  # the rows kept for the backward
+        assert again["forward"] <= keep["forward"] - kept + window_bound
         assert again["forward"] <= keep["forward"]
         assert again["backward"] <= backward_bound, (rank, again, backward_bound)
         assert again["backward"] <= keep["backward"]

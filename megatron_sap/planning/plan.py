@@ -24,7 +24,7 @@ from .order import backward_order, exchange_order, exchange_seconds
 from .candidates import candidates
 from .placement import Build, Placement
 from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _index_tensor, _Layout,
-                      check_schedule, compile_program, exchange_levels)
+                      _one_run, check_schedule, compile_program, exchange_levels)
 from .timeline import RankSchedule, plan_schedule, rank_schedule
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -440,16 +440,19 @@ def exchange_peak(program: RankProgram, events: Sequence[Event], row_bytes: floa
                   backward: bool, recompute_kv: bool) -> float:
     """The most bytes of exchange buffers alive at once while one rank runs the `events` of
     one pass of `program`, as `sap_attention` allocates and frees them. A fetch holds the
-    rows it receives and a copy of the rows it sends (`row_bytes` per row); the copy goes
-    once the exchange is done, the received rows once its step's calls have run, unless the
+    rows it receives and a copy of the rows it sends (`row_bytes` per row) where they are
+    not one run of consecutive rows (one run is sent as a view); the copy goes once the
+    exchange is done, the received rows once its step's calls have run, unless the
     forward keeps them (without `recompute_kv`) or gathers them into one buffer (gathered).
     Backward, a pipelined step's calls add into an fp32 gradient of its received rows
     (`grad_row_bytes` per row; gathered: one buffer for every step's, alive throughout);
     its return copies that to send and takes a buffer for the gradients of the rows the
-    step sent, coming back; its collect adds those (converted to fp32) into dK/dV and frees
-    both."""
+    step sent, coming back; its collect adds those (converted to fp32, where the rows are
+    of another dtype) into dK/dV and frees both."""
     steps = program.transfers
     gathered = program.schedule == "gathered"
+    converted = grad_row_bytes if grad_row_bytes != row_bytes else 0.0
+    copied = [0 if _one_run(s.send_ranges or ()) is not None else s.send_tokens for s in steps]
     alive = sum(s.recv_tokens for s in steps) * grad_row_bytes if backward and gathered else 0.0
     peak = alive
     fetched = set()
@@ -459,10 +462,10 @@ def exchange_peak(program: RankProgram, events: Sequence[Event], row_bytes: floa
         recv, send = steps[i].recv_tokens, steps[i].send_tokens
         if kind == FETCH:
             fetched.add(i)
-            alive += (recv + send) * row_bytes
+            alive += (recv + copied[i]) * row_bytes
         elif kind == COMPUTE:
             if i in fetched:
-                alive -= send * row_bytes
+                alive -= copied[i] * row_bytes
             if backward and not gathered:
                 alive += recv * grad_row_bytes
             peak = max(peak, alive)
@@ -474,7 +477,7 @@ def exchange_peak(program: RankProgram, events: Sequence[Event], row_bytes: floa
             if not gathered:
                 alive -= recv * grad_row_bytes
         else:  # COLLECT
-            peak = max(peak, alive + send * grad_row_bytes)
+            peak = max(peak, alive + send * converted)
             alive -= (recv + send) * row_bytes
         peak = max(peak, alive)
     return peak
