@@ -196,6 +196,53 @@ def test_scale_table_never_shows_a_miss_as_the_target():
     assert scale.rounded_down(1.29) == 1.29 and scale.rounded_down(1.5) == 1.5
 
 
+def test_measured_targets_never_show_a_miss_as_the_limit():
+    """30.04% of the ring's bytes and 1.004x the best wall time are misses: they read 30.1%
+    and 1.01x, not 30.0% and 1.00x; bytes equal the model's to the byte, not to a tolerance."""
+    from megatron_sap.bench.measured import Measured, measured_targets
+
+    def run(corpus, method, layout, wall_s, sent, model=None):
+        return Measured(corpus, method, layout, wall_s, [sent, 0], [0, 0], [0, 0],
+                        [sent if model is None else model, 0], [0.0, 0.0], float("nan"))
+
+    rows = []
+    for corpus in ("stdlib", "sharegpt"):
+        rows += [run(corpus, "p2p", "1x4", 1.0, 10_000), run(corpus, "sap", "1x4", 1.004, 3_004),
+                 run(corpus, "a2a", "4x1", 1.5, 5_000, model=5_001)]
+    targets = {t.name: t for t in measured_targets(rows)}
+    share = targets["measured, stdlib SAP 1x4: at most 30% of the ring's bytes"]
+    wall = targets["measured, stdlib SAP 1x4: wall time no slower than the best baseline"]
+    exact = targets["measured, stdlib: bytes per link class equal the model's for every method"]
+    assert (share.met, share.detail) == (False, "30.1%")
+    assert not wall.met and wall.detail.startswith("1.01x of p2p")
+    assert not exact.met and "a2a 4x1 differs" in exact.detail
+
+
+def test_scale_targets_without_their_points_print_missed_not_nothing():
+    """Every scale target is reported: one no point exercises is MISSED, not left out."""
+    from types import SimpleNamespace
+
+    from megatron_sap.bench import scale
+
+    sap = SimpleNamespace(time_s=1.0, ideal_s=0.9, layout="2x8")
+    baseline = SimpleNamespace(time_s=3.0, comm_bound=True, method="a2a+p2p", layout="8x2")
+    targets = scale.scale_targets([scale.ScaleRow("c", "h100", 32768, 16, sap, baseline, None, 0.5)])
+    assert [t.met for t in targets] == [True, False, False]
+    assert all("not exercised" in t.detail for t in targets[1:])
+
+
+def test_a_point_sap_cannot_plan_fails_the_run_instead_of_dropping_out():
+    """A baseline that does not apply is left out of a point; SAP's error is raised (a row
+    whose length P does not divide), so the targets cannot count one point fewer."""
+    from megatron_sap.bench import scale
+    from megatron_sap.planning.cost_model import CostModel
+
+    model = CostModel.preset("h100")
+    with pytest.raises(ValueError, match="must be divisible by CP size"):
+        scale.evaluate_method("sap", [[0, 20000, 32769]], 8, 1, model, "c", "h100")
+    assert scale.evaluate_method("a2a", [[0, 32768]], 8, 8, model.with_shape(12, 12, 128, 2), "c", "h100") is None
+
+
 @pytest.mark.parametrize("preset", ["h100", "h200"])
 def test_sap_bound_is_never_beaten(preset):
     """`sap_bound_s` is a lower bound: no plan the planner makes is modelled faster,

@@ -149,13 +149,16 @@ def evaluate_method(
     corpus: str,
     preset: str,
 ) -> MethodPoint | None:
-    """Average one method's modelled stats over `batches`; None where it does not apply
-    (e.g. heads not divisible by the Ulysses degree)."""
+    """Average one method's modelled stats over `batches`; None where a baseline does not
+    apply (e.g. heads not divisible by the Ulysses degree). SAP's errors propagate: a point
+    SAP cannot plan must fail the run, not drop out of the targets."""
     rows, candidates = [], []
     for cu in batches:
         try:
             stats = raw_stats(method, cu, P, inner, model)
         except ValueError:
+            if method == SAP:
+                raise
             return None
         rows.append(summarise(stats, model))
         if method == SAP:
@@ -300,9 +303,16 @@ def fmt_tokens(n: int) -> str:
     return f"{n // (1 << 20)}M" if n % (1 << 20) == 0 else f"{n // 1024}K"
 
 
-def rounded_down(ratio: float) -> float:
-    """A speed-up to two decimals, rounded down: a ratio under a target never reads as it."""
-    return math.floor(round(ratio * 100, 9)) / 100  # round first: 1.29 * 100 is 128.99999999999997
+def rounded_down(ratio: float, digits: int = 2) -> float:
+    """A speed-up to `digits` decimals, rounded down: a ratio under a target never reads as it."""
+    scale = 10 ** digits
+    return math.floor(round(ratio * scale, 9)) / scale  # round first: 1.29 * 100 is 128.99999999999997
+
+
+def rounded_up(ratio: float, digits: int = 2) -> float:
+    """A ratio to `digits` decimals, rounded up: one over a limit never reads as it."""
+    scale = 10 ** digits
+    return math.ceil(round(ratio * scale, 9)) / scale
 
 
 def scale_table(rows: list[ScaleRow]) -> str:
@@ -365,6 +375,9 @@ def scale_targets(rows: list[ScaleRow], gpus_per_node: int = 8) -> list[Target]:
             worst.sap_over_ideal <= 1.05,
             f"worst {worst.sap_over_ideal:.3f}x at {worst.corpus} {worst.preset} T={fmt_tokens(worst.T)} P={worst.P}",
         ))
+    else:
+        out.append(Target("scale: SAP within 1.05x of ideal on one node", False,
+                          f"no point at P <= {gpus_per_node}: target not exercised"))
     ring = [r for r in rows if r.p2p is not None]
     if ring:
         by_p: dict[int, list[float]] = {}
@@ -379,6 +392,9 @@ def scale_targets(rows: list[ScaleRow], gpus_per_node: int = 8) -> list[Target]:
             "median comm/compute by P: " + ", ".join(f"{P}: {v:.2f}" for P, v in med.items())
             + (f"; bound from P={first_bound}" if first_bound else "; never bound"),
         ))
+    else:
+        out.append(Target("scale: the p2p KV ring becomes communication-bound as P grows", False,
+                          "no point with the ring: target not exercised"))
     return out
 
 

@@ -354,7 +354,8 @@ class Plan:
             "inner_size": U,
             "total_tokens": self.total_tokens,
             "tokens_per_rank": [self.local_tokens] * self.world_size,
-            "padding_tokens": 0,
+            # Rows the ranks hold beyond the batch's tokens: none, as every piece is of a document.
+            "padding_tokens": sum(p.end - p.start for rank in self.placement.ranks for p in rank) - self.total_tokens,
             "pairs_per_rank": pairs,
             "imbalance": (max(pairs) / mean) if mean > 0 else 1.0,
             "sent_tokens_per_outer_rank": [int(x) for x in traffic.sum(1)],
