@@ -684,12 +684,33 @@ def host_planning_time() -> dict:
     """Planning time on this machine's CPU, one thread (`megatron_sap.bench.planning_time`)."""
     from megatron_sap.bench import planning_time
 
-    rows = planning_time.measure(num_batches=SIZES.planning_rows, device=str(DEVICE))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as `make bench` plans (a rank's planning runs beside its other host work)
+    try:
+        rows = planning_time.measure(num_batches=SIZES.planning_rows, device=str(DEVICE))
+    finally:
+        torch.set_num_threads(threads)
     return {"ok": True, "cpu": planning_time.cpu_name(), "program_device": str(DEVICE),
             "rows": planning_time.as_records(rows)}
 
 
 CALIBRATION_OUT = Path("docs/calibration.json")
+# The checks that pack rows of the real corpora (`bench.data.document_lengths`).
+CORPUS_CHECKS = ("method_kernel_times", "sap_executor_vs_kernels", "method_executor_times", "rank_memory",
+                 "host_planning_time")
+
+
+def _corpora_missing() -> str | None:
+    """Why the real corpora's document lengths cannot be had here (no cache, no tokenizer),
+    before any GPU time goes to checks that would fail on it; None when they can."""
+    from megatron_sap.bench.data import CORPORA, document_lengths
+
+    try:
+        for corpus in CORPORA:
+            document_lengths(corpus)
+    except RuntimeError as error:
+        return str(error)
+    return None
 
 # Append further checks here (functions returning a dict with "ok").
 CHECKS: list[Callable[[], dict]] = [
@@ -777,6 +798,12 @@ def main() -> int:
             "flash_attn": _flash_attn_version(),
             "checks": {},
         }
+    missing = _corpora_missing()
+    if missing and any(check.__name__ in CORPUS_CHECKS for check in checks):
+        print(f"gpu_check: the real corpora's document lengths are not available here ({missing}); run "
+              "`bash scripts/gpu_check.sh --prepare` where the tokenizer is installed and copy .cache/megatron_sap "
+              "along (the device tool's carry). No check run.")
+        return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for check in checks:
         name = check.__name__

@@ -131,3 +131,29 @@ def test_only_refuses_unknown_checks_a_missing_report_and_one_from_elsewhere(dry
     out.write_text(json.dumps(elsewhere))
     result = _run_only(out, "rank_memory")
     assert result.returncode == 2 and "was written elsewhere" in result.stderr and "'device'" in result.stderr
+
+
+def test_without_the_corpora_it_stops_before_any_check(tmp_path):
+    """No cached document lengths and no tokenizer (a GPU machine without .cache/megatron_sap
+    carried along): the run ends at once, naming the fix, instead of spending GPU time on
+    checks that fail on it."""
+    code = (
+        "import sys, runpy; sys.argv = ['gpu_check.py', '--dry-run', '--out', sys.argv[1]]; "
+        "import megatron_sap.bench.data as data; "
+        "data.document_lengths = lambda corpus: (_ for _ in ()).throw(RuntimeError('no cached lengths')); "
+        f"sys.path.insert(0, {str(SCRIPT.parent)!r}); import gpu_check; sys.exit(gpu_check.main())"
+    )
+    out = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "no cached lengths" in result.stdout and "gpu_check.sh --prepare" in result.stdout
+    assert not out.exists()
+
+
+def test_a_skipped_check_reads_as_skipped_not_ok():
+    from megatron_sap.bench.gpu_report import _checks_table
+
+    table = _checks_table({"batch_split_no_host_syncs": {"ok": True, "skipped": "megatron-core is not importable"},
+                           "sap_simulated": {"ok": True}})
+    assert "| batch_split_no_host_syncs | skipped: megatron-core is not importable |" in table
+    assert "| sap_simulated | ok |" in table

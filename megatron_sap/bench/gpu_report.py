@@ -52,6 +52,8 @@ def _checks_table(checks: dict) -> str:
     for name, result in checks.items():
         error = f"{result['max_error']:.2e} ({result['tolerance']:.0e})" if "max_error" in result else ""
         status = "ok" if result["ok"] else f"FAILED: {result.get('error', '')}"
+        if result.get("skipped"):  # ran nothing: not a pass
+            status = f"skipped: {result['skipped']}"
         if "date" in result:  # rerun alone (gpu_check.py --only)
             status += f" (rerun {result['date'][:10]})"
         lines.append(f"| {name} | {status} | {error} | {result.get('seconds', '')} |")
