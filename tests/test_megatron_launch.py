@@ -422,9 +422,12 @@ def test_a_loader_on_the_device_still_gives_every_tp_rank_the_documents() -> Non
     def broadcast(box, src, group):
         shared.append(box[0])
 
+    def on_the_device(item, reset, from_device=False):  # the item's tensors read only where a device read is allowed
+        return host_boundaries(item, reset) if from_device else None
+
     get_batch = wrap_get_batch_on_this_tp_rank(lambda iterator: dict(next(iterator)), get_args=lambda: args,
                                                host_group=lambda: ("tp twin", 0))
-    with mock.patch("megatron_sap.megatron.hooks.host_boundaries", lambda item, reset: None), \
+    with mock.patch("megatron_sap.megatron.hooks.host_boundaries", on_the_device), \
             mock.patch("megatron_sap.megatron.hooks.dist.broadcast_object_list", broadcast):
         batch = get_batch(iter([_row([0, 1, 2, 0, 1, 0, 1, 2])]))
     assert shared == [([0, 3, 5, 8], None)] and batch["cu_seqlens"].tolist() == [[0, 3, 5, 8]]

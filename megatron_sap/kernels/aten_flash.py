@@ -39,7 +39,7 @@ def head_dim_supported(dim: int, capability: tuple[int, int] | None = None) -> b
 
 def check_head_dim(dim: int, capability: tuple[int, int] | None = None) -> None:
     """ValueError unless `head_dim_supported(dim, capability)`."""
-    if dim % 8 or dim > _MAX_HEAD_DIM:
+    if not head_dim_supported(dim):
         raise ValueError(f"flash kernels need head_dim % 8 == 0 and head_dim <= {_MAX_HEAD_DIM}, got {dim}; use backend='torch'")
     if not head_dim_supported(dim, capability):
         raise ValueError(f"flash kernels' backward takes head_dim {_WIDE_HEADS[0] + 8}..{_WIDE_HEADS[1]} on sm80/sm90 "

@@ -54,8 +54,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .arguments import add_sap_args, chain_args_providers, flat_layout_hint, sap_requested, sap_settings_from_args
-from .batch import (cu_seqlens_from_position_ids, resolve_groups, sap_packed_seq_params, sap_split_batch,
-                    without_trailing_empty)
+from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_packed_seq_params, sap_split_batch
 from .compat import (MLA_ROPE_TABLE_REFUSED, TRAINING_LAYOUT_REFUSED, chunk_aware_get_batch, mla_keeps_packed_rope_table,
                      mtp_takes_packed_rows, packed_get_batch, sft_split_on_every_stage, training_layout)
 from .groups import prepare_pipeline_host_group, tensor_parallel_host_group
@@ -490,38 +489,19 @@ def wrap_core_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[
 
 def _take_documents(item: Any, reset_position_ids: bool, host_group: Callable[[], Optional[tuple[Any, int]]]
                     ) -> Optional[list[int]]:
-    """The documents of the micro-batch the TP source read as `item` (its host copy, else its
-    device tensors read back once: `_device_documents`; None on the other TP ranks), on every
-    rank of the TP group; its loader plan put in the plan cache and both sent on to the pipeline
-    stages that read no data."""
+    """The documents of the micro-batch the TP source read as `item` (None on the other TP
+    ranks), on every rank of the TP group; its loader plan put in the plan cache and both sent
+    on to the pipeline stages that read no data. The source reads them from the item's host
+    copy, else, where the data loader gives its micro-batches on the device, from there: one
+    wait for the GPU, which the split would pay anyway, and the other TP ranks get them (the
+    last stage's others receive no tokens to find them from)."""
     found = (None, None)
     if item is not None:
-        documents = host_boundaries(item, reset_position_ids)
-        if documents is None:
-            documents = _device_documents(item, reset_position_ids)
-        found = (documents, loader_plan_bytes(item))
+        found = (host_boundaries(item, reset_position_ids, from_device=True), loader_plan_bytes(item))
     documents, plan_bytes = _share_with_tp_ranks(found, host_group)
     send_documents(documents, plan_bytes)
     adopt_loader_plan(plan_bytes, documents)
     return documents
-
-
-def _device_documents(item: Any, reset_position_ids: bool) -> Optional[list[int]]:
-    """The documents of a micro-batch whose tensors the data loader gives on the device (no host
-    copy for `host_boundaries`), read back on the TP source: one wait for the GPU, which the
-    split would pay anyway, and the other TP ranks and the stages that read no data get them
-    (the last stage's other TP ranks get no tokens to find them from). None where `item` is
-    not one row of tensors."""
-    if not isinstance(item, dict):
-        return None
-    given, tokens = item.get("cu_seqlens"), item.get("tokens")
-    if isinstance(given, torch.Tensor):
-        return without_trailing_empty(given.flatten().tolist())
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.size(0) != 1:
-        return None
-    if reset_position_ids and not isinstance(item.get("position_ids"), torch.Tensor):
-        return None
-    return row_cu_seqlens(item, reset_position_ids).tolist()
 
 
 def _keep_host_documents(batch: Any, documents: Optional[list[int]]) -> None:

@@ -28,28 +28,32 @@ PLAN_KEY = "sap_plan"  # the sample entry that carries the pickled plan
 logger = logging.getLogger(__name__)
 
 
-def host_boundaries(sample: Any, reset_position_ids: bool) -> Optional[list[int]]:
+def host_boundaries(sample: Any, reset_position_ids: bool, from_device: bool = False) -> Optional[list[int]]:
     """The documents of a micro-batch as the data loader gave it, read from its host (CPU)
     tensors: its `cu_seqlens`, else the restarts of its position ids, else the whole row (as
     `hooks.row_cu_seqlens` finds them on the device). None where the sample is not one row
     ([1, S], or [S] before the loader collates it) of CPU tensors: then the split reads them
-    from the device."""
+    from the device. `from_device`: tensors on a device are read too (which waits for it)."""
+
+    def readable(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and (from_device or t.device.type == "cpu")
+
     if not isinstance(sample, Mapping):
         return None
     tokens = sample.get("tokens")
-    if not isinstance(tokens, torch.Tensor) or tokens.device.type != "cpu" or tokens.dim() not in (1, 2):
+    if not readable(tokens) or tokens.dim() not in (1, 2):
         return None
     if tokens.dim() == 2 and tokens.size(0) != 1:
         return None
     given = sample.get("cu_seqlens")
     if given is not None:
-        if not isinstance(given, torch.Tensor) or given.device.type != "cpu":
+        if not readable(given):
             return None
         return without_trailing_empty(given.flatten().tolist())
     if not reset_position_ids:
         return [0, tokens.numel()]
     positions = sample.get("position_ids")
-    if not isinstance(positions, torch.Tensor) or positions.device.type != "cpu" or positions.numel() != tokens.numel():
+    if not readable(positions) or positions.numel() != tokens.numel():
         return None
     return cu_seqlens_from_position_ids(positions.reshape(1, -1)).tolist()
 
