@@ -138,3 +138,29 @@ def test_smoke_script_picks_a_sequence_length_its_cp_size_divides(tmp_path: Path
         refused = subprocess.run(["bash", str(SCRIPTS / "smoke_train_sap.sh")], capture_output=True, text=True,
                                  env={**env, "SAP_INNER": inner}, timeout=120)
         assert refused.returncode == 2 and f"SAP_INNER={inner} must be a positive divisor of NPROC={nproc}" in refused.stderr
+
+
+@pytest.mark.parametrize("left, exit_minutes", [("3:59:58", "229"), ("1-00:00:00", "1430"), ("45:10", "35"),
+                                                ("12:00", "6"), ("UNLIMITED", "230"), ("", "230"), (None, "90")])
+def test_slurm_job_saves_before_its_own_time_limit(tmp_path: Path, left: str | None, exit_minutes: str) -> None:
+    """EXIT_MINUTES follows the time the job has left when it starts (squeue's %L), 10 minutes
+    short of it (half of it under 20 minutes); 230 where squeue says nothing usable; a given
+    EXIT_MINUTES stays. srun, squeue and scontrol are stand-ins that record their arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text(f"#!/bin/bash\necho '{left or ''}'\n")
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node-a; echo node-b\n")
+    (bin_dir / "srun").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > "{tmp_path}/srun_args"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, **FLAG_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MEGATRON_LM_PATH": str(tmp_path),
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": "2",
+           "SLURM_NTASKS_PER_NODE": "8", "SAP_SCRIPTS_DIR": str(SCRIPTS)}
+    env.pop("EXIT_MINUTES", None)
+    if left is None:
+        env["EXIT_MINUTES"] = "90"
+    result = subprocess.run(["bash", str(SCRIPTS / "train_sap_slurm.sbatch")], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    args = (tmp_path / "srun_args").read_text().splitlines()
+    assert args[args.index("--exit-duration-in-mins") + 1] == exit_minutes
