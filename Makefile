@@ -3,6 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_FLAGS ?= -q
+TORCH_PIP_ARGS ?=
 
 .PHONY: install test test-compat demo bench gpu-check clean
 
@@ -10,8 +11,10 @@ install:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or set PYTHON=...)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	# The CPU build of torch from local disk: a bare 'torch' would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q "torch==2.13.0"
+	# The CPU build of torch: this project's machines find it on local disk (pip's find-links);
+	# elsewhere pass TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu", as a bare
+	# 'torch' from PyPI is the multi-GB CUDA build.
+	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -c "import torch, megatron.core, megatron_sap; print('installed torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
 

@@ -28,6 +28,8 @@ def main(argv: list[str]) -> None:
     script = Path(argv[0]).resolve()
     if not script.is_file():
         why = "is a directory, not a training script" if script.is_dir() else "not found"
+        if argv[0].startswith("/pretrain") and not os.environ.get("MEGATRON_LM_PATH"):
+            why += " (MEGATRON_LM_PATH is not set: `$MEGATRON_LM_PATH/pretrain_gpt.py` read as `/pretrain_gpt.py`)"
         raise SystemExit(f"training script {argv[0]!r} {why}\n{USAGE}")
     roots = [str(script.parent)]
     if os.environ.get("MEGATRON_LM_PATH"):

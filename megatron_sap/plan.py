@@ -79,6 +79,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.tokens is not None and args.tokens < 1:
         parser.error(f"--tokens must be >= 1, got {args.tokens}")
+    if args.tokens is not None and args.cp_size is not None and args.cp_size >= 1 and args.tokens % args.cp_size:
+        parser.error(f"--tokens {args.tokens} must be a multiple of --cp-size {args.cp_size} (every CP rank holds "
+                     f"T/CP tokens; Megatron-LM's sequence length is a multiple of 2 x CP)")
     for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size), ("--gpus-per-node", args.gpus_per_node)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
@@ -186,6 +189,11 @@ def compare_layouts(batches: list[list[int]], cp_size: int, model: CostModel, te
     return results
 
 
+# What SAP needs of a Megatron-LM run besides its layout (docs/megatron.md, "Three ways in").
+MEGATRON_REQUIRED_FLAGS = ("--micro-batch-size 1 --reset-position-ids --reset-attention-mask --calculate-per-token-loss "
+                           "--attention-dropout 0")
+
+
 def layouts_table(results: list[LayoutResult], cp_size: int, tokens: int, choose_by: str = "estimate") -> str:
     """The compared layouts, fastest marked, and the Megatron flags to run it."""
     best = min(results, key=lambda r: r.modelled_s)
@@ -203,7 +211,9 @@ def layouts_table(results: list[LayoutResult], cp_size: int, tokens: int, choose
         flags += f" --sap-inner-size {best.inner_size}"
     if choose_by != "estimate":
         flags += f" --sap-choose-by {choose_by}"
-    lines += ["", f"fastest: {best.inner_size} x {best.outer_size}:  {flags}"]
+    lines += ["", f"fastest: {best.inner_size} x {best.outer_size}:  {flags}",
+              f"with, for Megatron-LM's pretrain_gpt.py: {MEGATRON_REQUIRED_FLAGS} "
+              "(--reset-* where rows bring no cu_seqlens of their own; docs/megatron.md)"]
     if tokens % (2 * cp_size):
         lines.append(f"note: Megatron-LM's argument check wants the sequence length ({tokens}) divisible by "
                      f"2 x CP = {2 * cp_size}; SAP itself needs only CP")

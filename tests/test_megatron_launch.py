@@ -822,7 +822,12 @@ def test_spec_builder_hook_swaps_only_with_sap() -> None:
 def test_launcher_rejects_a_missing_script(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-m", "megatron_sap.launch", "/nonexistent/pretrain_gpt.py"],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and "not found" in result.stderr
+    assert result.returncode != 0 and "not found" in result.stderr and "MEGATRON_LM_PATH" not in result.stderr
+    # `$MEGATRON_LM_PATH/pretrain_gpt.py` with the variable unset reads as /pretrain_gpt.py: the error says so.
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LM_PATH"}
+    result = subprocess.run([sys.executable, "-m", "megatron_sap.launch", "/pretrain_gpt.py"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0 and "MEGATRON_LM_PATH is not set" in result.stderr
     result = subprocess.run([sys.executable, "-m", "megatron_sap.launch", str(tmp_path)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "is a directory, not a training script" in result.stderr

@@ -1535,6 +1535,8 @@ def test_cli_needs_tokens_with_lengths_from(capsys):
         (["--cu-seqlens", "0,8192", "--outer-size", "2", "--tensor-parallel-size", "-2"],
          "--tensor-parallel-size must be >= 1, got -2"),
         (["--cu-seqlens", "0,8192", "--cp-size", "2", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1, got 0"),
+        (["--lengths-from", "longtail", "--tokens", "131000", "--cp-size", "16"],
+         "--tokens 131000 must be a multiple of --cp-size 16"),
     ],
 )
 def test_cli_names_a_flag_out_of_range(argv, message, capsys):
@@ -1591,6 +1593,9 @@ def test_cli_compares_layouts_on_your_own_lengths(tmp_path, capsys):
     if best.inner_size > 1:
         flags += f" --hierarchical-context-parallel-sizes {best.inner_size} {best.outer_size}"
     assert f"fastest: {best.inner_size} x {best.outer_size}:  {flags}" in out
+    # ... and what a Megatron-LM run needs besides, each flag one the hooks check at start-up.
+    assert ("with, for Megatron-LM's pretrain_gpt.py: --micro-batch-size 1 --reset-position-ids --reset-attention-mask "
+            "--calculate-per-token-loss --attention-dropout 0") in out
 
 
 @pytest.mark.parametrize(
