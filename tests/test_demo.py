@@ -7,8 +7,9 @@ from megatron_sap.demo import attention_demo
 
 
 def test_attention_demo_agrees_with_the_reference(capsys):
-    attention_demo(total=1024, num_batches=2, seed=1, corpus="sharegpt")
+    assert attention_demo(total=1024, num_batches=2, seed=1, corpus="sharegpt")
     out = capsys.readouterr().out
+    assert out.count("check: errors within 1e-10 and bytes as planned: passed") == 2
     errors = [float(x) for x in re.findall(r"(?:out|dq|dk|dv) ([0-9.e+-]+)", out)]
     assert len(errors) == 2 * 4 and max(errors) < 1e-12, out
     for sap_bytes, plan_bytes in re.findall(r"SAP (\[[^\]]*\]) \(plan (\[[^\]]*\])\)", out):
