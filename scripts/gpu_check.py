@@ -798,8 +798,8 @@ def main() -> int:
             "flash_attn": _flash_attn_version(),
             "checks": {},
         }
-    missing = _corpora_missing()
-    if missing and any(check.__name__ in CORPUS_CHECKS for check in checks):
+    missing = _corpora_missing() if any(check.__name__ in CORPUS_CHECKS for check in checks) else None
+    if missing:
         print(f"gpu_check: the real corpora's document lengths are not available here ({missing}); run "
               "`bash scripts/gpu_check.sh --prepare` where the tokenizer is installed and copy .cache/megatron_sap "
               "along (the device tool's carry). No check run.")

@@ -364,6 +364,11 @@ def _host_documents(batch: dict[str, Any], boundaries: Optional[torch.Tensor]) -
     return entry[0] if entry is not None and entry[1] is boundaries else None
 
 
+# A rank that runs attention got no documents, nor what to find them from (the THD and CP splits).
+NO_DOCUMENTS = ("SAP needs each micro-batch's documents on the ranks that run attention; this rank got neither them "
+                "nor the tokens and position ids to find them")
+
+
 def pack_unpacked_batch(batch: dict[str, Any], reset_position_ids: bool,
                         documents: Optional[list[int]] = None) -> dict[str, Any]:
     """Give a [1, S] batch without cu_seqlens its documents: `documents` (read on the host),
@@ -434,11 +439,8 @@ def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], A
                     and getattr(megatron_args, "context_parallel_size", 1) > 1):
                 # Unpacked, the batch would take Megatron's own CP split on this rank while the
                 # TP source takes SAP's: labels in another order than the logits, no error.
-                raise ValueError(
-                    "SAP needs each micro-batch's documents on the ranks that run attention; this rank got neither "
-                    "them nor the tokens and position ids to find them (its TP source could not read the "
-                    "micro-batch's documents: the data loader gave no one-row dict of tensors)"
-                )
+                raise ValueError(f"{NO_DOCUMENTS} (its TP source could not read the micro-batch's documents: "
+                                 "the data loader gave no one-row dict of tensors)")
         _keep_host_documents(batch, documents)
         return batch
 
@@ -593,10 +595,7 @@ def wrap_get_batch_on_this_cp_rank(split: Callable, get_args: Callable[[], Any] 
         documents = _host_documents(batch, cu)
         if documents is None:
             if cu is None and batch.get("tokens") is None:
-                raise ValueError(
-                    "SAP needs each micro-batch's documents on the ranks that run attention; this rank got neither "
-                    "them nor the tokens and position ids to find them"
-                )
+                raise ValueError(NO_DOCUMENTS)
             cu = row_cu_seqlens(batch, bool(getattr(megatron_args, "reset_position_ids", False))) if cu is None else cu
             documents = cu.flatten()
         local, params = sap_split_batch(batch, documents)
