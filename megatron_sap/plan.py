@@ -46,6 +46,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
         argv = list(EXAMPLE_ARGS)
+        print(f"no arguments: the worked example of docs/planner.md ({' '.join(EXAMPLE_ARGS)}); "
+              "--help lists the options", file=sys.stderr)
     parser = argparse.ArgumentParser(prog="python -m megatron_sap.plan", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--cu-seqlens", help="comma-separated document boundaries, e.g. 0,100,4096")

@@ -1,6 +1,7 @@
 """Baseline CP methods against the dense float64 reference, and their traffic against the model."""
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
@@ -262,6 +263,20 @@ def test_outer_order_matches_zigzag_of_outer_groups():
         offset = pos - _cu(padded)[doc]
         expected = torch.where(offset < torch.tensor(lengths)[doc], _cu(lengths)[doc] + offset, -1)
         assert torch.equal(reordered, expected)
+
+
+def test_a2a_model_prices_one_all_to_all_per_tensor():
+    """As Transformer Engine runs it: q, k, v, out, dout, dq, dk, dv each its own all-to-all,
+    each paying (P - 1) message latencies: eight a layer."""
+    base = CostModel().with_shape(8, 2, 64)
+    cu = _cu([1024] * 4)
+    slow = dataclasses.replace(base, message_latency_us=base.message_latency_us + 100.0)
+    a, b = get("a2a").model_stats(cu, 4, base), get("a2a").model_stats(cu, 4, slow)
+    assert b["modelled_time_s"] - a["modelled_time_s"] == pytest.approx(8 * 3 * 100e-6)
+    assert b["sent_bytes_per_rank"] == a["sent_bytes_per_rank"]
+    # The hybrid's inner all-to-alls too (one inner group of all 4 ranks: no ring messages).
+    a, b = (get("a2a+p2p").model_stats(cu, 4, m, inner_size=4) for m in (base, slow))
+    assert b["modelled_time_s"] - a["modelled_time_s"] == pytest.approx(8 * 3 * 100e-6)
 
 
 def test_model_stats_shape_and_balance():

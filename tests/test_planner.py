@@ -1409,7 +1409,8 @@ def test_candidates_are_pinned(name, outer, inner):
 # ---- command line -----------------------------------------------------------------------------
 def test_cli_without_arguments_shows_the_worked_example(capsys):
     assert plan_cli([]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "no arguments: the worked example" in err and "--cu-seqlens 0,3000,3100,3101,5000,8192" in err
     assert "T=8192 tokens, 5 documents" in out and "outer R=4 x inner U=2" in out and "<- chosen" in out
     # docs/planner.md shows this output as the worked example: it must stay what the command prints.
     docs = (Path(__file__).parents[1] / "docs" / "planner.md").read_text()

@@ -111,7 +111,7 @@ def model_stats(cu_seqlens: Tensor | Sequence[int], world_size: int, cost_model:
                 inner_size: int = 1) -> dict[str, Any]:
     """Analytic cost of `a2a+p2p` with inner groups of `inner_size` consecutive ranks.
 
-    Per rank: the four Ulysses all-to-alls within the inner group, and the `p2p` ring
+    Per rank: the eight Ulysses all-to-alls within the inner group (`ulysses.exchange_bytes`), and the `p2p` ring
     traffic (3(R-1) buffers of U*n rows for the rank's KV heads) to the next and previous outer
     ranks (`ring_sent`).
     """

@@ -1,10 +1,12 @@
 """Ulysses (`a2a`) context parallelism over packed documents.
 
 Layout: the packed row, padded at its end to a multiple of P, split contiguously.
-One all-to-all turns the sequence sharding into head sharding (every rank receives
+All-to-alls turn the sequence sharding into head sharding (every rank receives
 all tokens for Hq/P query heads and their KV heads), plain varlen attention over the
-documents runs locally, and a second all-to-all brings the output back. Backward
-mirrors it: all-to-all of dout, local backward, one all-to-all of dq, dk and dv.
+documents runs locally, and an all-to-all brings the output back. Backward
+mirrors it: all-to-all of dout, local backward, all-to-all of dq, dk and dv. This
+executor fuses q, k and v (and dq, dk, dv) into one all-to-all; the analytic model
+prices Transformer Engine's one per tensor (`exchange_bytes`).
 
 KV heads: with Hkv a multiple of P each rank gets Hkv/P of them; with Hkv < P and
 P a multiple of Hkv each KV head is replicated to the P/Hkv ranks whose query heads
@@ -102,15 +104,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: BaselineLayout, group: di
 # ---- analytic model ------------------------------------------------------------------
 
 def exchange_bytes(cost_model: CostModel, tokens: int, size: int) -> list[int]:
-    """Bytes a rank sends each peer in the four all-to-alls: q/k/v, out, dout, dq/dk/dv.
+    """Bytes a rank sends each peer in each all-to-all of one layer, one per tensor as
+    Transformer Engine runs them (its `flash_attn_a2a_communicate` issues an
+    all-to-all per tensor of the list it gets): q, k, v and out forward, dout, dq, dk
+    and dv backward. Eight collectives, each paying its messages' latency.
 
     tokens: rows the rank holds before the exchange; size: ranks splitting the heads.
     """
     per_head = tokens * cost_model.head_dim * cost_model.bytes_per_element
-    q_heads = cost_model.num_heads // size
-    kv_heads = kv_heads_per_rank(cost_model.num_heads, cost_model.num_kv_heads, size)
-    qkv, o = per_head * (q_heads + 2 * kv_heads), per_head * q_heads
-    return [qkv, o, o, qkv]
+    q = per_head * (cost_model.num_heads // size)
+    kv = per_head * kv_heads_per_rank(cost_model.num_heads, cost_model.num_kv_heads, size)
+    return [q, kv, kv, q, q, q, kv, kv]
 
 
 def model_stats(cu_seqlens: Tensor | Sequence[int], world_size: int, cost_model: CostModel,
@@ -118,7 +122,7 @@ def model_stats(cu_seqlens: Tensor | Sequence[int], world_size: int, cost_model:
     """Analytic cost of `a2a` (inner_size is unused: one signature for all baselines).
 
     Every rank computes the whole row's causal attention for 1/P of the heads; the
-    four all-to-alls are not overlapped with compute.
+    eight all-to-alls (`exchange_bytes`) are not overlapped with compute.
     """
     lay = layout(cu_seqlens, world_size)
     phases = exchange_bytes(cost_model, lay.local_tokens, world_size)
