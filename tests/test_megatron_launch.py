@@ -975,6 +975,9 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
     [
         (dict(context_parallel_size=2, mtp_num_layers=1), "multi-token prediction"),
         (dict(hybrid_context_parallel=True), "hybrid-context-parallel"),
+        (dict(experimental_attention_variant="dsa"), "DeepSeek sparse attention"),
+        (dict(qk_clip=True), "max attention logits that --qk-clip needs"),
+        (dict(log_max_attention_logit=True), "max attention logits that --log-max-attention-logit needs"),
         (dict(reset_attention_mask=True, reset_position_ids=False), "add --reset-position-ids"),
         (dict(context_parallel_size=1, reset_attention_mask=True), "add --reset-position-ids"),
         (dict(reset_position_ids=True), "add --reset-attention-mask to --reset-position-ids"),

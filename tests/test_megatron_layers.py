@@ -154,6 +154,48 @@ def test_bad_forward_inputs_are_rejected() -> None:
     assert attn(*rows, padding, attn_mask_type=AttnMaskType.causal).shape == (8, 2, q.shape[1] * q.shape[2])
 
 
+def test_sbhd_mask_hiding_earlier_tokens_is_refused() -> None:
+    """Megatron's local attention applies the mask it gets; SAP's SBHD rows attend causally,
+    so a mask of documents (as --reset-attention-mask makes) must be refused, not ignored."""
+    attn = _attention()
+    q, k, v = _qkv(16)
+    rows = [t.reshape(8, 2, *t.shape[1:]) for t in (q, k, v)]
+    future = torch.ones(8, 8, dtype=torch.bool).triu(1)  # True: masked out
+    plain = future.expand(2, 1, 8, 8)
+    torch.testing.assert_close(attn(*rows, plain), attn(*rows, None))
+    documents = future.clone()
+    documents[5:, :5] = True  # tokens 5.. start a document of their own
+    with pytest.raises(ValueError, match="hides earlier tokens.*pack the rows"):
+        attn(*rows, documents.expand(2, 1, 8, 8))
+    plain_again = future.expand(2, 1, 8, 8).clone()
+    attn(*rows, plain_again)  # checked and remembered ...
+    plain_again.copy_(documents.expand(2, 1, 8, 8))  # ... until it changes
+    with pytest.raises(ValueError, match="hides earlier tokens"):
+        attn(*rows, plain_again)
+    with pytest.raises(ValueError, match="attention_mask of shape"):
+        attn(*rows, future[:4, :4])
+
+
+def test_sparse_and_logit_reporting_attention_are_refused() -> None:
+    with pytest.raises(ValueError, match="DeepSeek sparse attention"):
+        _attention(config=SimpleNamespace(**{**vars(_config()), "experimental_attention_variant": "dsa"}))
+    for flag in ("qk_clip", "log_max_attention_logit"):
+        with pytest.raises(ValueError, match=f"max attention logits that {flag}"):
+            _attention(config=SimpleNamespace(**{**vars(_config()), flag: True}))
+    with pytest.warns(UserWarning, match="not FP8"):
+        _attention(config=SimpleNamespace(**{**vars(_config()), "fp8_dot_product_attention": True}))
+
+
+def test_swap_refuses_a_core_attention_that_is_not_dense() -> None:
+    class DSAttention(torch.nn.Module):
+        pass
+
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=DSAttention)
+    with pytest.raises(ValueError, match="core_attention is DSAttention, which SAP .* cannot replace"):
+        swap_core_attention(spec)
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rope_positions_match_megatron_thd_rope_at_cp1(interleaved: bool) -> None:
     """Rotating a permuted row by registered positions equals Megatron's own THD RoPE, permuted."""

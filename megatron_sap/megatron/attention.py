@@ -8,6 +8,8 @@ it with q/k/v after the projections and RoPE. Under SAP the local tokens are the
 from __future__ import annotations
 
 import logging
+import warnings
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -28,6 +30,9 @@ from .plans import plan_for, split_plan
 
 logger = logging.getLogger(__name__)
 _announced = False  # the first attention call logs what runs, once per process
+# The last SBHD attention mask found to be plain causal, and its version: the layers of one
+# step share the mask, so it is compared once per micro-batch (see `_check_plain_causal`).
+_plain_causal_mask: tuple[weakref.ref, int] | None = None
 
 # Documents come from cu_seqlens, so "padding" adds nothing to causal for packed rows.
 _CAUSAL_MASKS = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -67,6 +72,16 @@ class SAPDotProductAttention(MegatronModule):
             raise ValueError(f"SAP attention supports softmax_type 'vanilla' only, got {config.softmax_type!r}")
         if getattr(config, "window_size", None) is not None:
             raise ValueError(f"SAP attention does not support sliding windows (window_size={config.window_size})")
+        if getattr(config, "experimental_attention_variant", None) == "dsa":
+            raise ValueError("SAP attention is dense causal attention: it does not support DeepSeek sparse attention "
+                             "(experimental_attention_variant 'dsa')")
+        for flag in ("qk_clip", "log_max_attention_logit"):
+            if getattr(config, flag, False):
+                raise ValueError(f"SAP attention does not report the per-head max attention logits that {flag} needs "
+                                 f"(--{flag.replace('_', '-')}): drop it")
+        if getattr(config, "fp8_dot_product_attention", False) or getattr(config, "fp8_multi_head_attention", False):
+            warnings.warn("SAP attention computes in the inputs' dtype, not FP8: fp8_dot_product_attention / "
+                          "fp8_multi_head_attention have no effect on it", stacklevel=2)
         if attn_mask_type not in _CAUSAL_MASKS:
             raise ValueError(f"SAP attention is causal self-attention, got attn_mask_type {attn_mask_type}")
         if attention_type != "self":
@@ -114,12 +129,13 @@ class SAPDotProductAttention(MegatronModule):
             out = self._packed(query[:, 0], key[:, 0], value[:, 0], packed_seq_params)
             return out.flatten(1).unsqueeze(1)
         if mask_type == AttnMaskType.padding_causal and attention_mask is not None:
-            # A causal mask type ignores the mask (as Megatron's TE attention does); a padding
-            # mask would mark tokens to leave out, which rows of whole sequences cannot.
+            # A padding mask would mark tokens to leave out, which rows of whole sequences cannot.
             raise ValueError(
                 "SAP attention over unpacked SBHD rows takes no padding mask (attn_mask_type padding_causal with an "
                 "attention_mask): pack the rows (THD with packed_seq_params) so padding is its own document"
             )
+        if attention_mask is not None:
+            _check_plain_causal(attention_mask, query.shape[0])
         return self._rows(query, key, value)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> Tensor:
@@ -202,6 +218,32 @@ class SAPDotProductAttention(MegatronModule):
         rows = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
         out = self._attend(*rows, cu)
         return out.reshape(b, s, -1).transpose(0, 1)
+
+
+def _check_plain_causal(mask: Tensor, seq_len: int) -> None:
+    """Refuse an SBHD row's attention mask that hides any token at or before the query.
+
+    Rows of whole sequences attend causally: the future is hidden whatever the mask says
+    (as in Transformer Engine's causal attention, which ignores the mask). A mask that
+    also hides earlier tokens (`--reset-attention-mask`'s documents), which Megatron's
+    local attention would apply, would be ignored: a wrong answer. The comparison waits
+    for the device, once per mask: the layers of a step share it. This path runs
+    without context parallelism only (SAP's packed rows carry no mask)."""
+    global _plain_causal_mask
+    if _plain_causal_mask is not None and _plain_causal_mask[0]() is mask and _plain_causal_mask[1] == mask._version:
+        return
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (seq_len, seq_len):
+        raise ValueError(f"SAP attention over SBHD rows of {seq_len} positions got an attention_mask of shape "
+                         f"{tuple(mask.shape)}; expected [..., {seq_len}, {seq_len}]")
+    past = torch.ones(seq_len, seq_len, dtype=torch.bool, device=mask.device).tril_()  # each query's keys
+    if bool((mask.bool() & past).any()):  # True: masked out
+        raise ValueError(
+            "SAP attention over unpacked SBHD rows is plain causal attention: it got an attention_mask that also hides "
+            "earlier tokens (e.g. --reset-attention-mask's documents), which it would ignore; pack the rows (THD "
+            "with packed_seq_params, as sap_split_batch or the megatron_sap launcher make them) so the documents "
+            "come from cu_seqlens, or pass attention_mask=None"
+        )
+    _plain_causal_mask = (weakref.ref(mask), mask._version)
 
 
 def _announce(q: Tensor, backend: str, groups: Any, schedule: str) -> None:

@@ -196,6 +196,13 @@ def _refuse_unsupported(args: Any) -> None:
         )
     if getattr(args, "hybrid_context_parallel", False):
         raise ValueError("SAP replaces context parallelism; it cannot run with --hybrid-context-parallel")
+    if getattr(args, "experimental_attention_variant", None) == "dsa":
+        raise ValueError("SAP is dense causal attention: it does not support DeepSeek sparse attention "
+                         "(--experimental-attention-variant dsa)")
+    for flag in ("qk_clip", "log_max_attention_logit"):
+        if getattr(args, flag, False):
+            raise ValueError(f"SAP attention does not report the per-head max attention logits that "
+                             f"--{flag.replace('_', '-')} needs: drop it")
     if pp > 1 and getattr(args, "virtual_pipeline_model_parallel_size", None) and not chunk_aware_get_batch():
         raise ValueError(
             "SAP supports a virtual (interleaved) pipeline (--num-layers-per-virtual-pipeline-stage / "

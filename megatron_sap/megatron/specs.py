@@ -35,11 +35,24 @@ def _swap(node: Any, seen: set[int]) -> int:
     for field in dataclasses.fields(node):
         value = getattr(node, field.name, None)
         if field.name == "core_attention" and value is not None:
+            _check_dense(value)
             setattr(node, field.name, SAPDotProductAttention)
             count += 1
         else:
             count += _swap(value, seen)
     return count
+
+
+def _check_dense(core_attention: Any) -> None:
+    """Refuse a core attention SAP cannot stand in for: SAP is dense causal attention, as
+    Megatron's DotProductAttention and its Transformer Engine (or other backends') kin are;
+    a sparse one (DeepSeek's DSAttention, with its indexer) would silently become dense."""
+    module = core_attention.module if isinstance(core_attention, ModuleSpec) else core_attention
+    name = getattr(module, "__name__", repr(module))
+    if not name.endswith("DotProductAttention"):
+        raise ValueError(f"spec's core_attention is {name}, which SAP (dense causal attention) cannot replace: "
+                         "only DotProductAttention-like core attention (e.g. DotProductAttention, "
+                         "TEDotProductAttention)")
 
 
 def swap_core_attention(spec: Any) -> Any:
