@@ -182,6 +182,24 @@ def test_key_blocks_merge_to_the_whole(dtype, heads):
     _close(dv, ref_dv, dtype, "dv")
 
 
+def test_arguments_take_flash_attns_order_and_causal_defaults_to_false():
+    """(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale) positionally, as
+    flash_attn_varlen_func takes them; without `causal` the blocks are full."""
+    gen = torch.Generator().manual_seed(5)
+    cu = _cu([5, 9])
+    q, k, v = (_random(14, 2, 8, torch.float64, gen) for _ in range(3))
+    out, lse = varlen_forward(q, k, v, cu, cu, 9, 9, True, 0.3)
+    ref_out, ref_lse = dense_attention(q, k, v, cu, causal=True, softmax_scale=0.3)
+    _close(out, ref_out, torch.float64, "positional out")
+    _close(lse, ref_lse, torch.float64, "positional lse")
+    full, _ = varlen_forward(q, k, v, cu, cu, 9, 9)
+    _close(full, dense_attention(q, k, v, cu, causal=False)[0], torch.float64, "default full")
+    grads = varlen_backward(torch.ones_like(out), q, k, v, out, lse, cu, cu, 9, 9, True, 0.3)
+    keyword = varlen_backward(torch.ones_like(out), q, k, v, out, lse, cu, cu, 9, 9, causal=True, softmax_scale=0.3)
+    for a, b in zip(grads, keyword):
+        assert torch.equal(a, b)
+
+
 def test_bottom_right_causal_alignment():
     """causal with len_q < len_k: the queries are the document's tail; len_q > len_k: leading rows see nothing."""
     gen = torch.Generator().manual_seed(3)

@@ -207,14 +207,15 @@ def varlen_forward(
     cu_seqlens_k: Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    *,
-    causal: bool,
+    causal: bool = False,
     softmax_scale: float | None = None,
+    *,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Attention of each q segment over its k segment.
 
-    Returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32, float64 for float64
+    Arguments in flash-attn's order (`flash_attn_varlen_func`), `causal` False unless
+    given. Returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] float32, float64 for float64
     inputs). max_seqlen_* must be at least the longest segment (Python ints: the
     flash kernels size their grids with them). softmax_scale defaults to D ** -0.5.
     cu_seqlens values are validated when they live on the CPU; on a GPU that
@@ -275,9 +276,9 @@ def varlen_backward(
     cu_seqlens_k: Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    *,
-    causal: bool,
+    causal: bool = False,
     softmax_scale: float | None = None,
+    *,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv), in the input dtypes, of this call's attention given dout.
