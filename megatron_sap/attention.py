@@ -320,7 +320,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q and k/v must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
     if q.shape[2] == 0:
         raise ValueError(f"head_dim must be positive, got shape {tuple(q.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+    if q.shape[1] == 0 or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
 
 

@@ -258,6 +258,15 @@ def test_sap_attention_rejects_gqa_mismatch() -> None:
         sap.sap_attention(q, k, v, _plan([0, 8]))
 
 
+def test_sap_attention_rejects_zero_query_heads_before_any_exchange() -> None:
+    """Checked with the other inputs, before a step is posted (a kernel that refused it
+    after the exchanges would leave the peers waiting)."""
+    plan = _plan([0, 7, 16], outer=2)
+    q, k, v = _qkv(8)
+    with pytest.raises(ValueError, match=r"query heads \(0\) must be a multiple of key/value heads \(2\)"):
+        sap.sap_attention(q[:, :0], k, v, plan, _fake_groups(1, 2))
+
+
 def test_sap_attention_rejects_wrong_token_count() -> None:
     """Each rank must hold T/P tokens: here 16/4 = 4, not the whole batch."""
     plan = _plan([0, 7, 16], outer=2, inner=2)

@@ -289,6 +289,16 @@ def ask_differently(rank: int, world_size: int, mine: dict[str, Any], others: di
     return str(info.value)
 
 
+def test_ranks_compared_tell_apart_sets_of_equal_sums() -> None:
+    """Equal lengths, sums and sums of squares; the group is made from the sorted ranks."""
+    from megatron_sap.comm.groups import _ranks_asked
+
+    one, other = _ranks_asked([0, 3, 5, 6]), _ranks_asked([1, 2, 4, 7])
+    assert one["hash of ranks"] != other["hash of ranks"]
+    assert (one["len(ranks)"], one["sum(ranks)"]) == (other["len(ranks)"], other["sum(ranks)"])
+    assert _ranks_asked([6, 0, 5, 3]) == one and _ranks_asked(None) == _ranks_asked([])
+
+
 @pytest.mark.parametrize("dist_pool", [4], indirect=True)
 @pytest.mark.parametrize(("mine", "others", "differ"), [
     (dict(inner_size=1, outer_size=2), dict(inner_size=2, outer_size=1), "inner_size from 1 to 2; outer_size from 1 to 2"),

@@ -363,6 +363,18 @@ def test_split_batch_rejects_bad_input(batch, cu, match) -> None:
         sap_split_batch(batch, cu)
 
 
+def test_packed_seq_params_take_boundaries_as_a_list_or_a_tensor() -> None:
+    from megatron_sap.megatron import sap_packed_seq_params
+
+    cpu = torch.device("cpu")
+    by_list = sap_packed_seq_params(CU, cpu)
+    for given in (torch.tensor(CU), torch.tensor([CU], dtype=torch.int32)):
+        params = sap_packed_seq_params(given, cpu)
+        assert torch.equal(params.cu_seqlens_q, by_list.cu_seqlens_q) and params.max_seqlen_q == by_list.max_seqlen_q
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        sap_packed_seq_params(torch.tensor([], dtype=torch.int64), cpu)
+
+
 def test_cu_seqlens_from_reset_position_ids() -> None:
     position_ids = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3]])
     assert cu_seqlens_from_position_ids(position_ids).tolist() == [0, 3, 4, 8]
@@ -490,6 +502,28 @@ def test_split_rows_run_rope_and_attention_without_host_reads() -> None:
             layer(q_rot, k_rot, v, None, packed_seq_params=params).sum().backward()
     assert calls == []
     assert q.grad is not None and k.grad is not None
+
+
+def test_layers_after_the_first_read_no_tensor_values_in_sbhd_rows_and_copied_boundaries() -> None:
+    """Unpacked SBHD rows (with a plain causal mask), and THD params whose cu_seqlens_kv is an
+    equal copy of cu_seqlens_q: the first layer of a step may compare on the host, the next
+    layers of the step read nothing back (a host sync per layer on a GPU)."""
+    from sap_cases import host_reads_recorded
+
+    s, b = 8, 2
+    rows = [t.reshape(b, s, *t.shape[1:]).transpose(0, 1) for t in _qkv(s * b, seed=4)]
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1).expand(b, 1, s, s)
+    cu = torch.tensor(CU, dtype=torch.int32)
+    params = _params(CU, cu_seqlens_q=cu, cu_seqlens_kv=cu.clone())
+    packed = _qkv(CU[-1], seed=5)
+    first, second = _attention(layer_number=1), _attention(layer_number=2)
+    first(*rows, mask)
+    first(*packed, None, packed_seq_params=params)
+    calls: list[str] = []
+    with host_reads_recorded(calls):
+        second(*rows, mask)
+        second(*packed, None, packed_seq_params=params)
+    assert calls == []
 
 
 def test_layers_run_the_schedule_of_the_options(monkeypatch) -> None:

@@ -8,6 +8,7 @@ consecutive CP ranks, outer groups striding by U, cp_rank = outer_rank * U + inn
 from __future__ import annotations
 
 import datetime
+import hashlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -227,15 +228,23 @@ def init_sap_groups(
     return mine
 
 
+def _ranks_asked(ranks: Sequence[int] | None) -> dict[str, int]:
+    """What the ranks compare of a `ranks` list (its set: the group is made from it sorted):
+    its length and sum, for the message, and a 62-bit hash of it, since sums (and sums of
+    squares) of different sets can agree: [0, 3, 5, 6] and [1, 2, 4, 7]."""
+    listed = sorted(int(r) for r in ranks) if ranks is not None else []
+    digest = hashlib.sha1(repr(listed).encode()).hexdigest()
+    return {"len(ranks)": len(listed), "sum(ranks)": sum(listed), "hash of ranks": int(digest[:16], 16) & ((1 << 62) - 1)}
+
+
 def _check_every_rank_asks_alike(inner_size: int, outer_size: int, tensor_parallel_size: int,
                                  pipeline_parallel_size: int, ranks: Sequence[int] | None) -> None:
     """Compare the call's sizes (and `ranks`) over the world before any group is made: ranks
     that asked for different groups would otherwise make some groups that do not match (a
     wrong layout on some ranks, an error on others, or a wait until the timeout)."""
-    listed = () if ranks is None else tuple(ranks)
     sizes = {"inner_size": inner_size, "outer_size": outer_size, "tensor_parallel_size": tensor_parallel_size,
              "pipeline_parallel_size": pipeline_parallel_size}
-    asked = {**sizes, "len(ranks)": len(listed), "sum(ranks)": sum(listed), "sum of squared ranks": sum(r * r for r in listed)}
+    asked = {**sizes, **_ranks_asked(ranks)}
     values = list(asked.values())
     extremes = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=collective_device(None))
     try:

@@ -33,6 +33,9 @@ _announced = False  # the first attention call logs what runs, once per process
 # The last SBHD attention mask found to be plain causal, and its version: the layers of one
 # step share the mask, so it is compared once per micro-batch (see `_check_plain_causal`).
 _plain_causal_mask: tuple[weakref.ref, int] | None = None
+# The last (other, cu_seqlens_q) tensors found equal, with their versions: compared once per
+# micro-batch, not per layer (`_same_boundaries`).
+_equal_boundaries: tuple[weakref.ref, weakref.ref, int, int] | None = None
 
 # Documents come from cu_seqlens, so "padding" adds nothing to causal for packed rows.
 _CAUSAL_MASKS = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -138,7 +141,7 @@ class SAPDotProductAttention(MegatronModule):
             _check_plain_causal(attention_mask, query.shape[0])
         return self._rows(query, key, value)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, values: Optional[list[int]] = None) -> Tensor:
         """One packed row of local tokens in plan order through `sap_attention`.
 
         MLA gives values a smaller head dim than queries and keys: the values are padded
@@ -146,7 +149,7 @@ class SAPDotProductAttention(MegatronModule):
         result unchanged (zero value columns give zero output columns, and their
         gradients are dropped). A larger value head dim pads q and k instead.
         """
-        plan = plan_for(cu_seqlens, self.groups)
+        plan = plan_for(cu_seqlens, self.groups, values)
         options = get_sap_options()
         qk_dim, v_dim = q.shape[-1], v.shape[-1]
         scale = self.softmax_scale if self.softmax_scale is not None else qk_dim**-0.5
@@ -185,7 +188,7 @@ class SAPDotProductAttention(MegatronModule):
                     f"SAP attention with context parallelism needs {name} to be None or the cu_seqlens_q tensor "
                     "itself, as sap_split_batch returns them (RoPE looks each token's position up by that tensor)"
                 )
-            if not torch.equal(other.to(cu.device), cu):
+            if not _same_boundaries(other, cu):
                 raise ValueError(
                     "SAP attention is self-attention: cu_seqlens_q and cu_seqlens_kv must match"
                     if name == "cu_seqlens_kv"
@@ -214,10 +217,25 @@ class SAPDotProductAttention(MegatronModule):
                 f"SAP attention is self-attention over the same tokens: q has {s} positions, k/v {k.shape[0]} "
                 "(a KV cache for inference is not supported)"
             )
-        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+        values = list(range(0, (b + 1) * s, s))  # planned from these, not read back from the device
+        cu = torch.tensor(values, dtype=torch.int32).to(q.device, non_blocking=True)
         rows = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
-        out = self._attend(*rows, cu)
+        out = self._attend(*rows, cu, values)
         return out.reshape(b, s, -1).transpose(0, 1)
+
+
+def _same_boundaries(other: Tensor, cu: Tensor) -> bool:
+    """Whether `other` holds `cu`'s values; equal pairs are remembered (the comparison waits
+    for the device, and every layer of a step gets the same tensors)."""
+    global _equal_boundaries
+    known = _equal_boundaries
+    if (known is not None and known[0]() is other and known[1]() is cu
+            and (known[2], known[3]) == (other._version, cu._version)):
+        return True
+    if not torch.equal(other.to(cu.device), cu):
+        return False
+    _equal_boundaries = (weakref.ref(other), weakref.ref(cu), other._version, cu._version)
+    return True
 
 
 def _check_plain_causal(mask: Tensor, seq_len: int) -> None:

@@ -151,12 +151,15 @@ def sap_split_batch(
     return local, params
 
 
-def sap_packed_seq_params(documents: list[int], device: torch.device, cp_group: GroupsLike = None) -> PackedSeqParams:
-    """The PackedSeqParams of a packed row whose documents are `documents` (its cu_seqlens, on the
-    host), for a rank that holds none of its tensors: a pipeline stage between the first and the
-    last, whose input is the previous stage's output, already in the plan's token order. The
-    same plan, agreement check and RoPE positions as `sap_split_batch` of that row."""
-    cu, values = _as_cu_seqlens(documents, documents[-1] if documents else 0, device)
+def sap_packed_seq_params(documents: Union[list[int], Tensor], device: torch.device,
+                          cp_group: GroupsLike = None) -> PackedSeqParams:
+    """The PackedSeqParams of a packed row whose documents are `documents` (its cu_seqlens,
+    best on the host: a device tensor is read back), for a rank that holds none of its
+    tensors: a pipeline stage between the first and the last, whose input is the previous
+    stage's output, already in the plan's token order. The same plan, agreement check and
+    RoPE positions as `sap_split_batch` of that row."""
+    values = cu_seqlens_to_list(documents[0] if isinstance(documents, Tensor) and documents.dim() == 2 else documents)
+    cu, values = _as_cu_seqlens(values, values[-1], device)
     return _plan_this_rank(cu, values, resolve_groups(cp_group), device)[2]
 
 
