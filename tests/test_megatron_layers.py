@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -196,21 +197,26 @@ def test_swap_refuses_a_core_attention_that_is_not_dense() -> None:
         swap_core_attention(spec)
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_rope_positions_match_megatron_thd_rope_at_cp1(interleaved: bool) -> None:
-    """Rotating a permuted row by registered positions equals Megatron's own THD RoPE, permuted."""
+def test_rope_positions_match_megatron_thd_rope_at_cp1(interleaved: bool, mla: bool) -> None:
+    """Rotating a permuted row by registered positions equals Megatron's own THD RoPE, permuted
+    (MLA's too, which de-interleaves the rotary half first)."""
     gen = torch.Generator().manual_seed(3)
     t = torch.randn(CU[-1], 4, 16, generator=gen)
     freqs = torch.rand(13, 1, 1, 16, generator=gen) * 10
-    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=interleaved, multi_latent_attention=False)
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=interleaved, multi_latent_attention=mla)
     one_rank = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
     cu = torch.tensor(CU, dtype=torch.int32)
-    expected = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=one_rank)
+    extra = {}
+    if mla and "mla_rotary_interleaved" in inspect.signature(rope_utils.apply_rotary_pos_emb).parameters:
+        extra["mla_rotary_interleaved"] = True  # core_v0.19 on: MLA's de-interleaving is this argument
+    expected = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=one_rank, **extra)
 
     order = torch.randperm(CU[-1], generator=gen)
     starts = torch.tensor(CU[:-1]).repeat_interleave(torch.diff(torch.tensor(CU)))
     positions = (torch.arange(CU[-1]) - starts)[order]
-    got = rotate_by_positions(t[order], freqs, positions, interleaved=interleaved)
+    got = rotate_by_positions(t[order], freqs, positions, interleaved=interleaved, multi_latent_attention=mla)
     torch.testing.assert_close(got, expected[order])
 
 

@@ -312,3 +312,17 @@ def test_memory_bytes_of_a_plan_without_transfers_by_hand(inner: int, schedule: 
     for outer_rank in range(plan.outer_size):
         assert plan.memory_bytes(outer_rank, model, schedule) == {"forward": forward, "backward": backward,
                                                                   "received_kv": 0.0}
+
+
+def test_memory_bytes_count_replicated_kv_heads_as_one_per_inner_rank() -> None:
+    """Fewer KV heads than inner ranks are replicated: each rank holds one, as with as many
+    KV heads as inner ranks, so every K/V buffer is the same size."""
+    import megatron_sap as sap
+
+    plan = sap.plan_sequences([0, 40, 44, 64], outer_size=2, inner_size=2, cache=None)
+    assert float(plan.evaluation.traffic_tokens.sum()) > 0
+    for schedule in ("pipelined", "gathered"):
+        for outer_rank in range(plan.outer_size):
+            one = plan.memory_bytes(outer_rank, plan.cost_model.with_shape(4, 1, 8, 4), schedule)
+            two = plan.memory_bytes(outer_rank, plan.cost_model.with_shape(4, 2, 8, 4), schedule)
+            assert one == two

@@ -1171,6 +1171,25 @@ def pruned_count(seed: int, outer: int, inner: int) -> int:
     return len(plan.pruned)
 
 
+def test_estimate_choice_takes_the_fewest_bytes_within_the_tolerance():
+    """Within TIME_TOLERANCE of the fastest, the candidate moving fewest bytes; beyond it, the fastest."""
+    from types import SimpleNamespace
+
+    from megatron_sap.planning.plan import _estimate_choice
+
+    def candidate(index, seconds, traffic):
+        return (index, f"placement {index}", SimpleNamespace(makespan_s=seconds, traffic_total=traffic))
+
+    fast = candidate(0, 1.0, 100)
+    near = candidate(1, 1.0 + TIME_TOLERANCE / 2, 50)
+    far = candidate(2, 1.0 + 2 * TIME_TOLERANCE, 10)
+    assert _estimate_choice([fast, near, far], 1.0) == near
+    assert _estimate_choice([fast, far], 1.0) == fast
+    tie = candidate(3, 1.0 + TIME_TOLERANCE / 4, 50)  # equal bytes: the faster, then the earlier
+    assert _estimate_choice([fast, near, tie], 1.0) == tie
+    assert _estimate_choice([fast, candidate(4, 1.0, 100)], 1.0) == fast
+
+
 @pytest.mark.parametrize("seed, outer, inner", [(0, 8, 1), (1, 8, 1), (2, 8, 8), (3, 4, 2), (4, 64, 1)])
 def test_pruning_does_not_change_the_plan(seed, outer, inner):
     pruned_count(seed, outer, inner)
