@@ -787,7 +787,7 @@ def main() -> int:
         report = _report_to_update(args.out, parser)
         checks = [check for check in checks if check.__name__ in wanted]
     if args.mirror is not None:
-        args.mirror.mkdir(parents=True, exist_ok=True)  # a missing folder must not stop a GPU session at its first check
+        args.mirror.mkdir(parents=True, exist_ok=True)  # a missing folder must not stop a GPU run at its first check
     if args.only is None:
         CALIBRATION_OUT.unlink(missing_ok=True)  # what this run leaves is its own (the report is rewritten below)
         report = {
@@ -802,7 +802,7 @@ def main() -> int:
     if missing:
         print(f"gpu_check: the real corpora's document lengths are not available here ({missing}); run "
               "`bash scripts/gpu_check.sh --prepare` where the tokenizer is installed and copy .cache/megatron_sap "
-              "along (the device tool's carry). No check run.")
+              "to the GPU host. No check run.")
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for check in checks:
