@@ -75,13 +75,7 @@ class SAPDotProductAttention(MegatronModule):
             raise ValueError(f"SAP attention supports softmax_type 'vanilla' only, got {config.softmax_type!r}")
         if getattr(config, "window_size", None) is not None:
             raise ValueError(f"SAP attention does not support sliding windows (window_size={config.window_size})")
-        if getattr(config, "experimental_attention_variant", None) == "dsa":
-            raise ValueError("SAP attention is dense causal attention: it does not support DeepSeek sparse attention "
-                             "(experimental_attention_variant 'dsa')")
-        for flag in ("qk_clip", "log_max_attention_logit"):
-            if getattr(config, flag, False):
-                raise ValueError(f"SAP attention does not report the per-head max attention logits that {flag} needs "
-                                 f"(--{flag.replace('_', '-')}): drop it")
+        refuse_unsupported_attention(config)
         if getattr(config, "fp8_dot_product_attention", False) or getattr(config, "fp8_multi_head_attention", False):
             warnings.warn("SAP attention computes in the inputs' dtype, not FP8: fp8_dot_product_attention / "
                           "fp8_multi_head_attention have no effect on it", stacklevel=2)
@@ -222,6 +216,19 @@ class SAPDotProductAttention(MegatronModule):
         rows = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
         out = self._attend(*rows, cu, values)
         return out.reshape(b, s, -1).transpose(0, 1)
+
+
+def refuse_unsupported_attention(settings: Any) -> None:
+    """Raise for settings SAP attention cannot honour, read from a TransformerConfig or Megatron-LM's
+    arguments (the same field names): DeepSeek sparse attention, and the per-head max attention
+    logits that qk-clip and its logging read after every step."""
+    if getattr(settings, "experimental_attention_variant", None) == "dsa":
+        raise ValueError("SAP is dense causal attention: it does not support DeepSeek sparse attention "
+                         "(experimental_attention_variant 'dsa', --experimental-attention-variant dsa)")
+    for flag in ("qk_clip", "log_max_attention_logit"):
+        if getattr(settings, flag, False):
+            raise ValueError(f"SAP attention does not report the per-head max attention logits that {flag} "
+                             f"(--{flag.replace('_', '-')}) needs: drop it")
 
 
 def _same_boundaries(other: Tensor, cu: Tensor) -> bool:

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .arguments import add_sap_args, chain_args_providers, flat_layout_hint, sap_requested, sap_settings_from_args
+from .attention import refuse_unsupported_attention
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_packed_seq_params, sap_split_batch
 from .compat import (MLA_ROPE_TABLE_REFUSED, TRAINING_LAYOUT_REFUSED, chunk_aware_get_batch, mla_keeps_packed_rope_table,
                      mtp_takes_packed_rows, packed_get_batch, sft_split_on_every_stage, training_layout)
@@ -196,13 +197,7 @@ def _refuse_unsupported(args: Any) -> None:
         )
     if getattr(args, "hybrid_context_parallel", False):
         raise ValueError("SAP replaces context parallelism; it cannot run with --hybrid-context-parallel")
-    if getattr(args, "experimental_attention_variant", None) == "dsa":
-        raise ValueError("SAP is dense causal attention: it does not support DeepSeek sparse attention "
-                         "(--experimental-attention-variant dsa)")
-    for flag in ("qk_clip", "log_max_attention_logit"):
-        if getattr(args, flag, False):
-            raise ValueError(f"SAP attention does not report the per-head max attention logits that "
-                             f"--{flag.replace('_', '-')} needs: drop it")
+    refuse_unsupported_attention(args)
     if pp > 1 and getattr(args, "virtual_pipeline_model_parallel_size", None) and not chunk_aware_get_batch():
         raise ValueError(
             "SAP supports a virtual (interleaved) pipeline (--num-layers-per-virtual-pipeline-stage / "
