@@ -673,6 +673,34 @@ def test_loader_workers_plan_every_row() -> None:
         assert torch.equal(plan.local_indices(7), expected.local_indices(7))
 
 
+def test_the_same_plan_bytes_are_unpickled_once(monkeypatch) -> None:
+    """The model chunks of a stage that read no data adopt each micro-batch's plan from the bytes
+    the first stage sent: unpickled once, the same plan; equal bytes of another object again."""
+    import pickle
+
+    from megatron_sap.megatron import loader
+    from megatron_sap.planning.plan import DEFAULT_CACHE
+
+    cu = [0, 5, 14, 16]
+    data = pickle.dumps(sap.plan_sequences(cu, outer_size=1, cache=None))
+    loads, unpickle = [], pickle.loads
+    monkeypatch.setattr(loader.pickle, "loads", lambda b: loads.append(b) or unpickle(b))
+    monkeypatch.setattr(loader, "_ADOPTED", {})
+    monkeypatch.setattr(loader, "_refusal_logged", False)  # restored after: the refusal below logs once per process
+    DEFAULT_CACHE.clear()
+    try:
+        first = loader.adopt_loader_plan(data, cu)
+        assert first is not None and loader.adopt_loader_plan(data, cu) is first and len(loads) == 1
+        again = loader.adopt_loader_plan(bytes(bytearray(data)), cu)
+        assert again is not None and again is not first and len(loads) == 2
+        assert loader.adopt_loader_plan(data, [0, 16]) is None  # another row's documents: refused still
+        for i in range(loader.ADOPTED_KEPT + 2):  # bounded
+            loader.adopt_loader_plan(bytes(bytearray(data)), cu)
+        assert len(loader._ADOPTED) == loader.ADOPTED_KEPT
+    finally:
+        DEFAULT_CACHE.clear()
+
+
 def test_a_loader_plan_for_another_layout_is_refused_and_a_sized_cache_gets_the_first(caplog) -> None:
     """A worker's plan of the right row for other SAP levels (a loader set up before the
     groups) is refused and said so, not cached beside the one the split makes; with

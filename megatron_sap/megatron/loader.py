@@ -126,9 +126,13 @@ def adopt_loader_plan(data: Optional[bytes], documents: Optional[list[int]]) -> 
     global _refusal_logged
     if data is None or documents is None:
         return None
-    plan = pickle.loads(data)
+    known = _ADOPTED.get(id(data))
+    plan = known[1] if known is not None and known[0] is data else pickle.loads(data)
     if (isinstance(plan, sap.Plan) and list(plan.cu_seqlens) == documents
             and (plan.inner_size, plan.outer_size) == sap_levels(resolve_groups(None)) and adopt_plan(plan)):
+        _ADOPTED[id(data)] = (data, plan)  # the bytes held, so that no other object takes their identity
+        while len(_ADOPTED) > ADOPTED_KEPT:
+            del _ADOPTED[next(iter(_ADOPTED))]
         return plan
     if not _refusal_logged:  # the workers plan for nothing: worth seeing once
         _refusal_logged = True
@@ -138,6 +142,11 @@ def adopt_loader_plan(data: Optional[bytes], documents: Optional[list[int]]) -> 
 
 
 _refusal_logged = False
+# The plans last adopted, by their bytes: the model chunks of a pipeline stage that read no data
+# adopt each micro-batch's plan from the same bytes, unpickled once (in a virtual pipeline the
+# chunks take a few micro-batches in turn).
+ADOPTED_KEPT = 8
+_ADOPTED: dict[int, tuple[bytes, "sap.Plan"]] = {}
 
 
 def loader_planning(reset_position_ids: bool) -> LoaderPlanning:
