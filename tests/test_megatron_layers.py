@@ -191,10 +191,18 @@ def test_swap_refuses_a_core_attention_that_is_not_dense() -> None:
     class DSAttention(torch.nn.Module):
         pass
 
+    class KitchenFlashAttention(torch.nn.Module):  # dense, under another backend's name
+        pass
+
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=DSAttention)
     with pytest.raises(ValueError, match="core_attention is DSAttention, which SAP .* cannot replace"):
         swap_core_attention(spec)
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=torch.nn.Module, submodules=object())
+    with pytest.raises(ValueError, match="core_attention is Module with submodules"):
+        swap_core_attention(spec)
+    spec.submodules.self_attention.submodules.core_attention = KitchenFlashAttention
+    assert _core_attentions(swap_core_attention(spec), []) == [SAPDotProductAttention]
 
 
 @pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])

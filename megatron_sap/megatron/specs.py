@@ -45,14 +45,16 @@ def _swap(node: Any, seen: set[int]) -> int:
 
 def _check_dense(core_attention: Any) -> None:
     """Refuse a core attention SAP cannot stand in for: SAP is dense causal attention, as
-    Megatron's DotProductAttention and its Transformer Engine (or other backends') kin are;
-    a sparse one (DeepSeek's DSAttention, with its indexer) would silently become dense."""
+    Megatron's DotProductAttention and its Transformer Engine (or other backends') kin are,
+    plain modules; a sparse one (DeepSeek's DSAttention, a spec with its indexer as a
+    submodule) would silently become dense."""
     module = core_attention.module if isinstance(core_attention, ModuleSpec) else core_attention
     name = getattr(module, "__name__", repr(module))
-    if not name.endswith("DotProductAttention"):
-        raise ValueError(f"spec's core_attention is {name}, which SAP (dense causal attention) cannot replace: "
-                         "only DotProductAttention-like core attention (e.g. DotProductAttention, "
-                         "TEDotProductAttention)")
+    with_submodules = isinstance(core_attention, ModuleSpec) and core_attention.submodules is not None
+    if with_submodules or name.startswith("DSA") or "Sparse" in name:
+        raise ValueError(f"spec's core_attention is {name}{' with submodules' if with_submodules else ''}, which SAP "
+                         "(dense causal attention) cannot replace: only plain dense core attention (e.g. "
+                         "DotProductAttention, TEDotProductAttention)")
 
 
 def swap_core_attention(spec: Any) -> Any:
