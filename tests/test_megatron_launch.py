@@ -89,6 +89,16 @@ def _parse(flags: str) -> argparse.Namespace:
     return provider(_megatron_like_parser()).parse_args(flags.split())
 
 
+def test_the_chained_provider_adds_the_sap_flags_to_an_existing_one() -> None:
+    """`chain_args_providers(existing)`: the script's provider and the `sap` group, once."""
+    parser = chain_args_providers(_modelopt_provider)(_megatron_like_parser())
+    args = parser.parse_args("--export-te-mcore-model --sap-inner-size 2 --cp-comm-type sap".split())
+    assert args.export_te_mcore_model and args.sap_inner_size == 2
+    assert [g.title for g in parser._action_groups].count("sap") == 1
+    twice = chain_args_providers(add_sap_args, _modelopt_provider, add_sap_args)(_megatron_like_parser())
+    assert [g.title for g in twice._action_groups].count("sap") == 1
+
+
 def test_flags_parse_and_chain_with_an_existing_provider() -> None:
     args = _parse(
         "--context-parallel-size 8 --cp-comm-type sap --export-te-mcore-model --sap-inner-size 4 "

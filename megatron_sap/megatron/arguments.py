@@ -1,8 +1,8 @@
 """Megatron-LM command-line flags for SAP.
 
 `add_sap_args` is an `extra_args_provider` (Megatron calls it with its parser and uses the parser
-it returns); `chain_args_providers` lets it run beside the provider a script already passes
-(`pretrain_gpt.py` passes the model-optimizer one). `sap_settings_from_args` resolves the parsed
+it returns); `chain_args_providers(existing)` is one that adds the SAP flags and chains the
+provider a script already passes (`pretrain_gpt.py` passes the model-optimizer one). `sap_settings_from_args` resolves the parsed
 flags (SAP levels default from `--hierarchical-context-parallel-sizes`) and applies the options.
 """
 from __future__ import annotations
@@ -122,8 +122,11 @@ def check_hierarchical_sizes(hierarchical: Optional[list[int]], cp_size: int) ->
 
 
 def chain_args_providers(*providers: Optional[ArgsProvider]) -> ArgsProvider:
-    """One provider that applies each given provider in turn (None entries are skipped)."""
+    """One provider that applies each given provider in turn (None entries are skipped), then
+    adds the `sap` argument group (`add_sap_args`, once: it may be among them)."""
     active = [provider for provider in providers if provider is not None]
+    if add_sap_args not in active:
+        active.append(add_sap_args)
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         for each in active:

@@ -156,7 +156,8 @@ class Plan:
         return self._check_rank(outer_rank, self.outer_size, "outer_rank")
 
     def pieces(self, outer_rank: int) -> list[tuple[int, int, int]]:
-        """(document, start, end) pieces the outer group holds, in its local order."""
+        """(document, start, end) pieces the outer group holds, in its local order; start and
+        end are global packed positions (the document's offset is start - cu_seqlens[document])."""
         return [(p.doc, p.start, p.end) for p in self.placement.ranks[self._check_outer(outer_rank)]]
 
     def _group_indices(self, outer_rank: int) -> torch.Tensor:
