@@ -30,12 +30,10 @@ from .plans import plan_for, split_plan
 
 logger = logging.getLogger(__name__)
 _announced = False  # the first attention call logs what runs, once per process
-# The last SBHD attention mask found to be plain causal, and its version: the layers of one
-# step share the mask, so it is compared once per micro-batch (see `_check_plain_causal`).
-_plain_causal_mask: tuple[weakref.ref, int] | None = None
-# The last (other, cu_seqlens_q) tensors found equal, with their versions: compared once per
-# micro-batch, not per layer (`_same_boundaries`).
-_equal_boundaries: tuple[weakref.ref, weakref.ref, int, int] | None = None
+# Per check that reads tensor values on the host, the tensors it last passed and their versions:
+# the layers of one step get the same tensors, so each check reads them once per micro-batch
+# (`_passed_before`).
+_PASSED: dict[str, tuple[tuple[weakref.ref, ...], tuple[int, ...]]] = {}
 
 # Documents come from cu_seqlens, so "padding" adds nothing to causal for packed rows.
 _CAUSAL_MASKS = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -231,17 +229,26 @@ def refuse_unsupported_attention(settings: Any) -> None:
                              f"(--{flag.replace('_', '-')}) needs: drop it")
 
 
+def _passed_before(check: str, *tensors: Tensor) -> bool:
+    """Whether `check` last passed these very tensors, unchanged since (weak references: a
+    tensor freed and another made in its place is not taken for it)."""
+    known = _PASSED.get(check)
+    return (known is not None and all(ref() is t for ref, t in zip(known[0], tensors))
+            and known[1] == tuple(t._version for t in tensors))
+
+
+def _passed(check: str, *tensors: Tensor) -> None:
+    _PASSED[check] = (tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors))
+
+
 def _same_boundaries(other: Tensor, cu: Tensor) -> bool:
-    """Whether `other` holds `cu`'s values; equal pairs are remembered (the comparison waits
-    for the device, and every layer of a step gets the same tensors)."""
-    global _equal_boundaries
-    known = _equal_boundaries
-    if (known is not None and known[0]() is other and known[1]() is cu
-            and (known[2], known[3]) == (other._version, cu._version)):
+    """Whether `other` holds `cu`'s values; the comparison waits for the device, so an equal
+    pair is remembered (`_passed_before`)."""
+    if _passed_before("same boundaries", other, cu):
         return True
     if not torch.equal(other.to(cu.device), cu):
         return False
-    _equal_boundaries = (weakref.ref(other), weakref.ref(cu), other._version, cu._version)
+    _passed("same boundaries", other, cu)
     return True
 
 
@@ -254,8 +261,7 @@ def _check_plain_causal(mask: Tensor, seq_len: int) -> None:
     local attention would apply, would be ignored: a wrong answer. The comparison waits
     for the device, once per mask: the layers of a step share it. This path runs
     without context parallelism only (SAP's packed rows carry no mask)."""
-    global _plain_causal_mask
-    if _plain_causal_mask is not None and _plain_causal_mask[0]() is mask and _plain_causal_mask[1] == mask._version:
+    if _passed_before("plain causal mask", mask):
         return
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (seq_len, seq_len):
         raise ValueError(f"SAP attention over SBHD rows of {seq_len} positions got an attention_mask of shape "
@@ -268,7 +274,7 @@ def _check_plain_causal(mask: Tensor, seq_len: int) -> None:
             "with packed_seq_params, as sap_split_batch or the megatron_sap launcher make them) so the documents "
             "come from cu_seqlens, or pass attention_mask=None"
         )
-    _plain_causal_mask = (weakref.ref(mask), mask._version)
+    _passed("plain causal mask", mask)
 
 
 def _announce(q: Tensor, backend: str, groups: Any, schedule: str) -> None:

@@ -78,14 +78,16 @@ def without_trailing_empty(documents: list[int]) -> list[int]:
     return documents if end == len(documents) else documents[:end]
 
 
-def _as_cu_seqlens(cu_seqlens: Union[Tensor, list[int]], total_tokens: int, device: torch.device) -> tuple[Tensor, list[int]]:
+def _as_cu_seqlens(cu_seqlens: Union[Tensor, list[int]], total_tokens: Optional[int],
+                   device: torch.device) -> tuple[Tensor, list[int]]:
     """A validated 1-D int32 tensor on `device` and its values, without the documents of no tokens
     at the end of the row (`without_trailing_empty`); a [1, n] row (Megatron's data loaders) is
-    accepted. Values given on the host go to the device without waiting for it."""
+    accepted. Values given on the host go to the device without waiting for it. `total_tokens`:
+    the batch length they must end at (None: not checked)."""
     if isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 2 and cu_seqlens.size(0) == 1:
         cu_seqlens = cu_seqlens[0]
     values = without_trailing_empty(cu_seqlens_to_list(cu_seqlens))
-    if values[-1] != total_tokens:
+    if total_tokens is not None and values[-1] != total_tokens:
         raise ValueError(f"cu_seqlens must end at the batch length {total_tokens}, got {values[-1]}")
     return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True), values
 
@@ -158,8 +160,7 @@ def sap_packed_seq_params(documents: Union[list[int], Tensor], device: torch.dev
     tensors: a pipeline stage between the first and the last, whose input is the previous
     stage's output, already in the plan's token order. The same plan, agreement check and
     RoPE positions as `sap_split_batch` of that row."""
-    values = cu_seqlens_to_list(documents[0] if isinstance(documents, Tensor) and documents.dim() == 2 else documents)
-    cu, values = _as_cu_seqlens(values, values[-1], device)
+    cu, values = _as_cu_seqlens(documents, None, device)
     return _plan_this_rank(cu, values, resolve_groups(cp_group), device)[2]
 
 
