@@ -238,6 +238,7 @@ def _passed_before(check: str, *tensors: Tensor) -> bool:
 
 
 def _passed(check: str, *tensors: Tensor) -> None:
+    """Remember that `check` passed these tensors as they are now."""
     _PASSED[check] = (tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors))
 
 
