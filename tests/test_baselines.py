@@ -355,3 +355,24 @@ def test_summarize_counts_each_rank_s_bytes_received_from_what_the_others_send()
     assert stats["sent_bytes_per_rank"] == [15, 0, 7]
     assert stats["recv_bytes_per_rank"] == [0, 17, 5]
     assert stats["sent_bytes_intra_per_rank"] == [15, 0, 7] and stats["padding_tokens"] == 0
+
+
+def test_device_copies_are_made_once_per_layout():
+    """A method's index tensors and kernel boundaries go to the device once per layout (each
+    copy from host memory waits for the GPU's queued work), kept with the layout, which still
+    compares by its fields."""
+    from megatron_sap.baselines import ring_p2p
+    from megatron_sap.baselines.common import zero_padding_rows
+
+    layout = ring_p2p.layout([0, 5, 16], 2)
+    made = []
+    first = layout.on_device("x", "cpu", lambda d: made.append(d) or torch.ones(1))
+    assert layout.on_device("x", torch.device("cpu"), lambda d: made.append(d) or torch.zeros(1)) is first
+    assert made == [torch.device("cpu")]
+    out = torch.ones(layout.local_tokens, 1, 1)
+    for rank in (0, 1):
+        zeroed = zero_padding_rows(out, layout, rank)
+        assert torch.equal(zeroed[:, 0, 0], (layout.positions[rank] >= 0).to(out.dtype))
+        mask = layout.on_device(f"real rows {rank}", "cpu", lambda d: pytest.fail("made again"))
+        assert torch.equal(mask, layout.positions[rank] >= 0)
+    assert layout == dataclasses.replace(layout)

@@ -87,12 +87,11 @@ class AllGatherAttention(torch.autograd.Function):
     """Local queries against all-gathered keys; dK, dV reduce-scattered back."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, segments: Segments, group: dist.ProcessGroup | None,
-                softmax_scale: float | None, backend: str) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, segments: Segments, cu: tuple[Tensor, Tensor],
+                group: dist.ProcessGroup | None, softmax_scale: float | None, backend: str) -> Tensor:
         ranks = group_ranks(group)
         kv = _gather_kv(k, v, group, ranks)[segments.key_start:segments.key_end]
-        cu_q, cu_k = cu_tensor(segments.q_lengths, q.device), cu_tensor(segments.k_lengths, q.device)
-        args = (cu_q, cu_k, max(segments.q_lengths), max(segments.k_lengths))
+        args = (*cu, max(segments.q_lengths), max(segments.k_lengths))
         kw: dict[str, Any] = {"causal": True, "softmax_scale": softmax_scale, "backend": backend}
         out, lse = varlen_forward(q, kv[:, 0].contiguous(), kv[:, 1].contiguous(), *args, **kw)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -115,7 +114,7 @@ class AllGatherAttention(torch.autograd.Function):
                 record_send(dkv_all[j * rows:(j + 1) * rows], peer, "reduce_scatter")
         dkv = dkv_all.new_empty((rows, *dkv_all.shape[1:]))
         reduce_scatter_single(dkv, dkv_all, group=group)
-        return dq, dkv[:, 0], dkv[:, 1], None, None, None, None
+        return dq, dkv[:, 0], dkv[:, 1], None, None, None, None, None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, layout: BaselineLayout, group: dist.ProcessGroup | None, *,
@@ -123,8 +122,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: BaselineLayout, group: di
     """`all_gather` attention of this rank's contiguous rows; padding rows come back zero."""
     rank = dist.get_rank(group)
     check_layout(layout, NAME, dist.get_world_size(group), q.shape[0])
-    out = AllGatherAttention.apply(q, k, v, Segments.of(layout, rank), group, softmax_scale, backend)
-    return zero_padding_rows(out, layout.positions[rank])
+    segments = Segments.of(layout, rank)
+    cu = layout.on_device(f"segments {rank}", q.device,
+                          lambda d: (cu_tensor(segments.q_lengths, d), cu_tensor(segments.k_lengths, d)))
+    out = AllGatherAttention.apply(q, k, v, segments, cu, group, softmax_scale, backend)
+    return zero_padding_rows(out, layout, rank)
 
 
 # ---- analytic model ------------------------------------------------------------------

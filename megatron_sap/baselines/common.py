@@ -7,8 +7,8 @@ position of its token (-1 for a padding row). The benchmark feeds each method's
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,18 @@ class BaselineLayout:
     cu_seqlens: Tensor
     positions: tuple[Tensor, ...]
     inner_size: int = 1
+    _made: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def on_device(self, name: str, device: torch.device | str, make: Callable[[torch.device], Any]) -> Any:
+        """`make(device)`, made on the first call for this name and device and then kept with the
+        layout: the index tensors and kernel boundaries a method copies to the GPU (each copy
+        from host memory waits for the GPU to finish its queued work) are made once per batch
+        layout, not on every call, as SAP's program is."""
+        device = torch.device(device)
+        key = (name, device)
+        if key not in self._made:
+            self._made[key] = make(device)
+        return self._made[key]
 
     @property
     def total_tokens(self) -> int:
@@ -123,13 +135,13 @@ def unshard(parts: Sequence[Tensor], layout: BaselineLayout) -> Tensor:
     return out
 
 
-def zero_padding_rows(out: Tensor, positions: Tensor) -> Tensor:
-    """Zero the output of padding rows; differentiable, so their gradient is dropped too.
+def zero_padding_rows(out: Tensor, layout: BaselineLayout, rank: int) -> Tensor:
+    """Zero the output of `rank`'s padding rows; differentiable, so their gradient is dropped too.
 
     Padding rows compute garbage (they attend whatever shares their kernel segment);
     masking here keeps them from sending gradient into real keys in backward.
     """
-    real = (positions >= 0).to(out.device)
+    real = layout.on_device(f"real rows {rank}", out.device, lambda d: (layout.positions[rank] >= 0).to(d))
     return torch.where(real[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 

@@ -97,12 +97,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout,
                          f"got inner {inner_ranks} and outer {outer_ranks}")
     k, v = replicate_kv_heads(k, v, q.shape[1], size)
     q_h, k_h, v_h = ScatterHeads.apply(inner, STEP, q, k, v)
-    order = outer_order(layout.chunk_sizes, size, q.device)
-    shape = RingShape.from_chunks([size * c for c in layout.chunk_sizes], q.device)
+    order = layout.on_device("outer order", q.device, lambda d: outer_order(layout.chunk_sizes, size, d))
+    unorder = layout.on_device("outer order inverse", q.device, lambda d: torch.argsort(order))
+    shape = layout.on_device("ring shape", q.device,
+                             lambda d: RingShape.from_chunks([size * c for c in layout.chunk_sizes], d))
     ring = Ring.of(outer) if outer is not None else Ring(None, 0, 1, dist.get_rank(), dist.get_rank())
     out_z = ZigzagRingAttention.apply(q_h[order], k_h[order], v_h[order], shape, ring, softmax_scale, backend)
-    (out,) = GatherHeads.apply(inner, STEP, out_z[torch.argsort(order)])
-    return zero_padding_rows(out, layout.positions[ring.rank * size + dist.get_rank(inner)])
+    (out,) = GatherHeads.apply(inner, STEP, out_z[unorder])
+    return zero_padding_rows(out, layout, ring.rank * size + dist.get_rank(inner))
 
 
 # ---- analytic model ------------------------------------------------------------------

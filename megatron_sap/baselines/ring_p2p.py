@@ -248,9 +248,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout, group: dist
     """`p2p` attention of this rank's zigzag rows; padding rows come back zero."""
     ring = Ring.of(group)
     check_layout(layout, NAME, ring.size, q.shape[0])
-    shape = RingShape.from_chunks(layout.chunk_sizes, q.device)
+    shape = layout.on_device("ring shape", q.device, lambda d: RingShape.from_chunks(layout.chunk_sizes, d))
     out = ZigzagRingAttention.apply(q, k, v, shape, ring, softmax_scale, backend)
-    return zero_padding_rows(out, layout.positions[ring.rank])
+    return zero_padding_rows(out, layout, ring.rank)
 
 
 # ---- analytic model ------------------------------------------------------------------

@@ -95,10 +95,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: BaselineLayout, group: di
     k, v = replicate_kv_heads(k, v, q.shape[1], size)
     q_h, k_h, v_h = ScatterHeads.apply(group, STEP, q, k, v)
     segments = padded_segments(layout)
-    cu = segments.to(device=q.device, dtype=torch.int32)
+    cu = layout.on_device("segments", q.device, lambda d: segments.to(device=d, dtype=torch.int32))
     out_h = VarlenAttention.apply(q_h, k_h, v_h, cu, int(torch.diff(segments).max()), softmax_scale, backend)
     (out,) = GatherHeads.apply(group, STEP, out_h)
-    return zero_padding_rows(out, layout.positions[dist.get_rank(group)])
+    return zero_padding_rows(out, layout, dist.get_rank(group))
 
 
 # ---- analytic model ------------------------------------------------------------------

@@ -82,7 +82,7 @@ def _ring_op(cu_seqlens: list[int], world_size: int, rank: int, heads: int, kv_h
 
     def step(q, k, v):  # ring_p2p.attention, with the ring given instead of read from a process group
         out = ring_p2p.ZigzagRingAttention.apply(q, k, v, shape, ring, None, "auto")
-        return ring_p2p.zero_padding_rows(out, layout.positions[rank])
+        return ring_p2p.zero_padding_rows(out, layout, rank)
 
     model = CostModel.preset("h100").with_shape(heads, kv_heads, dim, torch.empty((), dtype=dtype).element_size())
     local = _inputs(layout.local_tokens, heads, kv_heads, dim, device, dtype)
