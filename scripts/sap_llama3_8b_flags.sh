@@ -4,7 +4,8 @@
 #
 # Packed pretraining data: Megatron's GPT dataset with --reset-position-ids --reset-attention-mask,
 # whose position ids restart at 0 after every EOD and whose documents attend only within
-# themselves; SAP recovers the document boundaries (cu_seqlens) from the position ids.
+# themselves; SAP recovers the document boundaries (cu_seqlens) from the position ids. The data must
+# end each document with EOD: preprocess it with tools/preprocess_data.py --append-eod (else a row is one document).
 # --calculate-per-token-loss makes the loss and gradients identical to CP=1. SAP needs no attention
 # mask: --no-create-attention-mask-in-dataloader keeps the loader from building an S x S one (64 GiB
 # per sample at 128K tokens); the launcher hooks turn it off too.

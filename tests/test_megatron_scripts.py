@@ -140,12 +140,9 @@ def test_smoke_script_picks_a_sequence_length_its_cp_size_divides(tmp_path: Path
         assert refused.returncode == 2 and f"SAP_INNER={inner} must be a positive divisor of NPROC={nproc}" in refused.stderr
 
 
-@pytest.mark.parametrize("left, exit_minutes", [("3:59:58", "229"), ("1-00:00:00", "1430"), ("45:10", "35"),
-                                                ("12:00", "6"), ("UNLIMITED", "230"), ("", "230"), (None, "90")])
-def test_slurm_job_saves_before_its_own_time_limit(tmp_path: Path, left: str | None, exit_minutes: str) -> None:
-    """EXIT_MINUTES follows the time the job has left when it starts (squeue's %L), 10 minutes
-    short of it (half of it under 20 minutes); 230 where squeue says nothing usable; a given
-    EXIT_MINUTES stays. srun, squeue and scontrol are stand-ins that record their arguments."""
+def slurm_stand_ins(tmp_path: Path, left: str | None = None) -> dict[str, str]:
+    """The environment of a 2-node SLURM job whose srun, squeue (the time left: `left`) and
+    scontrol are stand-ins; srun records its arguments in tmp_path / srun_args."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "squeue").write_text(f"#!/bin/bash\necho '{left or ''}'\n")
@@ -157,6 +154,26 @@ def test_slurm_job_saves_before_its_own_time_limit(tmp_path: Path, left: str | N
            "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": "2",
            "SLURM_NTASKS_PER_NODE": "8", "SAP_SCRIPTS_DIR": str(SCRIPTS)}
     env.pop("EXIT_MINUTES", None)
+    return env
+
+
+def test_slurm_job_refuses_an_inner_level_wider_than_a_node(tmp_path: Path) -> None:
+    """TP * SAP_INNER GPUs must share a node (the inner all-to-all runs over its links)."""
+    env = {**slurm_stand_ins(tmp_path), "GPUS_PER_NODE": "4", "SLURM_NTASKS_PER_NODE": "4", "TP": "2",
+           "SAP_INNER": "4"}
+    result = subprocess.run(["bash", str(SCRIPTS / "train_sap_slurm.sbatch")], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert result.returncode == 1 and "TP * SAP_INNER = 2 * 4 GPUs do not fit on one node of 4 GPUs" in result.stderr
+    assert not (tmp_path / "srun_args").exists()
+
+
+@pytest.mark.parametrize("left, exit_minutes", [("3:59:58", "229"), ("1-00:00:00", "1430"), ("45:10", "35"),
+                                                ("12:00", "6"), ("UNLIMITED", "230"), ("", "230"), (None, "90")])
+def test_slurm_job_saves_before_its_own_time_limit(tmp_path: Path, left: str | None, exit_minutes: str) -> None:
+    """EXIT_MINUTES follows the time the job has left when it starts (squeue's %L), 10 minutes
+    short of it (half of it under 20 minutes); 230 where squeue says nothing usable; a given
+    EXIT_MINUTES stays. srun, squeue and scontrol are stand-ins that record their arguments."""
+    env = slurm_stand_ins(tmp_path, left)
     if left is None:
         env["EXIT_MINUTES"] = "90"
     result = subprocess.run(["bash", str(SCRIPTS / "train_sap_slurm.sbatch")], capture_output=True, text=True,
