@@ -11,9 +11,10 @@ unless `recompute_kv=True`, the K/V rows received from other ranks (gathered: th
 buffer that holds them after the local K/V). With `recompute_kv=True` those rows are
 fetched again during backward (one more forward-sized exchange), and each pass holds the
 rows of a few steps at a time, not all it receives (the gathered forward excepted): a
-window of exchanges in flight (`RECOMPUTE_KV_AHEAD`; `Plan.memory_bytes`). Each pass
-runs the events compiled with the program (`RankProgram.forward_events`,
-`backward_events`), whose exchanges come in one order that all ranks share.
+window of exchanges in flight (`FETCH_AHEAD`, `RECOMPUTE_KV_AHEAD`; `Plan.memory_bytes`).
+Each pass runs the events compiled with the program (`RankProgram.forward_events`,
+`backward_events`), whose exchanges come in one order that all ranks share; the forward
+posts each exchange one step ahead of the kernels that need it.
 """
 from __future__ import annotations
 
@@ -181,7 +182,7 @@ def _pipelined_forward(program: RankProgram, q, k, v, outer: _Outer, scale, back
     kv = torch.stack([k, v], 1)  # [T/R, 2, Hkv, D]: one message per step
     posted: dict[int, tuple[PendingExchange, torch.Tensor]] = {}
     received: list[torch.Tensor] = []
-    for kind, i in program.forward_events(recompute_kv):
+    for kind, i in program.forward_events():
         if kind == FETCH:
             posted[i] = _post_kv(program, i, kv, outer, 0)
         elif kind == LOCAL:
@@ -206,7 +207,7 @@ def _gathered_forward(program: RankProgram, q, k, v, outer: _Outer, scale, backe
     out = torch.empty_like(q)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=_accumulation_dtype(q.dtype), device=q.device)
     posted: dict[int, PendingExchange] = {}
-    for kind, i in program.forward_events(recompute_kv):
+    for kind, i in program.forward_events():
         if kind == FETCH:
             posted[i] = _post_kv(program, i, kv, outer, 0, slices[i])[0]
         elif kind == LOCAL:

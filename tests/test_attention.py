@@ -298,10 +298,12 @@ def test_double_backward_is_refused():
 
 
 @pytest.mark.parametrize("schedule", ["pipelined", "gathered"])
-def test_forward_posts_every_exchange_before_any_kernel(monkeypatch, schedule):
-    """The executor posts all of a rank's forward exchanges, in its program's order, before
-    its first kernel call, so a transfer never waits for the kernels of an earlier step
-    (what `timeline` models). One rank of a 4-rank plan, its exchanges made local."""
+def test_forward_posts_one_exchange_ahead_of_the_kernels(monkeypatch, schedule):
+    """The executor posts a rank's forward exchanges in its program's order: the first
+    before the local kernel calls, each next one before the calls of the step before it
+    (`FETCH_AHEAD`: with one hardware queue a kernel queued behind two exchanges would wait
+    for the first to be done; what `timeline` models). One rank of a 4-rank plan, its
+    exchanges made local."""
     from types import SimpleNamespace
 
     from megatron_sap import attention
@@ -321,9 +323,12 @@ def test_forward_posts_every_exchange_before_any_kernel(monkeypatch, schedule):
     q, k, v = (torch.randn(plan.local_tokens, h, 16) for h in (4, 2, 2))
     with local_exchanges():
         sap.sap_attention(q, k, v, plan, groups, schedule=schedule, check_agreement=False)
-    posts = [tag for kind, tag in events if kind == "post"]
-    assert posts == [step.round for step in program.transfers]
-    assert events.index(("kernel", None)) == len(posts)
+    steps = program.transfers
+    expected = [("post", steps[0].round)] + [("kernel", None)] * len(program.local_calls)
+    for i, step in enumerate(steps):
+        expected += [("post", steps[i + 1].round)] if i + 1 < len(steps) else []
+        expected += [("kernel", None)] * len(step.calls)
+    assert events == expected
 
 
 @pytest.mark.parametrize("inner", [1, 2, 4])

@@ -365,10 +365,39 @@ def test_every_pass_posts_its_exchanges_in_one_order_all_ranks_follow(seed):
         schedules = [str(rng.choice(["pipelined", "gathered", "auto"])) for _ in range(outer)]
         for recompute_kv in (False, True):
             forward = [plan.program(r, schedule=s, recompute_kv=recompute_kv) for r, s in enumerate(schedules)]
-            run_posted_in_order(plan, forward, [p.forward_events(recompute_kv) for p in forward],
-                                [recompute_kv and p.schedule == "pipelined" for p in forward])
+            run_posted_in_order(plan, forward, [p.forward_events() for p in forward], [True] * outer)
             backward = [plan.backward_program(r, schedule=s, recompute_kv=recompute_kv) for r, s in enumerate(schedules)]
             run_posted_in_order(plan, backward, [p.backward_events(recompute_kv) for p in backward], [recompute_kv] * outer)
+
+
+@pytest.mark.parametrize("schedule", ["pipelined", "gathered"])
+def test_the_forward_posts_one_exchange_ahead_of_the_calls(schedule):
+    """Every forward, whatever the schedule or recompute_kv: the first exchange goes before
+    the local calls (which run while it travels), then each step's calls follow the posting
+    of the next step's exchange, never of a later one: a GPU with one hardware queue
+    (CUDA_DEVICE_MAX_CONNECTIONS=1) would hold a kernel queued behind two exchanges until
+    the first was done."""
+    from megatron_sap.planning.program import COMPUTE, FETCH, FETCH_AHEAD, LOCAL
+
+    assert FETCH_AHEAD == 1
+    rows = [([0, 4096], 8), ([0, 700, 1500, 4096], 8), ([0, 3, 9000, 16384], 16), ([0, 256], 2)]
+    multi_step = 0
+    for cu, outer in rows:
+        plan = sap.plan_sequences(cu, outer_size=outer, cache=None)
+        for rank in range(outer):
+            program = plan.program(rank, schedule=schedule)
+            n = len(program.transfers)
+            expected = [(FETCH, 0)] * (n > 0) + [(LOCAL, -1)]
+            for i in range(n):
+                expected += [(FETCH, i + 1)] * (i + 1 < n) + [(COMPUTE, i)]
+            assert list(program.forward_events()) == expected
+            in_flight, most = 0, 0
+            for kind, _ in expected:
+                in_flight += {FETCH: 1, COMPUTE: -1}.get(kind, 0)
+                most = max(most, in_flight)
+            assert most == min(n, FETCH_AHEAD + 1)
+            multi_step += n > 1
+    assert multi_step
 
 
 def test_backward_in_its_own_order_is_posted_in_one_order_all_ranks_follow():

@@ -101,6 +101,29 @@ def test_gathered_schedule_by_hand():
     assert refetch.backward_s == pytest.approx(max(c_b, x) + c_b + x)
 
 
+def test_one_hardware_queue_by_hand():
+    """One document of three tiles over three ranks: rank 0 holds the last tile and receives
+    the other two from its two peers, one exchange each. Its forward posts the second
+    exchange only after the local diagonal, which runs under the first; the second runs
+    under the first step's full block. Had it posted both first, the local diagonal,
+    queued behind the second exchange, could start only once the first was done."""
+    from megatron_sap.planning.program import FETCH, LOCAL
+    from megatron_sap.planning.timeline import _run
+
+    model = CostModel.preset("h100")
+    plan = sap.plan_sequences([0, 384], outer_size=3, cost_model=model, cache=None)
+    assert plan.pieces(0) == [(0, 256, 384)]
+    program = plan.program(0, schedule="pipelined")
+    assert [t.recv_tokens for t in program.transfers] == [128, 128]
+    c_f = model.compute_seconds(128 * 128)
+    x = model.transfer_seconds(128 * model.kv_bytes_per_token, "intra")
+    holder = alone(plan, schedule="pipelined")[0]
+    # fetch 0 under the diagonal; fetch 1 after both, under step 0's full block; then step 1's
+    assert holder.forward_s == pytest.approx(max(x, c_f) + max(x, c_f) + c_f)
+    up_front = _run([program], [[(FETCH, 0), (FETCH, 1), (LOCAL, -1)]], False, 1, model, alone=True)
+    assert up_front == [pytest.approx(x + max(x, c_f))]
+
+
 def test_auto_schedule_follows_the_kernel_factor():
     """Each rank runs the schedule the model times faster: with kernels as fast in both, the
     pipelined one (it overlaps more); when its kernels take 3x as long, the gathered one

@@ -4,7 +4,9 @@ One step of the program sends one contiguous buffer to a peer and receives one f
 it (its partner in that exchange round; either side may be empty), posted together
 with `batch_isend_irecv` so NCCL and gloo can run them while the caller computes.
 Posting and `wait` turn a failure (a dead peer, a timeout) into an error naming the step
-and the peers.
+and the peers where the backend reports it there (gloo). NCCL's `wait` only makes the
+compute stream wait; a failed or stuck exchange surfaces later, through its watchdog
+(the process group's timeout, TORCH_NCCL_ASYNC_ERROR_HANDLING), which ends the job.
 
 Inside `local_exchanges()` nothing is sent and every receive buffer is zero-filled:
 one rank of a multi-rank op then runs alone in this process with exactly the buffers

@@ -116,15 +116,20 @@ def backward_seconds(order: Mapping[tuple[int, int], int], exchange_s: Mapping[t
                      step_s: Sequence[Sequence[float]], total_s: Sequence[float]) -> float:
     """When the last outer rank is done with a backward pass whose exchanges run in `order`,
     step by step: each rank computes its steps in that order (`step_s[a][b]`: the seconds of
-    a's step with b), posting each step's return once computed; the return starts when both
-    ranks have posted it and both links are free, and takes `exchange_s`; a rank is done
-    when its link is and its kernels (`total_s`, the local ones included) are. Every rank
-    in the pipelined schedule, as `timeline.joint_schedule` times the compiled programs."""
+    a's step with b), posting each step's return once computed; a return leaves a rank's
+    queue once its link is free and the step is computed, and no later kernel of the rank
+    starts before that (one hardware queue); it starts when both ranks' have left and takes
+    `exchange_s`; the local calls (the rest of `total_s`, a rank's kernel seconds) follow the
+    last return; a rank is done when its link and its kernels are. Every rank in the
+    pipelined schedule, as `timeline.joint_schedule` times the compiled programs."""
     computed = [0.0] * len(total_s)
     link = [0.0] * len(total_s)
+    posted = [0.0] * len(total_s)  # when the rank's last return left its queue
+    local = list(total_s)
     for a, b in sorted(order, key=order.__getitem__):
-        computed[a] += step_s[a][b]
-        computed[b] += step_s[b][a]
-        start = max(link[a], link[b], computed[a], computed[b])
-        link[a] = link[b] = start + exchange_s[a, b]
-    return max(max(t, x) for t, x in zip(total_s, link))
+        for r, peer in ((a, b), (b, a)):
+            computed[r] = max(computed[r], posted[r]) + step_s[r][peer]
+            local[r] -= step_s[r][peer]
+            posted[r] = max(link[r], computed[r])
+        link[a] = link[b] = max(posted[a], posted[b]) + exchange_s[a, b]
+    return max(max(max(c, p) + rest, x) for c, p, rest, x in zip(computed, posted, local, link))

@@ -423,7 +423,7 @@ class Plan:
         # accumulator, only the lse
         accumulators = rows * heads * a if gathered else rows * heads * (m.head_dim + 1) * a
         forward = stacked_kv + accumulators + ulysses + exchange_peak(
-            forward_program, forward_program.forward_events(recompute_kv), kv_row * b, kv_row * a, False, recompute_kv)
+            forward_program, forward_program.forward_events(), kv_row * b, kv_row * a, False, recompute_kv)
         backward = (
             stacked_kv
             + kept

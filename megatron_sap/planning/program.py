@@ -146,9 +146,19 @@ COMPUTE = "compute"  # wait for step i's K/V where fetched, run its calls
 RETURN = "return"  # post the gradients of step i's received rows back to their owner
 COLLECT = "collect"  # wait for the gradients of the rows step i sent, add them to dK/dV
 
-# With recompute_kv, a pass posts K/V exchanges this far ahead of the step whose rows the
-# kernels work on, and (backward) waits for returned gradients this far behind, instead of
-# all at once: a rank holds the rows of a few steps, each at most one peer's T/R rows,
+# The forward posts each step's K/V exchange this many steps ahead of the step whose calls
+# run (the first before the local calls). One is what a GPU with a single hardware queue
+# (CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron-LM requires with TP or CP before
+# Blackwell) overlaps: an exchange waits for the one before it on the group's NCCL stream,
+# and every kernel queued after it waits until it starts, so exchanges posted further
+# ahead would hold the kernels back until all but the last were done. With more queues
+# one ahead costs nothing either: the exchanges of a rank run one after another on that
+# stream anyway (`timeline`).
+FETCH_AHEAD = 1
+
+# With recompute_kv, the backward posts K/V refetches this far ahead of the step whose rows the
+# kernels work on, and waits for returned gradients this far behind, instead of all at
+# once: a rank holds the rows of a few steps, each at most one peer's T/R rows,
 # however long the documents (`Plan.memory_bytes`). In backward "ahead" counts exchange
 # levels (`exchange_levels`), which every rank shares: NCCL runs a group's batched calls in
 # the order each rank posts them, and refetches and returns interleaved by each rank's own
@@ -213,13 +223,13 @@ class RankProgram:
             attributes[name] = made[buffer][array]  # where the cached property keeps what it makes
         return replace(self, local_calls=local_calls, transfers=tuple(transfers))
 
-    def forward_events(self, recompute_kv: bool = False) -> tuple[Event, ...]:
-        """The forward pass in order: every exchange posted, the local calls, then each
-        step's calls once its K/V are in. The pipelined schedule with `recompute_kv` posts
-        step i + RECOMPUTE_KV_AHEAD only when it gets to step i. Either way every rank
+    def forward_events(self) -> tuple[Event, ...]:
+        """The forward pass in order: the first exchange posted, the local calls, then for
+        each step i the exchange of step i + FETCH_AHEAD posted and step i's calls once its
+        K/V are in (in every schedule; `recompute_kv` changes only what is kept). Every rank
         posts its exchanges in its step order, the one order of rank pairs."""
         n = len(self.transfers)
-        ahead = RECOMPUTE_KV_AHEAD if recompute_kv and self.schedule == "pipelined" else n
+        ahead = FETCH_AHEAD
         events = [(FETCH, i) for i in range(min(ahead, n))] + [(LOCAL, -1)]
         for i in range(n):
             if i + ahead < n:
@@ -230,9 +240,11 @@ class RankProgram:
     def backward_events(self, recompute_kv: bool = False) -> tuple[Event, ...]:
         """The backward pass in order, its steps by `backward_level` (the backward's own
         order of rank pairs, which every rank follows). Keeping the K/V: each step's calls
-        and its gradients posted back (gathered: every step's calls first, a piece's keys
-        may come from several steps), the local calls under the returns, then every return
-        waited for. With `recompute_kv` (pipelined programs only: a gathered forward's
+        and its gradients posted back, the local calls under the last return, then every
+        return waited for; gathered, every step's calls first (a piece's keys may come from
+        several steps), then the first return, the local calls under it, the other returns,
+        every return waited for (with one hardware queue the local calls queued after the
+        last return would wait for all but that one to be done, see FETCH_AHEAD). With `recompute_kv` (pipelined programs only: a gathered forward's
         backward runs the pipelined program) every event is keyed by its step's level, which
         both ranks of an exchange share: the refetch at level - RECOMPUTE_KV_AHEAD, the calls
         and the return at the level, the wait for the return at level + RECOMPUTE_KV_AHEAD;
@@ -240,12 +252,12 @@ class RankProgram:
         most, so it holds the K/V of at most RECOMPUTE_KV_AHEAD + 1 steps and as many steps'
         returning gradients, and every rank posts its exchanges in one global order."""
         steps = sorted(range(len(self.transfers)), key=lambda i: self.transfers[i].backward_level)
+        collects = [(COLLECT, i) for i in steps]
+        if not recompute_kv and self.schedule == "gathered":
+            returns = [(RETURN, i) for i in steps]
+            return tuple([(COMPUTE, i) for i in steps] + returns[:1] + [(LOCAL, -1)] + returns[1:] + collects)
         if not recompute_kv:
-            if self.schedule == "gathered":
-                calls = [(COMPUTE, i) for i in steps] + [(RETURN, i) for i in steps]
-            else:
-                calls = [event for i in steps for event in ((COMPUTE, i), (RETURN, i))]
-            return tuple(calls + [(LOCAL, -1)] + [(COLLECT, i) for i in steps])
+            return tuple([event for i in steps for event in ((COMPUTE, i), (RETURN, i))] + [(LOCAL, -1)] + collects)
         if self.schedule != "pipelined":
             raise ValueError("with recompute_kv the backward runs the pipelined program (Plan.backward_program)")
         ahead = RECOMPUTE_KV_AHEAD

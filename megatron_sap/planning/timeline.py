@@ -5,10 +5,8 @@ The planner scores candidates with `evaluate`, which treats a rank's steps as eq
 piece's earlier keys to tiles as one block. This module times the compiled programs
 instead, in the order `sap_attention` runs them:
 
-- forward: every step's exchange is posted, the local calls run, then every step's
-  calls once its exchange is done (the exchanges run one after another on the link,
-  whatever the kernels are doing); with `recompute_kv` (pipelined) a window of
-  exchanges ahead of the step whose calls run;
+- forward: the first step's exchange is posted and the local calls run under it; then
+  each step posts the next one's exchange and runs its calls once its own K/V are in;
 - backward: every step's calls run and its gradients are posted back at once; the
   local calls run last; with `recompute_kv` the K/V are fetched again a window ahead,
   by exchange level, the local calls run under the first refetches, and each return is
@@ -16,14 +14,18 @@ instead, in the order `sap_attention` runs them:
 
 The gathered schedule runs the same forward with its own calls (each piece once,
 after the step that brings its last keys); backward, all its step calls run, then the
-gradients go back one step after another, the local calls under them (with
+gradients go back one step after another, the local calls under the first return (with
 `recompute_kv` its backward runs the pipelined program). Each pass is timed from the
 events the executor runs (`RankProgram.forward_events`, `backward_events`).
 
 Exchanges of one rank go one after another (one NCCL stream per group); an exchange
-takes its larger side (send or receive) over its link plus a latency per message.
-Kernel calls are tile-rounded per segment, as the kernels run them; the pipelined
-schedule's take `pipelined_kernel_factor` times as long.
+takes its larger side (send or receive) over its link plus a latency per message, and
+starts once the kernels queued before it are done (NCCL's stream waits for them when it
+is posted). The GPU has one hardware queue, as Megatron-LM runs with CP before Blackwell
+(CUDA_DEVICE_MAX_CONNECTIONS=1): a kernel queued after an exchange starts no sooner than
+that exchange does (with more queues the kernels can only start sooner). Kernel calls
+are tile-rounded per segment, as the kernels run them; the pipelined schedule's take
+`pipelined_kernel_factor` times as long.
 
 `rank_schedule` times one rank alone, as if its peers were always ready (what a rank's
 choice of schedule compares). `joint_schedule` times all outer ranks together: an
@@ -118,8 +120,9 @@ def _run(programs: Sequence[RankProgram], events: Sequence[Sequence[Event]], bac
     `backward_events`), all run together (`alone`: each as if its peers were always ready).
     A rank's exchanges run one after another on its stream, each once both ranks have
     posted it and the kernels queued before it on either rank are done (NCCL waits for the
-    compute stream when an exchange is posted); a step's calls wait for its K/V where
-    fetched, a collect for its returned gradients. Raises if the ranks' orders of
+    compute stream when an exchange is posted); kernels wait for the start of the exchange
+    queued last before them on their rank (one hardware queue), a step's calls for its K/V
+    where fetched, a collect for its returned gradients. Raises if the ranks' orders of
     exchanges disagree (they would wait for each other forever)."""
     R = len(programs)
     factor = model.backward_factor if backward else 1.0
@@ -129,6 +132,7 @@ def _run(programs: Sequence[RankProgram], events: Sequence[Sequence[Event]], bac
     local_s = [factor * local for _, _, local in costs]
     step_of = [{_peer(s): i for i, s in enumerate(p.transfers)} for p in programs]
     at, compute, link = [0] * R, [0.0] * R, [0.0] * R
+    gate = [0.0] * R  # when the exchange a rank posted last started: no kernel queued after it starts sooner
     done: list[dict[tuple[str, int], float]] = [{} for _ in range(R)]
     moved = True
     while moved:
@@ -139,19 +143,21 @@ def _run(programs: Sequence[RankProgram], events: Sequence[Sequence[Event]], bac
                 kind, i = mine[at[a]]
                 if kind in (FETCH, RETURN):
                     if alone:
-                        done[a][kind, i] = link[a] = max(link[a], compute[a]) + x[a][i]
+                        gate[a] = max(link[a], compute[a])
+                        done[a][kind, i] = link[a] = gate[a] + x[a][i]
                     else:
                         b = _peer(programs[a].transfers[i])
                         j = step_of[b][a]
                         if at[b] == len(events[b]) or events[b][at[b]] != (kind, j):
                             break  # not posted by the peer yet
-                        end = max(link[a], link[b], compute[a], compute[b]) + max(x[a][i], x[b][j])
+                        gate[a], gate[b] = max(link[a], compute[a]), max(link[b], compute[b])
+                        end = max(gate[a], gate[b]) + max(x[a][i], x[b][j])
                         link[a] = link[b] = done[a][kind, i] = done[b][kind, j] = end
                         at[b] += 1
                 elif kind == LOCAL:
-                    compute[a] += local_s[a]
+                    compute[a] = max(compute[a], gate[a]) + local_s[a]
                 elif kind == COMPUTE:
-                    compute[a] = max(compute[a], done[a].get((FETCH, i), 0.0)) + step_s[a][i]
+                    compute[a] = max(compute[a], gate[a], done[a].get((FETCH, i), 0.0)) + step_s[a][i]
                 else:  # COLLECT
                     compute[a] = max(compute[a], done[a][RETURN, i])
                 at[a] += 1
@@ -172,7 +178,7 @@ def joint_schedule(programs: Sequence[RankProgram], inner_size: int, capacity: i
     always ready."""
     a2a_s = ulysses_cost(model, capacity, inner_size, len(programs))[1] / 2  # per pass
     backward_programs = programs if backward_programs is None else backward_programs
-    forward = _run(programs, [p.forward_events(recompute_kv) for p in programs], False, inner_size, model, alone)
+    forward = _run(programs, [p.forward_events() for p in programs], False, inner_size, model, alone)
     backward = _run(backward_programs, [p.backward_events(recompute_kv) for p in backward_programs], True,
                     inner_size, model, alone)
     return [RankSchedule(f + a2a_s, b + a2a_s) for f, b in zip(forward, backward)]
