@@ -298,12 +298,12 @@ def test_double_backward_is_refused():
 
 
 @pytest.mark.parametrize("schedule", ["pipelined", "gathered"])
-def test_forward_posts_one_exchange_ahead_of_the_kernels(monkeypatch, schedule):
-    """The executor posts a rank's forward exchanges in its program's order: the first
-    before the local kernel calls, each next one before the calls of the step before it
-    (`FETCH_AHEAD`: with one hardware queue a kernel queued behind two exchanges would wait
-    for the first to be done; what `timeline` models). One rank of a 4-rank plan, its
-    exchanges made local."""
+def test_forward_posts_its_exchanges_as_its_schedule_needs(monkeypatch, schedule):
+    """The executor posts a rank's forward exchanges in its program's order. Pipelined: the
+    first before the local kernel calls, each next one before the calls of the step before
+    it (`FETCH_AHEAD`: with one hardware queue a kernel queued behind two exchanges would
+    wait for the first to be done); gathered: all of them before any kernel (what
+    `timeline` models). One rank of a 4-rank plan, its exchanges made local."""
     from types import SimpleNamespace
 
     from megatron_sap import attention
@@ -324,10 +324,14 @@ def test_forward_posts_one_exchange_ahead_of_the_kernels(monkeypatch, schedule):
     with local_exchanges():
         sap.sap_attention(q, k, v, plan, groups, schedule=schedule, check_agreement=False)
     steps = program.transfers
-    expected = [("post", steps[0].round)] + [("kernel", None)] * len(program.local_calls)
-    for i, step in enumerate(steps):
-        expected += [("post", steps[i + 1].round)] if i + 1 < len(steps) else []
-        expected += [("kernel", None)] * len(step.calls)
+    if schedule == "gathered":
+        expected = [("post", step.round) for step in steps] + [("kernel", None)] * len(program.local_calls)
+        expected += [("kernel", None)] * sum(len(step.calls) for step in steps)
+    else:
+        expected = [("post", steps[0].round)] + [("kernel", None)] * len(program.local_calls)
+        for i, step in enumerate(steps):
+            expected += [("post", steps[i + 1].round)] if i + 1 < len(steps) else []
+            expected += [("kernel", None)] * len(step.calls)
     assert events == expected
 
 

@@ -365,18 +365,19 @@ def test_every_pass_posts_its_exchanges_in_one_order_all_ranks_follow(seed):
         schedules = [str(rng.choice(["pipelined", "gathered", "auto"])) for _ in range(outer)]
         for recompute_kv in (False, True):
             forward = [plan.program(r, schedule=s, recompute_kv=recompute_kv) for r, s in enumerate(schedules)]
-            run_posted_in_order(plan, forward, [p.forward_events() for p in forward], [True] * outer)
+            run_posted_in_order(plan, forward, [p.forward_events() for p in forward],
+                                [p.schedule == "pipelined" for p in forward])
             backward = [plan.backward_program(r, schedule=s, recompute_kv=recompute_kv) for r, s in enumerate(schedules)]
             run_posted_in_order(plan, backward, [p.backward_events(recompute_kv) for p in backward], [recompute_kv] * outer)
 
 
 @pytest.mark.parametrize("schedule", ["pipelined", "gathered"])
-def test_the_forward_posts_one_exchange_ahead_of_the_calls(schedule):
-    """Every forward, whatever the schedule or recompute_kv: the first exchange goes before
-    the local calls (which run while it travels), then each step's calls follow the posting
-    of the next step's exchange, never of a later one: a GPU with one hardware queue
-    (CUDA_DEVICE_MAX_CONNECTIONS=1) would hold a kernel queued behind two exchanges until
-    the first was done."""
+def test_the_forward_posts_its_exchanges_as_its_schedule_needs(schedule):
+    """Pipelined: the first exchange goes before the local calls (which run while it
+    travels), then each step's calls follow the posting of the next step's exchange, never
+    of a later one: a GPU with one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) would hold
+    a kernel queued behind two exchanges until the first was done. Gathered (whose steps
+    mostly run no call): every exchange first, so that none waits for a kernel."""
     from megatron_sap.planning.program import COMPUTE, FETCH, FETCH_AHEAD, LOCAL
 
     assert FETCH_AHEAD == 1
@@ -387,16 +388,19 @@ def test_the_forward_posts_one_exchange_ahead_of_the_calls(schedule):
         for rank in range(outer):
             program = plan.program(rank, schedule=schedule)
             n = len(program.transfers)
-            expected = [(FETCH, 0)] * (n > 0) + [(LOCAL, -1)]
-            for i in range(n):
-                expected += [(FETCH, i + 1)] * (i + 1 < n) + [(COMPUTE, i)]
+            if schedule == "gathered":
+                expected = [(FETCH, i) for i in range(n)] + [(LOCAL, -1)] + [(COMPUTE, i) for i in range(n)]
+            else:
+                expected = [(FETCH, 0)] * (n > 0) + [(LOCAL, -1)]
+                for i in range(n):
+                    expected += [(FETCH, i + 1)] * (i + 1 < n) + [(COMPUTE, i)]
             assert list(program.forward_events()) == expected
             in_flight, most = 0, 0
             for kind, _ in expected:
                 in_flight += {FETCH: 1, COMPUTE: -1}.get(kind, 0)
                 most = max(most, in_flight)
-            assert most == min(n, FETCH_AHEAD + 1)
-            multi_step += n > 1
+            assert most == (n if schedule == "gathered" else min(n, FETCH_AHEAD + 1))
+            multi_step += n > 2
     assert multi_step
 
 

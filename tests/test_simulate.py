@@ -41,13 +41,26 @@ def simulation_matching_reference(cu: list[int], plan: sap.Plan, seed: int, head
     return sim
 
 
-def test_each_rank_runs_its_own_schedule_under_auto():
-    """schedule="auto": every outer rank's program in the schedule it runs by default, as
-    `sap_attention` does, on a plan whose ranks do not all choose alike."""
+def test_every_rank_runs_the_slowest_ranks_schedule_under_auto():
+    """schedule="auto": every outer rank runs the schedule the model times faster for the
+    plan's slowest rank (by the estimate) alone (the gathered one within GATHERED_PREFERENCE),
+    as `sap_attention` does, on a plan whose ranks, each timed alone, would not all choose
+    alike; the result is the reference's."""
+    from megatron_sap.planning.plan import GATHERED_PREFERENCE
+    from megatron_sap.planning.timeline import rank_schedule
+
     cu = [0, 138, 408]
     plan = sap.plan_sequences(cu, outer_size=4, inner_size=2, cost_model="cpu", cache=None)
-    schedules = [plan.schedule(r) for r in range(4)]
-    assert set(schedules) == {"pipelined", "gathered"}, schedules
+
+    def faster_alone(r: int, preference: float = 0.0) -> str:
+        times = {s: rank_schedule(plan.program(r, schedule=s), 2, plan.capacity, plan.cost_model).total_s
+                 for s in ("pipelined", "gathered")}
+        return "gathered" if times["gathered"] <= times["pipelined"] * (1 + preference) else "pipelined"
+
+    assert {faster_alone(r) for r in range(4)} == {"pipelined", "gathered"}
+    chosen = faster_alone(int(np.argmax(plan.evaluation.rank_time_s)), GATHERED_PREFERENCE)
+    assert [plan.schedule(r) for r in range(4)] == [chosen] * 4
+    assert plan.stats()["schedule_per_outer_rank"] == [chosen] * 4
     simulation_matching_reference(cu, plan, seed=5, schedule="auto")
 
 

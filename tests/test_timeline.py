@@ -140,6 +140,21 @@ def test_auto_schedule_follows_the_kernel_factor():
         assert plan.stats()["schedule_per_outer_rank"][0] == holder_schedule
 
 
+def test_auto_schedule_prefers_the_gathered_one_when_nearly_as_fast(monkeypatch):
+    """Where the gathered schedule alone is at most GATHERED_PREFERENCE slower, every rank
+    runs it (its exchanges wait for no kernel, so the ranks do not wait for each other's);
+    without the preference the pipelined one."""
+    from megatron_sap.planning import plan as plan_module
+
+    model = CostModel.preset("h100", pipelined_kernel_factor=1.34)
+    plans = [sap.plan_sequences([0, 3072], outer_size=3, cost_model=model, cache=None) for _ in range(2)]
+    pipelined, gathered = (alone(plans[0], schedule=s)[0].total_s for s in ("pipelined", "gathered"))
+    assert pipelined < gathered <= pipelined * (1 + plan_module.GATHERED_PREFERENCE)
+    assert [plans[0].schedule(r) for r in range(3)] == ["gathered"] * 3
+    monkeypatch.setattr(plan_module, "GATHERED_PREFERENCE", 0.0)
+    assert [plans[1].schedule(r) for r in range(3)] == ["pipelined"] * 3
+
+
 def test_auto_schedule_with_recompute_kv_is_pipelined():
     """Keeping the K/V, each rank runs the schedule the model times faster (here the
     gathered one); with recompute_kv, which trades time for memory, the pipelined one, whose

@@ -28,6 +28,12 @@ from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, Rank
 from .timeline import RankSchedule, plan_schedule, rank_schedule
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
+# `Plan.schedule` takes the gathered schedule where the slowest rank alone runs it at most
+# this much slower than the pipelined one: its exchanges wait for no kernel, so the ranks
+# keep out of each other's way, which timing one rank alone does not show. Timed together
+# on 76 rows (docs/planner.md, "Two schedules"), 2% gave the geometric mean closest to
+# the faster schedule of every row.
+GATHERED_PREFERENCE = 0.02
 DEFAULT_COST_MODEL = CostModel.preset("h100")
 TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on bytes moved
 TIME_RESOLUTION_S = 10e-6  # a candidate this close to the lower bound ends the search (see `at_bound`)
@@ -283,17 +289,24 @@ class Plan:
         self.__dict__.update(state)
 
     def schedule(self, outer_rank: int, recompute_kv: bool = False) -> str:
-        """The schedule an outer rank runs by default. Keeping the K/V for backward: the one
-        the cost model times faster for its program run alone (`timeline.rank_schedule`,
-        with `pipelined_kernel_factor`; ties: pipelined); both schedules move the same rows
-        in the same order, so each rank's choice is its own. With `recompute_kv`, which
-        trades time for memory: pipelined, whose forward holds a window of steps where the
-        gathered one holds every received row."""
+        """The schedule an outer rank runs by default, one for every rank of the plan. Keeping
+        the K/V for backward: the one the cost model times faster for the program of the
+        plan's slowest rank by the estimate (`evaluation.rank_time_s`, the lowest such rank)
+        run alone (`timeline.rank_schedule`, with `pipelined_kernel_factor`), the gathered
+        one also where it is at most GATHERED_PREFERENCE slower: its exchanges wait for no
+        kernel, so the ranks do not wait for each other's kernels, which a rank run alone
+        cannot show. One for all because, with one hardware queue, mixed schedules hold each
+        other up: a gathered rank posts its gradients back only after all its calls, and a
+        pipelined peer's next kernels queue behind its exchange with it (docs/planner.md,
+        "Two schedules"). With `recompute_kv`, which trades time for memory: pipelined, whose
+        forward holds a window of steps where the gathered one holds every received row."""
+        self._check_outer(outer_rank)
         if check_bool(recompute_kv, "recompute_kv"):
-            self._check_outer(outer_rank)
             return "pipelined"
-        times = self._timing(outer_rank)
-        return "gathered" if times["gathered"].total_s < times["pipelined"].total_s else "pipelined"
+        times = self._timing(int(np.argmax(self.evaluation.rank_time_s)))
+        if times["gathered"].total_s <= times["pipelined"].total_s * (1 + GATHERED_PREFERENCE):
+            return "gathered"
+        return "pipelined"
 
     def backward_program(self, outer_rank: int, device: torch.device | str | None = None,
                          schedule: str = "auto", recompute_kv: bool = False) -> RankProgram:

@@ -146,14 +146,14 @@ COMPUTE = "compute"  # wait for step i's K/V where fetched, run its calls
 RETURN = "return"  # post the gradients of step i's received rows back to their owner
 COLLECT = "collect"  # wait for the gradients of the rows step i sent, add them to dK/dV
 
-# The forward posts each step's K/V exchange this many steps ahead of the step whose calls
-# run (the first before the local calls). One is what a GPU with a single hardware queue
-# (CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron-LM requires with TP or CP before
-# Blackwell) overlaps: an exchange waits for the one before it on the group's NCCL stream,
-# and every kernel queued after it waits until it starts, so exchanges posted further
-# ahead would hold the kernels back until all but the last were done. With more queues
-# one ahead costs nothing either: the exchanges of a rank run one after another on that
-# stream anyway (`timeline`).
+# The pipelined forward posts each step's K/V exchange this many steps ahead of the step
+# whose calls run (the first before the local calls). One is what a GPU with a single
+# hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron-LM requires with TP or CP
+# before Blackwell) overlaps: an exchange waits for the one before it on the group's NCCL
+# stream, and every kernel queued after it waits until it starts, so with every exchange
+# posted first the kernels would wait until all but the last were done. The price: an
+# exchange waits for the kernels queued before it, on both its ranks (the timeline models
+# both; docs/architecture.md).
 FETCH_AHEAD = 1
 
 # With recompute_kv, the backward posts K/V refetches this far ahead of the step whose rows the
@@ -224,12 +224,16 @@ class RankProgram:
         return replace(self, local_calls=local_calls, transfers=tuple(transfers))
 
     def forward_events(self) -> tuple[Event, ...]:
-        """The forward pass in order: the first exchange posted, the local calls, then for
-        each step i the exchange of step i + FETCH_AHEAD posted and step i's calls once its
-        K/V are in (in every schedule; `recompute_kv` changes only what is kept). Every rank
-        posts its exchanges in its step order, the one order of rank pairs."""
+        """The forward pass in order. Pipelined: the first exchange posted, the local calls,
+        then for each step i the exchange of step i + FETCH_AHEAD posted and step i's calls
+        once its K/V are in. Gathered: every exchange posted, the local calls, then each
+        step's calls (most steps have none: a piece waits for its last keys), so that no
+        exchange waits for a kernel and the ranks' kernels do not wait for each other's
+        (with one hardware queue the local calls start once all but the last exchange are
+        done). `recompute_kv` changes only what is kept. Every rank posts its exchanges in
+        its step order, the one order of rank pairs."""
         n = len(self.transfers)
-        ahead = FETCH_AHEAD
+        ahead = n if self.schedule == "gathered" else FETCH_AHEAD
         events = [(FETCH, i) for i in range(min(ahead, n))] + [(LOCAL, -1)]
         for i in range(n):
             if i + ahead < n:

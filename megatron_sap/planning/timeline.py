@@ -6,14 +6,15 @@ piece's earlier keys to tiles as one block. This module times the compiled progr
 instead, in the order `sap_attention` runs them:
 
 - forward: the first step's exchange is posted and the local calls run under it; then
-  each step posts the next one's exchange and runs its calls once its own K/V are in;
+  each step posts the next one's exchange and runs its calls once its own K/V are in
+  (gathered: every exchange is posted first);
 - backward: every step's calls run and its gradients are posted back at once; the
   local calls run last; with `recompute_kv` the K/V are fetched again a window ahead,
   by exchange level, the local calls run under the first refetches, and each return is
   waited for a window later.
 
-The gathered schedule runs the same forward with its own calls (each piece once,
-after the step that brings its last keys); backward, all its step calls run, then the
+The gathered schedule runs its own calls (each piece once, after the step that brings
+its last keys); backward, all its step calls run, then the
 gradients go back one step after another, the local calls under the first return (with
 `recompute_kv` its backward runs the pipelined program). Each pass is timed from the
 events the executor runs (`RankProgram.forward_events`, `backward_events`).
