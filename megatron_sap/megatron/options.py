@@ -33,7 +33,7 @@ class SAPOptions:
         layer that all CP ranks planned the same batch (one small all-reduce); a mismatch would
         otherwise deadlock or corrupt attention.
     recompute_kv: fetch remote K/V again in backward instead of keeping it from forward.
-    schedule: how a rank runs its program ("auto": what the cost model times faster per rank;
+    schedule: how a rank runs its program ("auto": one for every rank, `Plan.schedule`;
         "pipelined": each exchange's kernel calls overlap the next exchange; "gathered": each
         query piece once all its keys are in, as one kernel segment; see `sap_attention`).
     model_shape: (query heads, key/value heads, head dim, bytes per element) that one CP rank's
