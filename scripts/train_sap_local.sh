@@ -7,8 +7,9 @@
 #
 # CPU variables: NPROC (4), SAP_INNER (2), SAP_OUTER (NPROC / SAP_INNER), STEPS (20).
 # CUDA variables: those of sap_llama3_8b_flags.sh, with one node's defaults in place of its
-# own: NPROC the visible GPU count, TP (1), SAP_INNER (NPROC / TP), SAP_OUTER (1) and
-# SEQ_LENGTH (32768).
+# own: NPROC the visible GPU count, TP (2 on two GPUs or more, else 1: the 8B model's weights,
+# gradients and optimizer state at TP 1 leave too little of an 80 GB GPU for activations),
+# SAP_INNER (NPROC / TP), SAP_OUTER (1) and SEQ_LENGTH (32768).
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "$0")" && pwd)"
@@ -45,7 +46,7 @@ case "$DEVICE" in
     cuda)
         : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.13 to core_v0.19)}"
         : "${NPROC:=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}"  # the visible GPUs
-        : "${TP:=1}"
+        : "${TP:=$(( NPROC >= 2 ? 2 : 1 ))}"
         positive_ints NPROC TP
         : "${SAP_INNER:=$((NPROC / TP))}"
         : "${SAP_OUTER:=1}"

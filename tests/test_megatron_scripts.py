@@ -111,6 +111,26 @@ def test_gpu_workflow_runs_existing_scripts() -> None:
         assert script in commands and (SCRIPTS.parent / script).is_file()
 
 
+@pytest.mark.parametrize("nproc, tp, inner", [(8, 2, 4), (1, 1, 1)])
+def test_local_cuda_training_defaults_to_tp_2(tmp_path: Path, nproc: int, tp: int, inner: int) -> None:
+    """On one node's GPUs the local script runs the 8B model at TP 2 (1 on one GPU), SAP over
+    the rest of the node; the command is recorded by a stand-in interpreter."""
+    stand_in = tmp_path / "python"
+    stand_in.write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$ARGS_FILE"\n')
+    stand_in.chmod(0o755)
+    env = {**os.environ, **FLAG_ENV, "DEVICE": "cuda", "MEGATRON_LM_PATH": str(tmp_path), "PYTHON": str(stand_in),
+           "NPROC": str(nproc), "ARGS_FILE": str(tmp_path / "args")}
+    for name in ("TP", "SAP_INNER", "SAP_OUTER", "SEQ_LENGTH"):
+        env.pop(name, None)
+    result = subprocess.run(["bash", str(SCRIPTS / "train_sap_local.sh")], capture_output=True, text=True, env=env,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args[args.index("--tensor-model-parallel-size") + 1] == str(tp)
+    assert args[args.index("--sap-inner-size") + 1] == str(inner)
+    assert args[args.index("--sap-outer-size") + 1] == "1"
+
+
 @pytest.mark.parametrize("nproc", [1, 4, 6, 7])
 def test_smoke_script_picks_a_sequence_length_its_cp_size_divides(tmp_path: Path, nproc: int) -> None:
     """The smoke run's default sequence length divides by 2 x CP for any GPU count (Megatron-LM's
