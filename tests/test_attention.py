@@ -152,8 +152,8 @@ def test_gathered_schedule_world8(pool8):
 
 @pytest.mark.parametrize("recompute_kv", [False, True])
 def test_ranks_may_run_different_schedules(pool8, recompute_kv):
-    """`schedule="auto"` decides per rank: pipelined and gathered ranks exchange the same rows
-    in the same order, forward and backward, so a mix is exact and does not deadlock."""
+    """Ranks may be given different schedules: pipelined and gathered ranks exchange the same
+    rows in the same order, forward and backward, so a mix is exact and does not deadlock."""
     rng = random.Random(12)
     for inner, kind in ((1, "long"), (2, "mixture")):
         cu = random_cu_seqlens(rng, 8 * rng.randint(24, 64), kind)

@@ -404,6 +404,45 @@ def test_the_forward_posts_its_exchanges_as_its_schedule_needs(schedule):
     assert multi_step
 
 
+def test_the_gathered_backward_runs_its_local_calls_under_its_first_return():
+    """Keeping the K/V, the gathered backward runs every step's calls (by backward level),
+    posts the first return, runs the local calls, posts the other returns, then collects:
+    with one hardware queue the local calls queued after the last return would wait for
+    all the others to be done. The pipelined one runs each step's calls and its return in
+    turn, the local calls last."""
+    from megatron_sap.planning.program import COLLECT, COMPUTE, LOCAL, RETURN
+
+    plan = sap.plan_sequences([0, 700, 1500, 4096], outer_size=8, cache=None)
+    seen = 0
+    for rank in range(8):
+        for schedule in ("gathered", "pipelined"):
+            program = plan.backward_program(rank, schedule=schedule)
+            steps = sorted(range(len(program.transfers)), key=lambda i: program.transfers[i].backward_level)
+            if schedule == "gathered":
+                returns = [(RETURN, i) for i in steps]
+                expected = [(COMPUTE, i) for i in steps] + returns[:1] + [(LOCAL, -1)] + returns[1:]
+            else:
+                expected = [e for i in steps for e in ((COMPUTE, i), (RETURN, i))] + [(LOCAL, -1)]
+            assert list(program.backward_events()) == expected + [(COLLECT, i) for i in steps]
+            seen += len(steps) > 1
+    assert seen
+
+
+def test_timing_the_slowest_rank_leaves_no_program_of_it_in_another_ranks_plan():
+    """Under `auto` every rank times the plan's slowest rank in both schedules; a rank that is
+    not it keeps only its own program (the plan, pickled from a loader's worker, carries
+    the programs it holds)."""
+    import numpy as np
+
+    plan = sap.plan_sequences([0, 700, 1500, 4096], outer_size=4, cache=None)
+    slowest = int(np.argmax(plan.evaluation.rank_time_s))
+    other = (slowest + 1) % 4
+    plan.program(other)
+    assert {rank for rank, _, _ in plan._programs} == {other}
+    plan.program(slowest)
+    assert {rank for rank, _, _ in plan._programs} == {other, slowest}
+
+
 def test_backward_in_its_own_order_is_posted_in_one_order_all_ranks_follow():
     """Plans whose backward runs the reverse of the forward's exchange order: run as NCCL
     runs a group's batches, every rank gets through its backward events, in every schedule,

@@ -102,30 +102,44 @@ def test_gathered_schedule_by_hand():
 
 
 def test_one_hardware_queue_by_hand():
-    """One document of three tiles over three ranks: rank 0 holds the last tile and receives
-    the other two from its two peers, one exchange each. Its forward posts the second
-    exchange only after the local diagonal, which runs under the first; the second runs
-    under the first step's full block. Had it posted both first, the local diagonal,
-    queued behind the second exchange, could start only once the first was done."""
+    """One 24K-token document over three ranks: rank 0 receives keys from both its peers, one
+    exchange each, each far shorter than the kernels. Its forward posts the second exchange
+    only after the local calls, which run under the first; step 0's calls run under the
+    second. Had it posted both first, the local calls, queued behind the second exchange,
+    could start only once the first was done (with a queue per stream, at once)."""
     from megatron_sap.planning.program import FETCH, LOCAL
-    from megatron_sap.planning.timeline import _run
+    from megatron_sap.planning.timeline import _run, _step_costs
 
     model = CostModel.preset("h100")
-    plan = sap.plan_sequences([0, 384], outer_size=3, cost_model=model, cache=None)
-    assert plan.pieces(0) == [(0, 256, 384)]
+    n = 8192
+    plan = sap.plan_sequences([0, 3 * n], outer_size=3, cost_model=model, cache=None)
     program = plan.program(0, schedule="pipelined")
-    assert [t.recv_tokens for t in program.transfers] == [128, 128]
-    c_f = model.compute_seconds(128 * 128)
-    x = model.transfer_seconds(128 * model.kv_bytes_per_token, "intra")
+    assert len(program.transfers) == 2 and all(t.recv_tokens for t in program.transfers)
+    (x0, x1), (c0, c1), local = _step_costs(program, 1, model)
+    assert max(x0, x1) < min(c0, c1, local) / 5
     holder = alone(plan, schedule="pipelined")[0]
-    # fetch 0 under the diagonal; fetch 1 after both, under step 0's full block; then step 1's
-    assert holder.forward_s == pytest.approx(max(x, c_f) + max(x, c_f) + c_f)
-    up_front = _run([program], [[(FETCH, 0), (FETCH, 1), (LOCAL, -1)]], False, 1, model, alone=True)
-    assert up_front == [pytest.approx(x + max(x, c_f))]
+    assert holder.forward_s == pytest.approx(max(x0, local) + max(x1, c0) + c1)
+    (up_front,) = _run([program], [[(FETCH, 0), (FETCH, 1), (LOCAL, -1)]], False, 1, model, alone=True)
+    assert up_front == pytest.approx(x0 + max(x1, local))
+
+
+def test_backward_seconds_holds_kernels_behind_a_waiting_return():
+    """Rank 0 meets rank 1, then rank 2. Its return to rank 1 waits until rank 1 has computed
+    its step (10 s); its return to rank 2, posted after its step with 2, waits on the same
+    stream for that one to be done (11 s), and its local calls (5 s), queued behind it,
+    start only then: 16 s, where kernels free of the queue would be done at 12."""
+    from megatron_sap.planning.order import backward_seconds
+
+    order = {(0, 1): 0, (0, 2): 1}
+    exchange_s = {(0, 1): 1.0, (0, 2): 1.0}
+    step_s = [[0.0, 1.0, 1.0], [10.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
+    total_s = [7.0, 10.0, 1.0]  # rank 0: its two steps and 5 s of local calls
+    assert backward_seconds(order, exchange_s, step_s, total_s) == 16.0
 
 
 def test_auto_schedule_follows_the_kernel_factor():
-    """Each rank runs the schedule the model times faster: with kernels as fast in both, the
+    """Every rank runs the schedule the model times faster for the slowest one (here each
+    rank's own choice too): with kernels as fast in both, the
     pipelined one (it overlaps more); when its kernels take 3x as long, the gathered one
     wherever anything is received. The modelled time follows the choice."""
     for factor, holder_schedule in ((1.0, "pipelined"), (3.0, "gathered")):

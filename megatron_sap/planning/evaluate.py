@@ -1,8 +1,9 @@
 """Evaluate a placement under the cost model: per-rank work, traffic and modelled time.
 
-The executor's program runs, on each outer rank, one step per peer. Forward, every
-step's transfer is posted at once and they run back to back while the local blocks
-compute; each step's blocks run once its transfer is in. Backward, each step's blocks
+The executor's program runs, on each outer rank, one step per peer. Forward, the
+transfers run one after another while the local blocks and then each step's blocks
+compute, a step's blocks once its transfer is in (the executor posts each transfer one
+step ahead; `timeline` times that, with one hardware queue, and the ranks together). Backward, each step's blocks
 run and their dK/dV go back at once, one transfer after another, and the local blocks
 run last. With the m steps taken as equal (x = X / m, r = C_remote / m), per rank:
 

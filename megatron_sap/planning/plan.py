@@ -227,13 +227,16 @@ class Plan:
         if key not in self._programs:
             cpu_key = (outer_rank, "cpu", schedule)
             if cpu_key not in self._programs:
-                with _gc_paused():
-                    self._programs[cpu_key] = compile_program(self.placement, outer_rank, self._get_layout(), schedule,
-                                                              self.exchange_order(), self._exchange_levels(),
-                                                              self._backward_exchange_levels())
+                self._programs[cpu_key] = self._compile(outer_rank, schedule)
             if key != cpu_key:
                 self._programs[key] = self._programs[cpu_key].to(device)
         return self._programs[key]
+
+    def _compile(self, outer_rank: int, schedule: str) -> RankProgram:
+        """An outer rank's program in `schedule`, compiled on the CPU (not cached)."""
+        with _gc_paused():
+            return compile_program(self.placement, outer_rank, self._get_layout(), schedule, self.exchange_order(),
+                                   self._exchange_levels(), self._backward_exchange_levels())
 
     def _get_layout(self) -> _Layout:
         if self._layout is None:
@@ -303,7 +306,8 @@ class Plan:
         self._check_outer(outer_rank)
         if check_bool(recompute_kv, "recompute_kv"):
             return "pipelined"
-        times = self._timing(int(np.argmax(self.evaluation.rank_time_s)))
+        slowest = int(np.argmax(self.evaluation.rank_time_s))
+        times = self._timing(slowest, keep_programs=slowest == outer_rank)
         if times["gathered"].total_s <= times["pipelined"].total_s * (1 + GATHERED_PREFERENCE):
             return "gathered"
         return "pipelined"
@@ -318,13 +322,16 @@ class Plan:
         forward writes alike)."""
         return self.program(outer_rank, device, "pipelined" if recompute_kv else schedule, recompute_kv)
 
-    def _timing(self, outer_rank: int) -> dict[str, RankSchedule]:
+    def _timing(self, outer_rank: int, keep_programs: bool = True) -> dict[str, RankSchedule]:
         """An outer rank's modelled times in each schedule, keeping the K/V (`timeline`),
-        computed once."""
+        computed once; the programs compiled to time them are cached only with
+        `keep_programs` (another rank's would go with the plan wherever it is pickled)."""
         outer_rank = self._check_outer(outer_rank)
         if outer_rank not in self._timings:
             self._timings[outer_rank] = {
-                s: rank_schedule(self.program(outer_rank, schedule=s), self.inner_size, self.capacity, self.cost_model)
+                s: rank_schedule(self.program(outer_rank, schedule=s) if keep_programs
+                                 or (outer_rank, "cpu", s) in self._programs else self._compile(outer_rank, s),
+                                 self.inner_size, self.capacity, self.cost_model)
                 for s in SCHEDULES
             }
         return self._timings[outer_rank]
@@ -407,9 +414,9 @@ class Plan:
         `received_kv` is what the op keeps from forward to backward. The exchange buffers
         are counted by going through the pass's events (`RankProgram.forward_events`,
         `backward_events`) as the executor runs them (`exchange_peak`). With `recompute_kv`
-        nothing is kept, and the pipelined forward and every backward hold the rows of a
-        window of steps (`RECOMPUTE_KV_AHEAD`), each at most one peer's T/R rows, however
-        long the documents.
+        nothing is kept, and the pipelined forward (`FETCH_AHEAD`) and every backward
+        (`RECOMPUTE_KV_AHEAD`) hold the rows of a window of steps, each at most one peer's T/R
+        rows, however long the documents.
         """
         m = self.cost_model if cost_model is None else _cost_model(cost_model)
         outer_rank = self._check_outer(outer_rank)

@@ -252,7 +252,8 @@ class RankProgram:
         backward runs the pipelined program) every event is keyed by its step's level, which
         both ranks of an exchange share: the refetch at level - RECOMPUTE_KV_AHEAD, the calls
         and the return at the level, the wait for the return at level + RECOMPUTE_KV_AHEAD;
-        the local calls run under the first refetches. A rank meets one peer per level at
+        the local calls follow the first refetches (with one hardware queue they start once all
+        but the last of those are done). A rank meets one peer per level at
         most, so it holds the K/V of at most RECOMPUTE_KV_AHEAD + 1 steps and as many steps'
         returning gradients, and every rank posts its exchanges in one global order."""
         steps = sorted(range(len(self.transfers)), key=lambda i: self.transfers[i].backward_level)

@@ -10,7 +10,8 @@ instead, in the order `sap_attention` runs them:
   (gathered: every exchange is posted first);
 - backward: every step's calls run and its gradients are posted back at once; the
   local calls run last; with `recompute_kv` the K/V are fetched again a window ahead,
-  by exchange level, the local calls run under the first refetches, and each return is
+  by exchange level, the local calls after the first refetches (with one hardware queue,
+  once all but the last of those are done), and each return is
   waited for a window later.
 
 The gathered schedule runs its own calls (each piece once, after the step that brings
@@ -28,8 +29,8 @@ that exchange does (with more queues the kernels can only start sooner). Kernel 
 are tile-rounded per segment, as the kernels run them; the pipelined schedule's take
 `pipelined_kernel_factor` times as long.
 
-`rank_schedule` times one rank alone, as if its peers were always ready (what a rank's
-choice of schedule compares). `joint_schedule` times all outer ranks together: an
+`rank_schedule` times one rank alone, as if its peers were always ready (what the choice
+of schedule compares, on the plan's slowest rank). `joint_schedule` times all outer ranks together: an
 exchange starts only when both its ranks have posted it, the kernels queued before it
 are done (NCCL's stream waits for them when it is posted) and their streams are free, so
 a rank that is late holds up its partner. The benchmarks report the joint times for SAP.
