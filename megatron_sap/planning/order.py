@@ -118,7 +118,7 @@ def backward_seconds(order: Mapping[tuple[int, int], int], exchange_s: Mapping[t
     step by step: each rank computes its steps in that order (`step_s[a][b]`: the seconds of
     a's step with b), posting each step's return once computed; a return leaves a rank's
     queue once its link is free and the step is computed, and no later kernel of the rank
-    starts before that (one hardware queue); it starts when both ranks' have left and takes
+    starts before that (one hardware queue); it starts when both ranks' returns have left and takes
     `exchange_s`; the local calls (the rest of `total_s`, a rank's kernel seconds) follow the
     last return; a rank is done when its link and its kernels are. Every rank in the
     pipelined schedule, as `timeline.joint_schedule` times the compiled programs."""

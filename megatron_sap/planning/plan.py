@@ -31,8 +31,8 @@ DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
 # `Plan.schedule` takes the gathered schedule where the slowest rank alone runs it at most
 # this much slower than the pipelined one: its exchanges wait for no kernel, so the ranks
 # keep out of each other's way, which timing one rank alone does not show. Timed together
-# on 76 rows (docs/planner.md, "Two schedules"), 2% gave the geometric mean closest to
-# the faster schedule of every row.
+# on 76 rows (docs/planner.md, "Where the ranks wait for each other"), 2% gave the
+# geometric mean closest to the faster schedule of every row.
 GATHERED_PREFERENCE = 0.02
 DEFAULT_COST_MODEL = CostModel.preset("h100")
 TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on bytes moved
@@ -301,7 +301,7 @@ class Plan:
         cannot show. One for all because, with one hardware queue, mixed schedules hold each
         other up: a gathered rank posts its gradients back only after all its calls, and a
         pipelined peer's next kernels queue behind its exchange with it (docs/planner.md,
-        "Two schedules"). With `recompute_kv`, which trades time for memory: pipelined, whose
+        "Where the ranks wait for each other"). With `recompute_kv`, which trades time for memory: pipelined, whose
         forward holds a window of steps where the gathered one holds every received row."""
         self._check_outer(outer_rank)
         if check_bool(recompute_kv, "recompute_kv"):
@@ -322,7 +322,7 @@ class Plan:
         forward writes alike)."""
         return self.program(outer_rank, device, "pipelined" if recompute_kv else schedule, recompute_kv)
 
-    def _timing(self, outer_rank: int, keep_programs: bool = True) -> dict[str, RankSchedule]:
+    def _timing(self, outer_rank: int, keep_programs: bool) -> dict[str, RankSchedule]:
         """An outer rank's modelled times in each schedule, keeping the K/V (`timeline`),
         computed once; the programs compiled to time them are cached only with
         `keep_programs` (another rank's would go with the plan wherever it is pickled)."""
