@@ -473,7 +473,8 @@ def sap_attention(
     results merged by lse), "gathered" (each query piece once all its keys are in, as one
     kernel segment over all of them, nothing merged; see `planning.program`) or "auto"
     (`plan.schedule(outer_rank, recompute_kv)`: one for every rank, what the cost model
-    times faster for the plan's slowest rank).
+    times faster for all ranks together, or beyond 16 outer ranks for the plan's slowest
+    rank).
     `check_agreement`: when the plan, `recompute_kv` or attention shape differs from what
     was last checked on these groups, all-reduce a hash of them (`verify_plan_agreement`)
     so that ranks that planned different batches fail together; the layers of one

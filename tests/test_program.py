@@ -428,11 +428,15 @@ def test_the_gathered_backward_runs_its_local_calls_under_its_first_return():
     assert seen
 
 
-def test_timing_the_slowest_rank_leaves_no_program_of_it_in_another_ranks_plan():
-    """Under `auto` every rank times the plan's slowest rank in both schedules; a rank that is
-    not it keeps only its own program (the plan, pickled from a loader's worker, carries
-    the programs it holds)."""
+def test_timing_the_slowest_rank_leaves_no_program_of_it_in_another_ranks_plan(monkeypatch):
+    """Under `auto`, beyond JOINT_SCHEDULE_RANKS outer ranks, every rank times the plan's
+    slowest rank in both schedules; a rank that is not it keeps only its own program (the
+    plan, pickled from a loader's worker, carries the programs it holds)."""
     import numpy as np
+
+    from megatron_sap.planning import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "JOINT_SCHEDULE_RANKS", 3)
 
     plan = sap.plan_sequences([0, 700, 1500, 4096], outer_size=4, cache=None)
     slowest = int(np.argmax(plan.evaluation.rank_time_s))

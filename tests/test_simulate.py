@@ -41,12 +41,15 @@ def simulation_matching_reference(cu: list[int], plan: sap.Plan, seed: int, head
     return sim
 
 
-def test_every_rank_runs_the_slowest_ranks_schedule_under_auto():
-    """schedule="auto": every outer rank runs the schedule the model times faster for the
-    plan's slowest rank (by the estimate) alone (the gathered one within GATHERED_PREFERENCE),
-    as `sap_attention` does, on a plan whose ranks, each timed alone, would not all choose
-    alike; the result is the reference's."""
+def test_every_rank_runs_the_slowest_ranks_schedule_under_auto(monkeypatch):
+    """schedule="auto", beyond JOINT_SCHEDULE_RANKS outer ranks: every outer rank runs the
+    schedule the model times faster for the plan's slowest rank (by the estimate) alone (the
+    gathered one within GATHERED_PREFERENCE), as `sap_attention` does, on a plan whose ranks,
+    each timed alone, would not all choose alike; the result is the reference's."""
+    from megatron_sap.planning import plan as plan_module
     from megatron_sap.planning.plan import GATHERED_PREFERENCE
+
+    monkeypatch.setattr(plan_module, "JOINT_SCHEDULE_RANKS", 3)
     from megatron_sap.planning.timeline import rank_schedule
 
     cu = [0, 138, 408]

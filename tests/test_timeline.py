@@ -155,11 +155,13 @@ def test_auto_schedule_follows_the_kernel_factor():
 
 
 def test_auto_schedule_prefers_the_gathered_one_when_nearly_as_fast(monkeypatch):
-    """Where the gathered schedule alone is at most GATHERED_PREFERENCE slower, every rank
-    runs it (its exchanges wait for no kernel, so the ranks do not wait for each other's);
-    without the preference the pipelined one."""
+    """Beyond JOINT_SCHEDULE_RANKS outer ranks: where the gathered schedule alone is at most
+    GATHERED_PREFERENCE slower for the slowest rank, every rank runs it (its exchanges wait
+    for no kernel, so the ranks do not wait for each other's); without the preference the
+    pipelined one."""
     from megatron_sap.planning import plan as plan_module
 
+    monkeypatch.setattr(plan_module, "JOINT_SCHEDULE_RANKS", 2)
     model = CostModel.preset("h100", pipelined_kernel_factor=1.34)
     plans = [sap.plan_sequences([0, 3072], outer_size=3, cost_model=model, cache=None) for _ in range(2)]
     pipelined, gathered = (alone(plans[0], schedule=s)[0].total_s for s in ("pipelined", "gathered"))
@@ -167,6 +169,39 @@ def test_auto_schedule_prefers_the_gathered_one_when_nearly_as_fast(monkeypatch)
     assert [plans[0].schedule(r) for r in range(3)] == ["gathered"] * 3
     monkeypatch.setattr(plan_module, "GATHERED_PREFERENCE", 0.0)
     assert [plans[1].schedule(r) for r in range(3)] == ["pipelined"] * 3
+
+
+@pytest.mark.parametrize("cu, outer_size", [
+    ([0, 416, 694, 1342, 2347, 2604, 3072], 3),
+    ([0, 1086, 1665, 6004, 7592, 11434, 11867, 16384], 8),
+])
+def test_auto_schedule_is_the_one_all_ranks_together_finish_sooner(monkeypatch, cu, outer_size):
+    """Up to JOINT_SCHEDULE_RANKS outer ranks, every rank runs the schedule in which all
+    ranks run together finish sooner; on these rows the slowest rank alone would choose the
+    other one, which the ranks together finish later."""
+    from megatron_sap.planning import plan as plan_module
+
+    plan = sap.plan_sequences(cu, outer_size=outer_size, cache=None)
+    done = {s: max(r.total_s for r in plan_schedule(plan, schedule=s)) for s in ("pipelined", "gathered")}
+    faster = min(done, key=done.get)
+    assert done[faster] < done[({"pipelined", "gathered"} - {faster}).pop()]
+    assert [plan.schedule(r) for r in range(outer_size)] == [faster] * outer_size
+    assert plan.stats()["modelled_time_s"] == pytest.approx(done[faster])
+    monkeypatch.setattr(plan_module, "JOINT_SCHEDULE_RANKS", outer_size - 1)
+    alone_rule = sap.plan_sequences(cu, outer_size=outer_size, cache=None)
+    assert alone_rule.schedule(0) != faster
+
+
+def test_choosing_the_schedule_together_keeps_only_the_asking_ranks_programs():
+    """Timing every rank's programs for `auto` compiles them all; the plan keeps the asking
+    rank's only (pickled from a loader's worker, it carries the programs it holds), and the
+    times, so another rank asking later compiles nothing to choose."""
+    plan = sap.plan_sequences([0, 700, 1500, 4096], outer_size=4, cache=None)
+    plan.program(2)
+    assert {rank for rank, _, _ in plan._programs} == {2}
+    assert set(plan._joint_timings) == {"pipelined", "gathered"}
+    plan.schedule(1)
+    assert {rank for rank, _, _ in plan._programs} == {2}
 
 
 def test_auto_schedule_with_recompute_kv_is_pipelined():

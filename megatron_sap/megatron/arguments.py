@@ -64,7 +64,7 @@ def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--sap-schedule", choices=SCHEDULES, default="auto",
         help="pipelined: each exchange's kernel calls overlap the next exchange; gathered: each query piece "
         "once all its keys are in, as one kernel segment (no merges); auto: one for every rank, what the cost model "
-        "times faster for the plan's slowest rank",
+        "times faster for all ranks together (beyond 16 outer ranks: for the plan's slowest rank)",
     )
     group.add_argument(
         "--sap-choose-by", choices=CHOOSE_BY, default="estimate",

@@ -25,7 +25,7 @@ from .candidates import candidates
 from .placement import Build, Placement
 from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _index_tensor, _Layout,
                       _one_run, check_schedule, compile_program, exchange_levels)
-from .timeline import RankSchedule, plan_schedule, rank_schedule
+from .timeline import RankSchedule, joint_schedule, plan_schedule, rank_schedule
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
 # `Plan.schedule` takes the gathered schedule where the slowest rank alone runs it at most
@@ -34,6 +34,11 @@ DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
 # on 76 rows (docs/planner.md, "Where the ranks wait for each other"), 2% gave the
 # geometric mean closest to the faster schedule of every row.
 GATHERED_PREFERENCE = 0.02
+# Up to this many outer ranks `Plan.schedule` times every rank's programs together in both
+# schedules (`timeline.joint_schedule`) and takes the faster: 2-8 ms per fresh plan at 8
+# outer ranks, up to about 27 ms at 16 (docs/planner.md, "Where the ranks wait for each
+# other"); beyond, it times the slowest rank alone (compiling all ranks grows as R^2).
+JOINT_SCHEDULE_RANKS = 16
 DEFAULT_COST_MODEL = CostModel.preset("h100")
 TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on bytes moved
 TIME_RESOLUTION_S = 10e-6  # a candidate this close to the lower bound ends the search (see `at_bound`)
@@ -91,6 +96,7 @@ class Plan:
     _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _timings: dict[int, dict[str, RankSchedule]] = field(default_factory=dict, repr=False)  # per outer rank
+    _joint_timings: dict[str, list[RankSchedule]] = field(default_factory=dict, repr=False)  # per schedule
 
     # ---- sizes --------------------------------------------------------------------
     @property
@@ -293,19 +299,25 @@ class Plan:
 
     def schedule(self, outer_rank: int, recompute_kv: bool = False) -> str:
         """The schedule an outer rank runs by default, one for every rank of the plan. Keeping
-        the K/V for backward: the one the cost model times faster for the program of the
-        plan's slowest rank by the estimate (`evaluation.rank_time_s`, the lowest such rank)
-        run alone (`timeline.rank_schedule`, with `pipelined_kernel_factor`), the gathered
-        one also where it is at most GATHERED_PREFERENCE slower: its exchanges wait for no
-        kernel, so the ranks do not wait for each other's kernels, which a rank run alone
-        cannot show. One for all because, with one hardware queue, mixed schedules hold each
-        other up: a gathered rank posts its gradients back only after all its calls, and a
-        pipelined peer's next kernels queue behind its exchange with it (docs/planner.md,
-        "Where the ranks wait for each other"). With `recompute_kv`, which trades time for memory: pipelined, whose
-        forward holds a window of steps where the gathered one holds every received row."""
+        the K/V for backward, with at most JOINT_SCHEDULE_RANKS outer ranks: the one whose
+        slowest rank the cost model times sooner done with all ranks run together
+        (`timeline.joint_schedule`, the gathered one on a tie). With more: the one it times
+        faster for the program of the plan's slowest rank by the estimate
+        (`evaluation.rank_time_s`, the lowest such rank) run alone (`timeline.rank_schedule`),
+        the gathered one also where it is at most GATHERED_PREFERENCE slower: its exchanges
+        wait for no kernel, so the ranks do not wait for each other's kernels, which a rank
+        run alone cannot show. Timing is with `pipelined_kernel_factor`. One for all because,
+        with one hardware queue, mixed schedules hold each other up: a gathered rank posts its
+        gradients back only after all its calls, and a pipelined peer's next kernels queue
+        behind its exchange with it (docs/planner.md, "Where the ranks wait for each other").
+        With `recompute_kv`, which trades time for memory: pipelined, whose forward holds a
+        window of steps where the gathered one holds every received row."""
         self._check_outer(outer_rank)
         if check_bool(recompute_kv, "recompute_kv"):
             return "pipelined"
+        if self.outer_size <= JOINT_SCHEDULE_RANKS:
+            done_s = {s: max(r.total_s for r in ranks) for s, ranks in self._joint_timing(outer_rank).items()}
+            return "gathered" if done_s["gathered"] <= done_s["pipelined"] else "pipelined"
         slowest = int(np.argmax(self.evaluation.rank_time_s))
         times = self._timing(slowest, keep_programs=slowest == outer_rank)
         if times["gathered"].total_s <= times["pipelined"].total_s * (1 + GATHERED_PREFERENCE):
@@ -335,6 +347,18 @@ class Plan:
                 for s in SCHEDULES
             }
         return self._timings[outer_rank]
+
+    def _joint_timing(self, keep_rank: int) -> dict[str, list[RankSchedule]]:
+        """Every outer rank's modelled times in each schedule, all run together, keeping the
+        K/V (`timeline.joint_schedule`), computed once; of the programs compiled to time
+        them the plan keeps `keep_rank`'s and those it held already (another rank's would go
+        with the plan wherever it is pickled)."""
+        if not self._joint_timings:
+            for s in SCHEDULES:
+                programs = [self.program(r, schedule=s) if r == keep_rank or (r, "cpu", s) in self._programs
+                            else self._compile(r, s) for r in range(self.outer_size)]
+                self._joint_timings[s] = joint_schedule(programs, self.inner_size, self.capacity, self.cost_model)
+        return self._joint_timings
 
     # ---- statistics ---------------------------------------------------------------
     def stats(self, cost_model: CostModel | str | None = None) -> dict[str, Any]:
