@@ -96,7 +96,7 @@ class Plan:
     _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _timings: dict[int, dict[str, RankSchedule]] = field(default_factory=dict, repr=False)  # per outer rank
-    _joint_timings: dict[str, list[RankSchedule]] = field(default_factory=dict, repr=False)  # per schedule
+    _joint_timings: dict[str, list[RankSchedule]] | None = field(default=None, repr=False)  # per schedule
 
     # ---- sizes --------------------------------------------------------------------
     @property
@@ -353,11 +353,13 @@ class Plan:
         K/V (`timeline.joint_schedule`), computed once; of the programs compiled to time
         them the plan keeps `keep_rank`'s and those it held already (another rank's would go
         with the plan wherever it is pickled)."""
-        if not self._joint_timings:
+        if self._joint_timings is None:
+            timings = {}
             for s in SCHEDULES:
                 programs = [self.program(r, schedule=s) if r == keep_rank or (r, "cpu", s) in self._programs
                             else self._compile(r, s) for r in range(self.outer_size)]
-                self._joint_timings[s] = joint_schedule(programs, self.inner_size, self.capacity, self.cost_model)
+                timings[s] = joint_schedule(programs, self.inner_size, self.capacity, self.cost_model)
+            self._joint_timings = timings
         return self._joint_timings
 
     # ---- statistics ---------------------------------------------------------------
