@@ -18,6 +18,7 @@ posts each exchange one step ahead of the kernels that need it.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from typing import Sequence
@@ -499,13 +500,16 @@ def sap_attention(
     # The backend and dtype are checked here, before any exchange is posted: an error
     # raised between posting and waiting would leave the peers' transfers pending.
     backend = resolve_backend(backend, q.device, q.dtype, q.shape[2])
-    if check_finite if check_finite is not None else os.environ.get("MEGATRON_SAP_CHECK_FINITE") == "1":
-        _check_finite(q, k, v, groups)
-    if groups is not None and groups.world_size > 1 and check_agreement:
-        _check_agreement(plan, groups, recompute_kv, attention_shape(q, k))
     outer = _Outer(groups)
-    if outer.group is not None:
-        ready_for_batched_p2p(outer.group, f"outer group (cp_rank {groups.cp_rank})")
+    # The checks' collectives go where q is (NCCL's on the current GPU: `collective_device`),
+    # not to another GPU that happens to be current.
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        if check_finite if check_finite is not None else os.environ.get("MEGATRON_SAP_CHECK_FINITE") == "1":
+            _check_finite(q, k, v, groups)
+        if groups is not None and groups.world_size > 1 and check_agreement:
+            _check_agreement(plan, groups, recompute_kv, attention_shape(q, k))
+        if outer.group is not None:
+            ready_for_batched_p2p(outer.group, f"outer group (cp_rank {groups.cp_rank})")
     U = 1 if groups is None else groups.inner_size
     if U == 1:
         return _SAPOuterAttention.apply(q, k, v, plan, outer, scale, backend, recompute_kv, schedule)

@@ -77,7 +77,8 @@ _ready_groups: dict[int, dist.ProcessGroup] = {}  # by id; the group kept, so th
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a collective's tensors live on `group`: the current GPU when the group has NCCL
-    (also as one backend of several, "cpu:gloo,cuda:nccl"), else the CPU."""
+    (also as one backend of several, "cpu:gloo,cuda:nccl"), else the CPU. `sap_attention`
+    makes its inputs' GPU current around its collectives; Megatron-LM sets each process's."""
     if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
