@@ -362,6 +362,15 @@ class Plan:
             self._joint_timings = timings
         return self._joint_timings
 
+    def _default_schedule_times(self, model: CostModel) -> list[RankSchedule]:
+        """Every outer rank's times run together, each in the schedule it runs by default,
+        keeping the K/V (`timeline.plan_schedule`), under `model`: up to
+        JOINT_SCHEDULE_RANKS outer ranks under the plan's own model, the times `schedule`
+        chose by, without compiling every rank's program again."""
+        if self.outer_size <= JOINT_SCHEDULE_RANKS and model == self.cost_model:
+            return self._joint_timing(0)[self.schedule(0)]
+        return plan_schedule(self, model=model)
+
     # ---- statistics ---------------------------------------------------------------
     def stats(self, cost_model: CostModel | str | None = None) -> dict[str, Any]:
         """Per-CP-rank tokens, pairs, bytes (forward + backward) and modelled times.
@@ -392,7 +401,7 @@ class Plan:
         pairs = expand(ev.exact_pairs / U)
         mean = float(np.mean(pairs)) if pairs else 0.0
         memory = [self.memory_bytes(r, m) for r in range(self.outer_size)]
-        schedule = plan_schedule(self, model=m)
+        schedule = self._default_schedule_times(m)
         return {
             "method": "sap",
             "candidate": self.placement.strategy,
@@ -829,7 +838,7 @@ def _timed_choice(cu: list[int], outer_size: int, inner_size: int, model: CostMo
     best: tuple[tuple, Plan] | None = None
     for i, placement, ev in [chosen, *others[: TIMELINE_CANDIDATES - 1]]:
         plan = Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks, "timeline", timed)
-        time_s = max(rank.total_s for rank in plan_schedule(plan))
+        time_s = max(rank.total_s for rank in plan._default_schedule_times(model))
         timed[placement.strategy] = time_s
         key = (time_s, ev.traffic_total, ev.makespan_s, i)
         if best is None or key < best[0]:
