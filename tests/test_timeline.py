@@ -193,15 +193,16 @@ def test_auto_schedule_is_the_one_all_ranks_together_finish_sooner(monkeypatch, 
 
 
 def test_choosing_the_schedule_together_keeps_only_the_asking_ranks_programs():
-    """Timing every rank's programs for `auto` compiles them all; the plan keeps the asking
-    rank's only (pickled from a loader's worker, it carries the programs it holds), and the
-    times, so another rank asking later compiles nothing to choose."""
+    """Timing every rank's programs for `auto` compiles them all in both schedules; the plan
+    keeps the asking rank's in the schedule it runs only (pickled from a loader's worker, it
+    carries the programs it holds), and the times, so another rank asking later compiles
+    nothing to choose."""
     plan = sap.plan_sequences([0, 700, 1500, 4096], outer_size=4, cache=None)
-    plan.program(2)
-    assert {rank for rank, _, _ in plan._programs} == {2}
+    program = plan.program(2)
+    assert set(plan._programs) == {(2, "cpu", plan.schedule(2))} and program.schedule == plan.schedule(2)
     assert set(plan._joint_timings) == {"pipelined", "gathered"}
     plan.schedule(1)
-    assert {rank for rank, _, _ in plan._programs} == {2}
+    assert set(plan._programs) == {(2, "cpu", plan.schedule(2))}
 
 
 def test_auto_schedule_with_recompute_kv_is_pipelined():

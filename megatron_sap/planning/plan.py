@@ -28,11 +28,12 @@ from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, Rank
 from .timeline import RankSchedule, joint_schedule, plan_schedule, rank_schedule
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
-# `Plan.schedule` takes the gathered schedule where the slowest rank alone runs it at most
-# this much slower than the pipelined one: its exchanges wait for no kernel, so the ranks
-# keep out of each other's way, which timing one rank alone does not show. Timed together
-# on 76 rows (docs/planner.md, "Where the ranks wait for each other"), 2% gave the
-# geometric mean closest to the faster schedule of every row.
+# Beyond JOINT_SCHEDULE_RANKS outer ranks, `Plan.schedule` takes the gathered schedule
+# where the slowest rank alone runs it at most this much slower than the pipelined one:
+# its exchanges wait for no kernel, so the ranks keep out of each other's way, which timing
+# one rank alone does not show. Timed together on 76 rows (docs/planner.md, "Where the
+# ranks wait for each other"), 2% gave the geometric mean closest to the faster schedule
+# of every row.
 GATHERED_PREFERENCE = 0.02
 # Up to this many outer ranks `Plan.schedule` times every rank's programs together in both
 # schedules (`timeline.joint_schedule`) and takes the faster: 2-8 ms per fresh plan at 8
@@ -316,8 +317,7 @@ class Plan:
         if check_bool(recompute_kv, "recompute_kv"):
             return "pipelined"
         if self.outer_size <= JOINT_SCHEDULE_RANKS:
-            done_s = {s: max(r.total_s for r in ranks) for s, ranks in self._joint_timing(outer_rank).items()}
-            return "gathered" if done_s["gathered"] <= done_s["pipelined"] else "pipelined"
+            return _sooner_done(self._joint_timing(outer_rank))
         slowest = int(np.argmax(self.evaluation.rank_time_s))
         times = self._timing(slowest, keep_programs=slowest == outer_rank)
         if times["gathered"].total_s <= times["pipelined"].total_s * (1 + GATHERED_PREFERENCE):
@@ -351,15 +351,17 @@ class Plan:
     def _joint_timing(self, keep_rank: int) -> dict[str, list[RankSchedule]]:
         """Every outer rank's modelled times in each schedule, all run together, keeping the
         K/V (`timeline.joint_schedule`), computed once; of the programs compiled to time
-        them the plan keeps `keep_rank`'s and those it held already (another rank's would go
-        with the plan wherever it is pickled)."""
+        them the plan keeps only `keep_rank`'s in the schedule it will run (another rank's,
+        or one it will not run, would go with the plan wherever it is pickled)."""
         if self._joint_timings is None:
-            timings = {}
+            timings, own = {}, {}
             for s in SCHEDULES:
-                programs = [self.program(r, schedule=s) if r == keep_rank or (r, "cpu", s) in self._programs
-                            else self._compile(r, s) for r in range(self.outer_size)]
+                programs = [self._programs[r, "cpu", s] if (r, "cpu", s) in self._programs else self._compile(r, s)
+                            for r in range(self.outer_size)]
+                own[s] = programs[keep_rank]
                 timings[s] = joint_schedule(programs, self.inner_size, self.capacity, self.cost_model)
             self._joint_timings = timings
+            self._programs.setdefault((keep_rank, "cpu", _sooner_done(timings)), own[_sooner_done(timings)])
         return self._joint_timings
 
     def _default_schedule_times(self, model: CostModel) -> list[RankSchedule]:
@@ -586,6 +588,13 @@ class PlanCache:
 
 
 DEFAULT_CACHE = PlanCache()
+
+
+def _sooner_done(timings: Mapping[str, list[RankSchedule]]) -> str:
+    """The schedule whose slowest rank is done sooner in `timings` (per schedule, every
+    outer rank's times run together); the gathered one on a tie."""
+    done_s = {s: max(r.total_s for r in ranks) for s, ranks in timings.items()}
+    return "gathered" if done_s["gathered"] <= done_s["pipelined"] else "pipelined"
 
 
 def _cache_key(cu_seqlens: tuple[int, ...], outer_size: int, inner_size: int, model: CostModel,

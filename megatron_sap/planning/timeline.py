@@ -30,7 +30,8 @@ are tile-rounded per segment, as the kernels run them; the pipelined schedule's 
 `pipelined_kernel_factor` times as long.
 
 `rank_schedule` times one rank alone, as if its peers were always ready (what the choice
-of schedule compares, on the plan's slowest rank). `joint_schedule` times all outer ranks together: an
+of schedule compares, on the plan's slowest rank, beyond `plan.JOINT_SCHEDULE_RANKS` outer
+ranks). `joint_schedule` times all outer ranks together (what it compares up to those): an
 exchange starts only when both its ranks have posted it, the kernels queued before it
 are done (NCCL's stream waits for them when it is posted) and their streams are free, so
 a rank that is late holds up its partner. The benchmarks report the joint times for SAP.
@@ -91,8 +92,8 @@ _STEP_COSTS: WeakKeyDictionary = WeakKeyDictionary()  # program -> {(inner_size,
 
 def _step_costs(program: RankProgram, inner_size: int, model: CostModel) -> tuple[list[float], list[float], float]:
     """(seconds of each step's exchange, forward seconds of each step's calls, of the local
-    calls) of `program`, worked out once: a rank's program is timed alone, forward and
-    backward, in both schedules, then with the others."""
+    calls) of `program`, worked out once: a program is timed forward and backward, and
+    may be timed with the others, alone, or both."""
     per_model = _STEP_COSTS.setdefault(program, {})
     key = (inner_size, model)
     if key not in per_model:
