@@ -12,7 +12,7 @@ from megatron_sap.planning import CostModel, compile_all
 from megatron_sap.planning.evaluate import evaluate, step_pairs
 from megatron_sap.planning.greedy import greedy
 from megatron_sap.planning.order import (MAX_ORDERED_PAIRS, backward_order, backward_seconds, exchange_order,
-                                         exchange_seconds)
+                                         exchange_seconds, paced_exchange_order)
 from megatron_sap.planning.program import _Layout, exchange_round
 from megatron_sap.planning.timeline import joint_schedule
 from test_program import outer_batches
@@ -122,6 +122,30 @@ def test_the_plans_order_is_read_only():
     assert plan.exchange_order() is order and len(order) == 3
     with pytest.raises(TypeError):
         order[0, 1] = 5
+
+
+def test_paced_order_lets_ready_ranks_meet_while_a_busy_one_computes():
+    """Three ranks, every exchange 1 s; rank 0 has 10 s of local calls, the others none.
+    (0, 1) starts first (all ready; the lower ranks). Rank 0's local calls then run until
+    10 s, so its next exchange cannot start before; ranks 1 and 2 meet at 1 s instead, and
+    (0, 2) goes last. The link order, blind to the kernels, puts (0, 2) second, where rank 2
+    would wait for rank 0's local calls."""
+    exchange_s = {(0, 1): 1.0, (0, 2): 1.0, (1, 2): 1.0}
+    step_s = [[0.0] * 3 for _ in range(3)]
+    assert paced_exchange_order(exchange_s, step_s, [10.0, 0.0, 0.0]) == {(0, 1): 0, (1, 2): 1, (0, 2): 2}
+    traffic = np.ones((3, 3), dtype=np.int64) - np.eye(3, dtype=np.int64)
+    assert exchange_order(traffic, CostModel.preset("h100"), 1) == {(0, 1): 0, (0, 2): 1, (1, 2): 2}
+
+
+def test_paced_order_waits_for_the_step_in_flight():
+    """Four ranks, every exchange 1 s; rank 0's step with 1 takes 4 s, rank 1's with 0 1 s,
+    nothing else. (0, 1) and (2, 3) go at 0 s, then (0, 2) and (1, 3) at 1 s. Rank 0's step
+    with 1 runs once (0, 2) has started, until 5 s, and its next exchange waits for it;
+    rank 1's ends at 2 s: (1, 2) goes at 2 s and (0, 3) last, at 5 s."""
+    exchange_s = {(0, 1): 1.0, (0, 2): 1.0, (0, 3): 1.0, (1, 2): 1.0, (1, 3): 1.0, (2, 3): 1.0}
+    step_s = [[0.0, 4.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0] * 4, [0.0] * 4]
+    order = paced_exchange_order(exchange_s, step_s, [0.0] * 4)
+    assert sorted(order, key=order.get) == [(0, 1), (2, 3), (0, 2), (1, 3), (1, 2), (0, 3)]
 
 
 def test_backward_seconds_steps_through_the_order():

@@ -15,6 +15,15 @@ the lower rank). It reads only the tokens the ranks send each other (an exchange
 its larger direction over its link). Every rank computes the same order from the same
 plan and cost model (integer ties, the same floating-point operations in the same order).
 
+`paced_exchange_order` builds another order from the kernels too, for the pipelined
+forward under one hardware queue (`timeline`): a rank can start its next exchange only
+once the kernels queued before it are done (the local calls and every step but the one
+in flight), and its next step's calls only once that exchange has started. The pair
+whose exchange can start soonest goes next (ties: the longer exchange, then the lower
+ranks), so ranks that reach their next exchange at about the same time meet, and a rank
+does not sit waiting for a busy peer while another is ready. Which of the two orders
+runs is chosen on the compiled programs timed together (`Plan.exchange_order`).
+
 Backward the same pairs exchange again, the gradients of the rows each step received
 going back, but a step's return can start only once both its ranks have computed their
 step for each other, and each rank computes its steps in its own order. The forward's
@@ -95,6 +104,43 @@ def exchange_order(traffic_tokens: np.ndarray, model: CostModel, inner_size: int
             push(heap, (done, r))
         if theirs:
             push(heap, (done, p))
+    return order
+
+
+def paced_exchange_order(exchange_s: Mapping[tuple[int, int], float], step_s: Sequence[Sequence[float]],
+                         local_s: Sequence[float]) -> dict[tuple[int, int], int]:
+    """The position of every pair of `exchange_s` (pair -> its exchange's seconds) in an order
+    paced by the kernels (module docstring): `step_s[a][b]`, the forward seconds of a's
+    calls on what b sends it, `local_s[a]` those of its local calls. Simulates the pipelined
+    forward posting one exchange ahead with one hardware queue: the local calls start with
+    the first exchange, step k's calls once its exchange is done and exchange k + 1 has
+    started, and exchange k + 1 once both ranks' links are free and the calls queued before
+    it are done; the pair that can start soonest goes next."""
+    R = len(local_s)
+    link = [0.0] * R  # when the rank's last exchange ends
+    ready = [0.0] * R  # when the kernels queued before its next exchange are done
+    computed = [0.0] * R  # when its kernels queued so far are done
+    previous: list[int | None] = [None] * R  # its last exchange's peer, whose step runs next
+    pending = dict(exchange_s)
+    order: dict[tuple[int, int], int] = {}
+    while pending:
+        best = None
+        for (a, b), seconds in pending.items():
+            key = (max(link[a], link[b], ready[a], ready[b]), -seconds, a, b)
+            if best is None or key < best:
+                best = key
+        start, minus_seconds, a, b = best
+        del pending[a, b]
+        order[a, b] = len(order)
+        for r, peer in ((a, b), (b, a)):
+            last = previous[r]
+            if last is None:
+                computed[r] = start + local_s[r]
+            else:
+                computed[r] = max(computed[r], link[r], start) + step_s[r][last]
+            ready[r] = computed[r]
+            previous[r] = peer
+        link[a] = link[b] = start - minus_seconds
     return order
 
 

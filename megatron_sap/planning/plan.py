@@ -20,7 +20,7 @@ import torch
 from ..validation import check_bool, check_divisible, cu_seqlens_to_list
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, inner_peer_links, step_pairs, ulysses_cost, whole_documents_s
-from .order import backward_order, exchange_order, exchange_seconds
+from .order import backward_order, exchange_order, exchange_seconds, paced_exchange_order
 from .candidates import candidates
 from .placement import Build, Placement
 from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _index_tensor, _Layout,
@@ -97,7 +97,8 @@ class Plan:
     _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _timings: dict[int, dict[str, RankSchedule]] = field(default_factory=dict, repr=False)  # per outer rank
-    _joint_timings: dict[str, list[RankSchedule]] | None = field(default=None, repr=False)  # per schedule
+    # up to JOINT_SCHEDULE_RANKS outer ranks: the schedule every rank runs, and all ranks' times in it
+    _joint: tuple[str, list[RankSchedule]] | None = field(default=None, repr=False)
 
     # ---- sizes --------------------------------------------------------------------
     @property
@@ -253,9 +254,16 @@ class Plan:
     def exchange_order(self) -> Mapping[tuple[int, int], int]:
         """The position of every exchanging pair of outer ranks (a, b), a < b, in the order
         every rank runs its exchanges (`planning.order`; computed once, read-only: plans
-        are shared through the cache)."""
+        are shared through the cache). Up to JOINT_SCHEDULE_RANKS outer ranks, the link
+        order (`order.exchange_order`) or the one paced by the kernels
+        (`order.paced_exchange_order`), whichever the compiled programs, timed together,
+        run sooner (`_choose_together`); beyond, the link order."""
         if self._order is None:
-            self._order = MappingProxyType(exchange_order(self.evaluation.traffic_tokens, self.cost_model, self.inner_size))
+            if self.outer_size <= JOINT_SCHEDULE_RANKS:
+                self._choose_together(None)
+            else:
+                self._order = MappingProxyType(exchange_order(self.evaluation.traffic_tokens, self.cost_model,
+                                                              self.inner_size))
         return self._order
 
     def _exchange_levels(self) -> Mapping[tuple[int, int], int]:
@@ -269,19 +277,60 @@ class Plan:
         exchanges: `exchange_order()` or its reverse, whichever the backward modelled step by
         step ends sooner (`order.backward_order`; computed once, read-only)."""
         if self._backward_order is None:
-            model, inner, ev = self.cost_model, self.inner_size, self.evaluation
-            # Backward kernel seconds per pair, in the pipelined schedule the model assumes.
-            pair_s = model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=True, head_fraction=1.0 / inner)
-            self._backward_order = MappingProxyType(backward_order(
-                self.exchange_order(), exchange_seconds(ev.traffic_tokens, model, inner),
-                step_pairs(self.placement) * pair_s, (ev.tile_pairs * pair_s).tolist()))
+            self._backward_order = MappingProxyType(self._backward_of(self.exchange_order(), step_pairs(self.placement)))
         return self._backward_order
+
+    def _backward_of(self, order: Mapping[tuple[int, int], int], pairs: np.ndarray) -> dict[tuple[int, int], int]:
+        """`order.backward_order` of a forward `order`, with `pairs` the plan's `step_pairs`."""
+        model, inner, ev = self.cost_model, self.inner_size, self.evaluation
+        # Backward kernel seconds per pair, in the pipelined schedule the model assumes.
+        pair_s = model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=True, head_fraction=1.0 / inner)
+        return backward_order(order, exchange_seconds(ev.traffic_tokens, model, inner), pairs * pair_s,
+                              (ev.tile_pairs * pair_s).tolist())
+
+    def _orders_of(self, order: dict[tuple[int, int], int], pairs: np.ndarray) -> tuple[Mapping[tuple[int, int], int], ...]:
+        """A forward `order`, its levels, the backward's order (`_backward_of`) and its
+        levels, read-only."""
+        backward = self._backward_of(order, pairs)
+        return tuple(MappingProxyType(o) for o in (order, exchange_levels(order), backward, exchange_levels(backward)))
 
     def _backward_exchange_levels(self) -> Mapping[tuple[int, int], int]:
         """`program.exchange_levels` of the backward's exchange order (computed once, read-only)."""
         if self._backward_levels is None:
             self._backward_levels = MappingProxyType(exchange_levels(self.backward_exchange_order()))
         return self._backward_levels
+
+    def _choose_together(self, keep_rank: int | None) -> None:
+        """Choose the exchange order and the schedule every rank runs by all ranks' compiled
+        programs timed together (`timeline.joint_schedule`), keeping the K/V: the link order
+        in either schedule, or the order paced by the kernels (`order.paced_exchange_order`,
+        built for the pipelined forward) in the pipelined one; the first of those on a tie.
+        Sets the orders, their levels and `_joint`. Of the programs compiled the plan keeps
+        only `keep_rank`'s, in the order and schedule it will run (another rank's, or one it
+        will not run, would go with the plan wherever it is pickled)."""
+        model, inner, ev = self.cost_model, self.inner_size, self.evaluation
+        pairs = step_pairs(self.placement)
+        pair_s = model.pipelined_kernel_factor * model.compute_seconds(1.0, head_fraction=1.0 / inner)
+        link = exchange_order(ev.traffic_tokens, model, inner)
+        paced = paced_exchange_order(exchange_seconds(ev.traffic_tokens, model, inner), (pairs * pair_s).tolist(),
+                                     (ev.tile_pairs * pair_s - (pairs * pair_s).sum(1)).tolist())
+        orders = {"link": link} if paced == link else {"link": link, "paced": paced}
+        # each: the forward order, its levels, the backward's order and its levels
+        ordered = {name: self._orders_of(order, pairs) for name, order in orders.items()}
+        options = [("link", "gathered"), ("link", "pipelined"), ("paced", "pipelined")]
+        best = None
+        for name, schedule in (option for option in options if option[0] in ordered):
+            order, levels, _, backward_levels = ordered[name]
+            with _gc_paused():
+                programs = [compile_program(self.placement, r, self._get_layout(), schedule, order, levels,
+                                            backward_levels) for r in range(self.outer_size)]
+            times = joint_schedule(programs, inner, self.capacity, model)
+            if best is None or max(t.total_s for t in times) < max(t.total_s for t in best[2]):
+                best = (ordered[name], schedule, times, programs)
+        (self._order, self._levels, self._backward_order, self._backward_levels), schedule, times, programs = best
+        self._joint = (schedule, times)
+        if keep_rank is not None:
+            self._programs.setdefault((keep_rank, "cpu", schedule), programs[keep_rank])
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickling keeps (a plan made in a data loader's worker goes to the training
@@ -317,7 +366,9 @@ class Plan:
         if check_bool(recompute_kv, "recompute_kv"):
             return "pipelined"
         if self.outer_size <= JOINT_SCHEDULE_RANKS:
-            return _sooner_done(self._joint_timing(outer_rank))
+            if self._joint is None:
+                self._choose_together(outer_rank)
+            return self._joint[0]
         slowest = int(np.argmax(self.evaluation.rank_time_s))
         times = self._timing(slowest, keep_programs=slowest == outer_rank)
         if times["gathered"].total_s <= times["pipelined"].total_s * (1 + GATHERED_PREFERENCE):
@@ -348,29 +399,15 @@ class Plan:
             }
         return self._timings[outer_rank]
 
-    def _joint_timing(self, keep_rank: int) -> dict[str, list[RankSchedule]]:
-        """Every outer rank's modelled times in each schedule, all run together, keeping the
-        K/V (`timeline.joint_schedule`), computed once; of the programs compiled to time
-        them the plan keeps only `keep_rank`'s in the schedule it will run (another rank's,
-        or one it will not run, would go with the plan wherever it is pickled)."""
-        if self._joint_timings is None:
-            timings, own = {}, {}
-            for s in SCHEDULES:
-                programs = [self._programs[r, "cpu", s] if (r, "cpu", s) in self._programs else self._compile(r, s)
-                            for r in range(self.outer_size)]
-                own[s] = programs[keep_rank]
-                timings[s] = joint_schedule(programs, self.inner_size, self.capacity, self.cost_model)
-            self._joint_timings = timings
-            self._programs.setdefault((keep_rank, "cpu", _sooner_done(timings)), own[_sooner_done(timings)])
-        return self._joint_timings
-
     def _default_schedule_times(self, model: CostModel) -> list[RankSchedule]:
         """Every outer rank's times run together, each in the schedule it runs by default,
         keeping the K/V (`timeline.plan_schedule`), under `model`: up to
         JOINT_SCHEDULE_RANKS outer ranks under the plan's own model, the times `schedule`
         chose by, without compiling every rank's program again."""
         if self.outer_size <= JOINT_SCHEDULE_RANKS and model == self.cost_model:
-            return self._joint_timing(0)[self.schedule(0)]
+            if self._joint is None:
+                self._choose_together(None)
+            return self._joint[1]
         return plan_schedule(self, model=model)
 
     # ---- statistics ---------------------------------------------------------------
@@ -588,13 +625,6 @@ class PlanCache:
 
 
 DEFAULT_CACHE = PlanCache()
-
-
-def _sooner_done(timings: Mapping[str, list[RankSchedule]]) -> str:
-    """The schedule whose slowest rank is done sooner in `timings` (per schedule, every
-    outer rank's times run together); the gathered one on a tie."""
-    done_s = {s: max(r.total_s for r in ranks) for s, ranks in timings.items()}
-    return "gathered" if done_s["gathered"] <= done_s["pipelined"] else "pipelined"
 
 
 def _cache_key(cu_seqlens: tuple[int, ...], outer_size: int, inner_size: int, model: CostModel,
