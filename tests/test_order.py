@@ -12,8 +12,8 @@ from megatron_sap.planning import CostModel, compile_all
 from megatron_sap.planning.evaluate import evaluate, step_pairs
 from megatron_sap.planning.greedy import greedy
 from megatron_sap.planning.order import (MAX_ORDERED_PAIRS, backward_order, backward_seconds, exchange_order,
-                                         exchange_seconds, paced_exchange_order)
-from megatron_sap.planning.program import _Layout, exchange_round
+                                         exchange_seconds, paced_exchange_order, paced_forward)
+from megatron_sap.planning.program import _Layout, compile_program, exchange_levels, exchange_round
 from megatron_sap.planning.timeline import joint_schedule
 from test_program import outer_batches
 
@@ -146,6 +146,38 @@ def test_paced_order_waits_for_the_step_in_flight():
     step_s = [[0.0, 4.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0] * 4, [0.0] * 4]
     order = paced_exchange_order(exchange_s, step_s, [0.0] * 4)
     assert sorted(order, key=order.get) == [(0, 1), (2, 3), (0, 2), (1, 3), (1, 2), (0, 3)]
+
+
+@pytest.mark.parametrize("corpus", ["stdlib", "sharegpt"])
+def test_paced_forward_is_the_timelines_pipelined_forward(corpus):
+    """Fed the compiled programs' own costs, the paced order's model of the pipelined forward
+    ends each rank when the timeline (`joint_schedule`'s forward) does, in the link order
+    and in the paced one: the order is built on the model the choice is timed with."""
+    from megatron_sap.planning import timeline
+
+    model = CostModel.preset("h100")
+    for cu in pack(document_lengths(corpus), 32 * 1024, 2, seed=3):
+        for outer, inner in ((8, 1), (4, 2), (16, 1)):
+            plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cost_model=model, cache=None)
+            link = exchange_order(plan.evaluation.traffic_tokens, model, inner)
+            programs = [compile_program(plan.placement, r, None, "pipelined", link, exchange_levels(link))
+                        for r in range(outer)]
+            exchange_s, step_s, local_s = {}, [[0.0] * outer for _ in range(outer)], []
+            for r, program in enumerate(programs):
+                exchanges, kernels, local = timeline._step_costs(program, inner, model)
+                local_s.append(local)
+                for step, x, k in zip(program.transfers, exchanges, kernels):
+                    peer = timeline._peer(step)
+                    step_s[r][peer] = k
+                    pair = (min(r, peer), max(r, peer))
+                    exchange_s[pair] = max(exchange_s.get(pair, 0.0), x)
+            paced = paced_exchange_order(exchange_s, step_s, local_s)
+            assert paced != link
+            for order in (link, paced):
+                programs = [compile_program(plan.placement, r, None, "pipelined", order, exchange_levels(order))
+                            for r in range(outer)]
+                ends = timeline._run(programs, [p.forward_events() for p in programs], False, inner, model, alone=False)
+                assert paced_forward(exchange_s, step_s, local_s, order)[1] == pytest.approx(ends, rel=1e-12)
 
 
 def test_backward_seconds_steps_through_the_order():

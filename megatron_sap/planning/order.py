@@ -16,9 +16,9 @@ its larger direction over its link). Every rank computes the same order from the
 plan and cost model (integer ties, the same floating-point operations in the same order).
 
 `paced_exchange_order` builds another order from the kernels too, for the pipelined
-forward under one hardware queue (`timeline`): a rank can start its next exchange only
-once the kernels queued before it are done (the local calls and every step but the one
-in flight), and its next step's calls only once that exchange has started. The pair
+forward under one hardware queue (`timeline`): a rank's next exchange leaves its queue
+only once the kernels queued before it are done (the local calls and every step but the
+one in flight), and its next step's calls start only once that exchange has left. The pair
 whose exchange can start soonest goes next (ties: the longer exchange, then the lower
 ranks), so ranks that reach their next exchange at about the same time meet, and a rank
 does not sit waiting for a busy peer while another is ready. Which of the two orders
@@ -112,36 +112,48 @@ def paced_exchange_order(exchange_s: Mapping[tuple[int, int], float], step_s: Se
     """The position of every pair of `exchange_s` (pair -> its exchange's seconds) in an order
     paced by the kernels (module docstring): `step_s[a][b]`, the forward seconds of a's
     calls on what b sends it, `local_s[a]` those of its local calls. Simulates the pipelined
-    forward posting one exchange ahead with one hardware queue: the local calls start with
-    the first exchange, step k's calls once its exchange is done and exchange k + 1 has
-    started, and exchange k + 1 once both ranks' links are free and the calls queued before
-    it are done; the pair that can start soonest goes next."""
+    forward (`paced_forward`); the pair that can start soonest goes next."""
+    return paced_forward(exchange_s, step_s, local_s)[0]
+
+
+def paced_forward(exchange_s: Mapping[tuple[int, int], float], step_s: Sequence[Sequence[float]],
+                  local_s: Sequence[float], order: Mapping[tuple[int, int], int] | None = None,
+                  ) -> tuple[dict[tuple[int, int], int], list[float]]:
+    """The pipelined forward, posting one exchange ahead, with one hardware queue, as
+    `timeline.joint_schedule` runs it: (the order of the pairs, when each rank is done). A
+    rank posts exchange k + 1 after step k - 1's calls; it leaves the rank's queue once the
+    rank's link is free and the kernels queued before it are done, and starts once it has
+    left both ranks' queues. The local calls run once the rank's first exchange has left
+    its queue, step k's calls once exchange k is done and exchange k + 1 has left. With
+    `order`, the pairs go in that order; else the pair that can start soonest goes next
+    (ties: the longer exchange, then the lower ranks)."""
     R = len(local_s)
     link = [0.0] * R  # when the rank's last exchange ends
     ready = [0.0] * R  # when the kernels queued before its next exchange are done
     computed = [0.0] * R  # when its kernels queued so far are done
     previous: list[int | None] = [None] * R  # its last exchange's peer, whose step runs next
     pending = dict(exchange_s)
-    order: dict[tuple[int, int], int] = {}
+    given = None if order is None else iter(sorted(order, key=order.__getitem__))
+    chosen: dict[tuple[int, int], int] = {}
     while pending:
-        best = None
-        for (a, b), seconds in pending.items():
-            key = (max(link[a], link[b], ready[a], ready[b]), -seconds, a, b)
-            if best is None or key < best:
-                best = key
-        start, minus_seconds, a, b = best
+        if given is not None:
+            a, b = next(given)
+            start, minus_seconds = max(link[a], link[b], ready[a], ready[b]), -pending[a, b]
+        else:
+            start, minus_seconds, a, b = min((max(link[a], link[b], ready[a], ready[b]), -seconds, a, b)
+                                             for (a, b), seconds in pending.items())
         del pending[a, b]
-        order[a, b] = len(order)
+        chosen[a, b] = len(chosen)
         for r, peer in ((a, b), (b, a)):
+            left = max(link[r], ready[r])  # the exchange leaves r's queue: its next kernels may start
             last = previous[r]
-            if last is None:
-                computed[r] = start + local_s[r]
-            else:
-                computed[r] = max(computed[r], link[r], start) + step_s[r][last]
+            computed[r] = left + local_s[r] if last is None else max(computed[r], link[r], left) + step_s[r][last]
             ready[r] = computed[r]
             previous[r] = peer
         link[a] = link[b] = start - minus_seconds
-    return order
+    done = [local_s[r] if last is None else max(computed[r], link[r]) + step_s[r][last]
+            for r, last in enumerate(previous)]
+    return chosen, done
 
 
 def backward_order(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tuple[int, int], float],

@@ -35,10 +35,12 @@ DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
 # ranks wait for each other"), 2% gave the geometric mean closest to the faster schedule
 # of every row.
 GATHERED_PREFERENCE = 0.02
-# Up to this many outer ranks `Plan.schedule` times every rank's programs together in both
-# schedules (`timeline.joint_schedule`) and takes the faster: 2-8 ms per fresh plan at 8
-# outer ranks, up to about 27 ms at 16 (docs/planner.md, "Where the ranks wait for each
-# other"); beyond, it times the slowest rank alone (compiling all ranks grows as R^2).
+# Up to this many outer ranks the plan times every rank's programs together
+# (`timeline.joint_schedule`) in three options, the link order in either schedule and the
+# paced order pipelined, and runs the fastest (`Plan._choose_together`): 2-12 ms per fresh
+# plan at 8 outer ranks, 3-41 ms at 16 (docs/planner.md, "Where the ranks wait for each
+# other"); beyond, the link order, and the schedule the slowest rank alone runs faster
+# (compiling all ranks grows as R^2).
 JOINT_SCHEDULE_RANKS = 16
 DEFAULT_COST_MODEL = CostModel.preset("h100")
 TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on bytes moved
@@ -305,7 +307,8 @@ class Plan:
         programs timed together (`timeline.joint_schedule`), keeping the K/V: the link order
         in either schedule, or the order paced by the kernels (`order.paced_exchange_order`,
         built for the pipelined forward) in the pipelined one; the first of those on a tie.
-        Sets the orders, their levels and `_joint`. Of the programs compiled the plan keeps
+        Sets the orders, their levels and `_joint`; the order is the plan's whether a rank
+        runs with `recompute_kv` or not (every rank must follow one). Of the programs compiled the plan keeps
         only `keep_rank`'s, in the order and schedule it will run (another rank's, or one it
         will not run, would go with the plan wherever it is pickled)."""
         model, inner, ev = self.cost_model, self.inner_size, self.evaluation
@@ -708,8 +711,9 @@ def plan_sequences(
     `stats()` reports as `modelled_time_s`); the fastest wins (ties: fewer bytes), never
     slower than the estimate's choice by that time. The estimate
     treats a rank's exchanges as equal and independent of its peers, and can favour a
-    layout whose exchanges wait on each other; timing the near candidates costs a compile
-    of every rank's programs each (`docs/planner.md`, "Choosing by the timeline"), which
+    layout whose exchanges wait on each other; timing the near candidates costs compiling
+    every rank's programs each, up to three times where they have at most
+    JOINT_SCHEDULE_RANKS outer ranks (`docs/planner.md`, "Choosing by the timeline"), which
     planning in a data loader's workers hides.
     Plans are cached by (cu_seqlens, sizes, cost model, slacks, choose_by): a repeated
     batch shape costs a dictionary lookup. Pass `cache=None` to bypass the cache.
