@@ -10,7 +10,9 @@ import pytest
 import megatron_sap as sap
 from megatron_sap.planning import CostModel
 from megatron_sap.planning.evaluate import step_pairs
-from megatron_sap.planning.order import exchange_order, exchange_seconds, paced_exchange_order
+from megatron_sap.bench.data import document_lengths
+from megatron_sap.bench.packing import pack
+from megatron_sap.planning.order import exchange_order, exchange_seconds, layer_seconds, paced_exchange_order
 from megatron_sap.planning.program import compile_program
 from megatron_sap.planning.timeline import joint_schedule, plan_schedule, rank_schedule
 
@@ -179,7 +181,7 @@ def together_s(plan, order, schedule):
     """The slowest rank's time with every rank's program compiled with the forward exchange
     `order` (the backward's order and the levels as the plan derives them) in `schedule`,
     all run together."""
-    order, levels, _, backward_levels = plan._orders_of(dict(order), step_pairs(plan.placement))
+    order, levels, _, backward_levels = plan._orders_of(dict(order))
     programs = [compile_program(plan.placement, r, None, schedule, order, levels, backward_levels)
                 for r in range(plan.outer_size)]
     return max(t.total_s for t in joint_schedule(programs, plan.inner_size, plan.capacity, plan.cost_model))
@@ -226,23 +228,43 @@ def test_auto_runs_the_order_and_schedule_all_ranks_together_finish_soonest(cu, 
         assert times[best] < 0.9 * link_best
 
 
-def test_beyond_joint_schedule_ranks_the_order_is_the_link_order_and_the_slowest_rank_chooses(monkeypatch):
+def step_model_seconds(plan, order):
+    """`order.layer_seconds` of `plan` with its exchanges in `order`, from the public pieces."""
+    ev, model, U = plan.evaluation, plan.cost_model, plan.inner_size
+    rates = [model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=b, head_fraction=1 / U)
+             for b in (False, True)]
+    steps = [step_pairs(plan.placement) * rate for rate in rates]
+    totals = [ev.tile_pairs * rate for rate in rates]
+    return layer_seconds(order, exchange_seconds(ev.traffic_tokens, model, U), steps[0].tolist(),
+                         (totals[0] - steps[0].sum(1)).tolist(), steps[1].tolist(), totals[1].tolist())
+
+
+@pytest.mark.parametrize("corpus", ["stdlib", "sharegpt"])
+def test_beyond_joint_schedule_ranks_the_step_models_choose_the_order_and_the_slowest_rank_the_schedule(
+        monkeypatch, corpus):
     """Beyond JOINT_SCHEDULE_RANKS outer ranks nothing is timed together: the exchange order
-    is the link order and the schedule the slowest rank alone runs faster (within
-    GATHERED_PREFERENCE)."""
+    is the link or the paced one, whichever the step-level models end sooner
+    (`order.layer_seconds`), and the schedule the one the slowest rank alone runs faster
+    (the gathered one within GATHERED_PREFERENCE). On these 128K-token rows at 32 outer
+    ranks the paced order is chosen, and all ranks together run it at most 0.95x the link
+    order's time; beyond MAX_PACED_PAIRS pairs the order is the link order."""
     from megatron_sap.planning import plan as plan_module
 
-    cu = [0, 1086, 1665, 6004, 7592, 11434, 11867, 16384]
-    monkeypatch.setattr(plan_module, "JOINT_SCHEDULE_RANKS", 7)
-    plan = sap.plan_sequences(cu, outer_size=8, cache=None)
+    cu = pack(document_lengths(corpus), 128 * 1024, 1, seed=0)[0]
+    plan = sap.plan_sequences(cu, outer_size=32, cache=None)
     orders, _ = order_options(plan)
-    assert dict(plan.exchange_order()) == orders["link"] != orders["paced"]
+    seconds = {name: step_model_seconds(plan, order) for name, order in orders.items()}
+    assert seconds["paced"] < seconds["link"]
+    assert dict(plan.exchange_order()) == orders["paced"]
+    assert together_s(plan, orders["paced"], "pipelined") <= 0.95 * together_s(plan, orders["link"], "pipelined")
     slowest = int(np.argmax(plan.evaluation.rank_time_s))
     alone_s = {s: rank_schedule(plan.program(slowest, schedule=s), 1, plan.capacity, plan.cost_model).total_s
                for s in ("pipelined", "gathered")}
     expected = ("gathered" if alone_s["gathered"] <= alone_s["pipelined"] * (1 + plan_module.GATHERED_PREFERENCE)
                 else "pipelined")
-    assert [plan.schedule(r) for r in range(8)] == [expected] * 8
+    assert [plan.schedule(r) for r in range(32)] == [expected] * 32
+    monkeypatch.setattr(plan_module, "MAX_PACED_PAIRS", len(orders["link"]) - 1)
+    assert dict(sap.plan_sequences(cu, outer_size=32, cache=None).exchange_order()) == orders["link"]
 
 
 def test_choosing_the_schedule_together_keeps_only_the_asking_ranks_programs():

@@ -22,7 +22,8 @@ one in flight), and its next step's calls start only once that exchange has left
 whose exchange can start soonest goes next (ties: the longer exchange, then the lower
 ranks), so ranks that reach their next exchange at about the same time meet, and a rank
 does not sit waiting for a busy peer while another is ready. Which of the two orders
-runs is chosen on the compiled programs timed together (`Plan.exchange_order`).
+runs is chosen on the compiled programs timed together, or beyond 16 outer ranks by the
+step-level models (`layer_seconds`), up to MAX_PACED_PAIRS pairs (`Plan.exchange_order`).
 
 Backward the same pairs exchange again, the gradients of the rows each step received
 going back, but a step's return can start only once both its ranks have computed their
@@ -45,6 +46,9 @@ from .program import exchange_round
 # Every pair of up to 128 outer ranks (P = 1,024 at 8 inner ranks); beyond, round order:
 # the simulation's cost grows with pairs x peers (10-70 ms at 2,400-8,128 pairs, docs/planner.md).
 MAX_ORDERED_PAIRS = 8192
+# Beyond this many exchanging pairs no paced order is built: its simulation grows as pairs
+# x ranks (2-12 ms at 500-1,200 pairs, 42 ms at 2,016, 430 ms at 8,128; docs/planner.md).
+MAX_PACED_PAIRS = 1024
 
 
 def exchange_seconds(traffic_tokens: np.ndarray, model: CostModel, inner_size: int) -> dict[tuple[int, int], float]:
@@ -129,31 +133,52 @@ def paced_forward(exchange_s: Mapping[tuple[int, int], float], step_s: Sequence[
     (ties: the longer exchange, then the lower ranks)."""
     R = len(local_s)
     link = [0.0] * R  # when the rank's last exchange ends
-    ready = [0.0] * R  # when the kernels queued before its next exchange are done
     computed = [0.0] * R  # when its kernels queued so far are done
+    free = [0.0] * R  # when its next exchange leaves its queue: max(link, computed)
     previous: list[int | None] = [None] * R  # its last exchange's peer, whose step runs next
-    pending = dict(exchange_s)
-    given = None if order is None else iter(sorted(order, key=order.__getitem__))
     chosen: dict[tuple[int, int], int] = {}
-    while pending:
-        if given is not None:
-            a, b = next(given)
-            start, minus_seconds = max(link[a], link[b], ready[a], ready[b]), -pending[a, b]
-        else:
-            start, minus_seconds, a, b = min((max(link[a], link[b], ready[a], ready[b]), -seconds, a, b)
-                                             for (a, b), seconds in pending.items())
-        del pending[a, b]
+
+    def take(a: int, b: int, start: float, seconds: float) -> None:
         chosen[a, b] = len(chosen)
         for r, peer in ((a, b), (b, a)):
-            left = max(link[r], ready[r])  # the exchange leaves r's queue: its next kernels may start
-            last = previous[r]
-            computed[r] = left + local_s[r] if last is None else max(computed[r], link[r], left) + step_s[r][last]
-            ready[r] = computed[r]
+            last = previous[r]  # the exchange leaves r's queue: its next calls may start
+            computed[r] = free[r] + (local_s[r] if last is None else step_s[r][last])
             previous[r] = peer
-        link[a] = link[b] = start - minus_seconds
+        link[a] = link[b] = start + seconds
+        free[a], free[b] = max(link[a], computed[a]), max(link[b], computed[b])
+
+    if order is not None:
+        for a, b in sorted(order, key=order.__getitem__):
+            take(a, b, max(free[a], free[b]), exchange_s[a, b])
+    else:
+        # Every pair keyed by when it could start; `free` only grows, so a popped key that is
+        # still current is the soonest, and a stale one goes back with its new start.
+        heap = [(0.0, -seconds, a, b) for (a, b), seconds in exchange_s.items()]
+        heapq.heapify(heap)
+        while heap:
+            start, minus_seconds, a, b = heapq.heappop(heap)
+            now = max(free[a], free[b])
+            if now > start:
+                heapq.heappush(heap, (now, minus_seconds, a, b))
+            else:
+                take(a, b, start, -minus_seconds)
     done = [local_s[r] if last is None else max(computed[r], link[r]) + step_s[r][last]
             for r, last in enumerate(previous)]
     return chosen, done
+
+
+def layer_seconds(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tuple[int, int], float],
+                  step_s: Sequence[Sequence[float]], local_s: Sequence[float],
+                  backward_step_s: Sequence[Sequence[float]], backward_total_s: Sequence[float]) -> float:
+    """The pipelined layer with its exchanges in `order` under the step-level models: the
+    forward's slowest rank (`paced_forward`; `step_s`, `local_s` its kernel seconds) plus
+    the backward (`backward_seconds`; `backward_step_s`, `backward_total_s`) in the order
+    `backward_order` takes, `order` or its reverse. What the plan weighs the two orders by
+    where compiling every rank's programs to time them together would cost too much."""
+    forward = max(paced_forward(exchange_s, step_s, local_s, order)[1], default=0.0)
+    last = len(order) - 1
+    reverse = {pair: last - i for pair, i in order.items()}
+    return forward + min(backward_seconds(o, exchange_s, backward_step_s, backward_total_s) for o in (order, reverse))
 
 
 def backward_order(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tuple[int, int], float],

@@ -20,7 +20,8 @@ import torch
 from ..validation import check_bool, check_divisible, cu_seqlens_to_list
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, inner_peer_links, step_pairs, ulysses_cost, whole_documents_s
-from .order import backward_order, exchange_order, exchange_seconds, paced_exchange_order
+from .order import (MAX_PACED_PAIRS, backward_order, exchange_order, exchange_seconds, layer_seconds,
+                    paced_exchange_order)
 from .candidates import candidates
 from .placement import Build, Placement
 from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _index_tensor, _Layout,
@@ -256,17 +257,47 @@ class Plan:
     def exchange_order(self) -> Mapping[tuple[int, int], int]:
         """The position of every exchanging pair of outer ranks (a, b), a < b, in the order
         every rank runs its exchanges (`planning.order`; computed once, read-only: plans
-        are shared through the cache). Up to JOINT_SCHEDULE_RANKS outer ranks, the link
-        order (`order.exchange_order`) or the one paced by the kernels
-        (`order.paced_exchange_order`), whichever the compiled programs, timed together,
-        run sooner (`_choose_together`); beyond, the link order."""
+        are shared through the cache): the link order (`order.exchange_order`) or the one
+        paced by the kernels (`order.paced_exchange_order`). Up to JOINT_SCHEDULE_RANKS
+        outer ranks, whichever the compiled programs, timed together, run sooner
+        (`_choose_together`); beyond, whichever the step-level models end sooner
+        (`order.layer_seconds`), the link order past `order.MAX_PACED_PAIRS` pairs."""
         if self._order is None:
             if self.outer_size <= JOINT_SCHEDULE_RANKS:
                 self._choose_together(None)
             else:
-                self._order = MappingProxyType(exchange_order(self.evaluation.traffic_tokens, self.cost_model,
-                                                              self.inner_size))
+                self._order = MappingProxyType(self._order_by_steps())
         return self._order
+
+    def _pipelined_step_seconds(self, backward: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """([R, R] kernel seconds of each rank's step with each peer, [R] of all its calls),
+        forward or backward, in the pipelined schedule (`pipelined_kernel_factor`), from
+        `step_pairs` and the tile-rounded pairs: what the step-level models read."""
+        model, inner = self.cost_model, self.inner_size
+        pair_s = model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=backward, head_fraction=1.0 / inner)
+        return step_pairs(self.placement) * pair_s, self.evaluation.tile_pairs * pair_s
+
+    def _paced_order(self, exchange_s: Mapping[tuple[int, int], float]) -> dict[tuple[int, int], int]:
+        """`order.paced_exchange_order` of the plan."""
+        steps, total = self._pipelined_step_seconds()
+        return paced_exchange_order(exchange_s, steps.tolist(), (total - steps.sum(1)).tolist())
+
+    def _order_by_steps(self) -> dict[tuple[int, int], int]:
+        """The link order, or the paced one where the step-level models end the layer sooner
+        (`order.layer_seconds`; the link order on a tie), up to MAX_PACED_PAIRS pairs."""
+        model, inner, ev = self.cost_model, self.inner_size, self.evaluation
+        link = exchange_order(ev.traffic_tokens, model, inner)
+        if len(link) > MAX_PACED_PAIRS:
+            return link
+        exchange_s = exchange_seconds(ev.traffic_tokens, model, inner)
+        paced = self._paced_order(exchange_s)
+        if paced == link:
+            return link
+        steps, total = (a.tolist() for a in self._pipelined_step_seconds())
+        local = [t - sum(row) for t, row in zip(total, steps)]
+        backward_steps, backward_total = (a.tolist() for a in self._pipelined_step_seconds(backward=True))
+        seconds = [layer_seconds(order, exchange_s, steps, local, backward_steps, backward_total) for order in (link, paced)]
+        return paced if seconds[1] < seconds[0] else link
 
     def _exchange_levels(self) -> Mapping[tuple[int, int], int]:
         """`program.exchange_levels` of the exchange order (computed once, read-only)."""
@@ -279,21 +310,21 @@ class Plan:
         exchanges: `exchange_order()` or its reverse, whichever the backward modelled step by
         step ends sooner (`order.backward_order`; computed once, read-only)."""
         if self._backward_order is None:
-            self._backward_order = MappingProxyType(self._backward_of(self.exchange_order(), step_pairs(self.placement)))
+            self._backward_order = MappingProxyType(self._backward_of(self.exchange_order()))
         return self._backward_order
 
-    def _backward_of(self, order: Mapping[tuple[int, int], int], pairs: np.ndarray) -> dict[tuple[int, int], int]:
-        """`order.backward_order` of a forward `order`, with `pairs` the plan's `step_pairs`."""
-        model, inner, ev = self.cost_model, self.inner_size, self.evaluation
-        # Backward kernel seconds per pair, in the pipelined schedule the model assumes.
-        pair_s = model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=True, head_fraction=1.0 / inner)
-        return backward_order(order, exchange_seconds(ev.traffic_tokens, model, inner), pairs * pair_s,
-                              (ev.tile_pairs * pair_s).tolist())
+    def _backward_of(self, order: Mapping[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+        """`order.backward_order` of a forward `order` (backward kernel seconds in the
+        pipelined schedule the model assumes)."""
+        ev = self.evaluation
+        steps, total = self._pipelined_step_seconds(backward=True)
+        return backward_order(order, exchange_seconds(ev.traffic_tokens, self.cost_model, self.inner_size), steps,
+                              total.tolist())
 
-    def _orders_of(self, order: dict[tuple[int, int], int], pairs: np.ndarray) -> tuple[Mapping[tuple[int, int], int], ...]:
+    def _orders_of(self, order: dict[tuple[int, int], int]) -> tuple[Mapping[tuple[int, int], int], ...]:
         """A forward `order`, its levels, the backward's order (`_backward_of`) and its
         levels, read-only."""
-        backward = self._backward_of(order, pairs)
+        backward = self._backward_of(order)
         return tuple(MappingProxyType(o) for o in (order, exchange_levels(order), backward, exchange_levels(backward)))
 
     def _backward_exchange_levels(self) -> Mapping[tuple[int, int], int]:
@@ -312,14 +343,11 @@ class Plan:
         only `keep_rank`'s, in the order and schedule it will run (another rank's, or one it
         will not run, would go with the plan wherever it is pickled)."""
         model, inner, ev = self.cost_model, self.inner_size, self.evaluation
-        pairs = step_pairs(self.placement)
-        pair_s = model.pipelined_kernel_factor * model.compute_seconds(1.0, head_fraction=1.0 / inner)
         link = exchange_order(ev.traffic_tokens, model, inner)
-        paced = paced_exchange_order(exchange_seconds(ev.traffic_tokens, model, inner), (pairs * pair_s).tolist(),
-                                     (ev.tile_pairs * pair_s - (pairs * pair_s).sum(1)).tolist())
+        paced = self._paced_order(exchange_seconds(ev.traffic_tokens, model, inner))
         orders = {"link": link} if paced == link else {"link": link, "paced": paced}
         # each: the forward order, its levels, the backward's order and its levels
-        ordered = {name: self._orders_of(order, pairs) for name, order in orders.items()}
+        ordered = {name: self._orders_of(order) for name, order in orders.items()}
         options = [("link", "gathered"), ("link", "pipelined"), ("paced", "pipelined")]
         best = None
         for name, schedule in (option for option in options if option[0] in ordered):
