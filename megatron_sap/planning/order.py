@@ -47,7 +47,7 @@ from .program import exchange_round
 # the simulation's cost grows with pairs x peers (10-70 ms at 2,400-8,128 pairs, docs/planner.md).
 MAX_ORDERED_PAIRS = 8192
 # Beyond this many exchanging pairs no paced order is built: its simulation grows as pairs
-# x ranks (2-12 ms at 500-1,200 pairs, 42 ms at 2,016, 430 ms at 8,128; docs/planner.md).
+# x ranks (0.5-20 ms up to 1,600 pairs, 42 ms at 2,016, 430 ms at 8,128; docs/planner.md).
 MAX_PACED_PAIRS = 1024
 
 
@@ -123,8 +123,8 @@ def paced_exchange_order(exchange_s: Mapping[tuple[int, int], float], step_s: Se
 def paced_forward(exchange_s: Mapping[tuple[int, int], float], step_s: Sequence[Sequence[float]],
                   local_s: Sequence[float], order: Mapping[tuple[int, int], int] | None = None,
                   ) -> tuple[dict[tuple[int, int], int], list[float]]:
-    """The pipelined forward, posting one exchange ahead, with one hardware queue, as
-    `timeline.joint_schedule` runs it: (the order of the pairs, when each rank is done). A
+    """The pipelined forward, posting one exchange ahead (`program.FETCH_AHEAD`), with one
+    hardware queue, as `timeline.joint_schedule` runs it: (the order of the pairs, when each rank is done). A
     rank posts exchange k + 1 after step k - 1's calls; it leaves the rank's queue once the
     rank's link is free and the kernels queued before it are done, and starts once it has
     left both ranks' queues. The local calls run once the rank's first exchange has left

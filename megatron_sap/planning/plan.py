@@ -40,8 +40,9 @@ GATHERED_PREFERENCE = 0.02
 # (`timeline.joint_schedule`) in three options, the link order in either schedule and the
 # paced order pipelined, and runs the fastest (`Plan._choose_together`): 2-12 ms per fresh
 # plan at 8 outer ranks, 3-41 ms at 16 (docs/planner.md, "Where the ranks wait for each
-# other"); beyond, the link order, and the schedule the slowest rank alone runs faster
-# (compiling all ranks grows as R^2).
+# other"); beyond, the schedule the slowest rank alone runs faster and, pipelined, the
+# order the step-level models end sooner (`Plan._choose_by_steps`; compiling all ranks
+# grows as R^2).
 JOINT_SCHEDULE_RANKS = 16
 DEFAULT_COST_MODEL = CostModel.preset("h100")
 TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on bytes moved
@@ -99,9 +100,9 @@ class Plan:
     _backward_levels: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
     _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    _timings: dict[int, dict[str, RankSchedule]] = field(default_factory=dict, repr=False)  # per outer rank
-    # up to JOINT_SCHEDULE_RANKS outer ranks: the schedule every rank runs, and all ranks' times in it
-    _joint: tuple[str, list[RankSchedule]] | None = field(default=None, repr=False)
+    # the schedule every rank runs keeping the K/V (`_choose`), and up to JOINT_SCHEDULE_RANKS
+    # outer ranks all ranks' times in it, run together
+    _chosen: tuple[str, list[RankSchedule] | None] | None = field(default=None, repr=False)
 
     # ---- sizes --------------------------------------------------------------------
     @property
@@ -258,15 +259,10 @@ class Plan:
         """The position of every exchanging pair of outer ranks (a, b), a < b, in the order
         every rank runs its exchanges (`planning.order`; computed once, read-only: plans
         are shared through the cache): the link order (`order.exchange_order`) or the one
-        paced by the kernels (`order.paced_exchange_order`). Up to JOINT_SCHEDULE_RANKS
-        outer ranks, whichever the compiled programs, timed together, run sooner
-        (`_choose_together`); beyond, whichever the step-level models end sooner
-        (`order.layer_seconds`), the link order past `order.MAX_PACED_PAIRS` pairs."""
+        paced by the kernels (`order.paced_exchange_order`), chosen with the schedule
+        (`_choose`)."""
         if self._order is None:
-            if self.outer_size <= JOINT_SCHEDULE_RANKS:
-                self._choose_together(None)
-            else:
-                self._order = MappingProxyType(self._order_by_steps())
+            self._choose(None)
         return self._order
 
     def _pipelined_step_seconds(self, backward: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -277,27 +273,55 @@ class Plan:
         pair_s = model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=backward, head_fraction=1.0 / inner)
         return step_pairs(self.placement) * pair_s, self.evaluation.tile_pairs * pair_s
 
-    def _paced_order(self, exchange_s: Mapping[tuple[int, int], float]) -> dict[tuple[int, int], int]:
-        """`order.paced_exchange_order` of the plan."""
+    def _forward_step_seconds(self) -> tuple[list[list[float]], list[float]]:
+        """(forward kernel seconds of each rank's step with each peer, of its local calls),
+        pipelined, as the paced order and the step-level models read them."""
         steps, total = self._pipelined_step_seconds()
-        return paced_exchange_order(exchange_s, steps.tolist(), (total - steps.sum(1)).tolist())
+        return steps.tolist(), (total - steps.sum(1)).tolist()
 
-    def _order_by_steps(self) -> dict[tuple[int, int], int]:
-        """The link order, or the paced one where the step-level models end the layer sooner
-        (`order.layer_seconds`; the link order on a tie), up to MAX_PACED_PAIRS pairs."""
+    def _choose(self, keep_rank: int | None) -> None:
+        """Choose the exchange order and the schedule every rank runs keeping the K/V, once:
+        up to JOINT_SCHEDULE_RANKS outer ranks by all ranks' compiled programs timed
+        together (`_choose_together`), beyond by the slowest rank and the step-level models
+        (`_choose_by_steps`). The order is the plan's whether a rank runs with
+        `recompute_kv` or not (every rank must follow one)."""
+        if self.outer_size <= JOINT_SCHEDULE_RANKS:
+            self._choose_together(keep_rank)
+        else:
+            self._choose_by_steps(keep_rank)
+
+    def _choose_by_steps(self, keep_rank: int | None) -> None:
+        """The schedule the plan's slowest rank by the estimate (`evaluation.rank_time_s`,
+        the lowest such rank) runs faster alone in the link order (`timeline.rank_schedule`),
+        the gathered one also where it is at most GATHERED_PREFERENCE slower: its exchanges
+        wait for no kernel, so the ranks do not wait for each other's kernels, which a rank
+        run alone cannot show. Then, pipelined, the paced order where the step-level models
+        end the layer sooner (`order.layer_seconds`, built for the pipelined schedule; the
+        link order on a tie), up to MAX_PACED_PAIRS pairs; gathered, the link order. Of the
+        programs compiled the plan keeps `keep_rank`'s where it is the slowest rank and
+        runs them."""
         model, inner, ev = self.cost_model, self.inner_size, self.evaluation
         link = exchange_order(ev.traffic_tokens, model, inner)
-        if len(link) > MAX_PACED_PAIRS:
-            return link
-        exchange_s = exchange_seconds(ev.traffic_tokens, model, inner)
-        paced = self._paced_order(exchange_s)
-        if paced == link:
-            return link
-        steps, total = (a.tolist() for a in self._pipelined_step_seconds())
-        local = [t - sum(row) for t, row in zip(total, steps)]
-        backward_steps, backward_total = (a.tolist() for a in self._pipelined_step_seconds(backward=True))
-        seconds = [layer_seconds(order, exchange_s, steps, local, backward_steps, backward_total) for order in (link, paced)]
-        return paced if seconds[1] < seconds[0] else link
+        orders = self._orders_of(link)
+        order, levels, _, backward_levels = orders
+        slowest = int(np.argmax(ev.rank_time_s))
+        with _gc_paused():
+            programs = {s: compile_program(self.placement, slowest, self._get_layout(), s, order, levels,
+                                           backward_levels) for s in SCHEDULES}
+        alone = {s: rank_schedule(p, inner, self.capacity, model).total_s for s, p in programs.items()}
+        schedule = "gathered" if alone["gathered"] <= alone["pipelined"] * (1 + GATHERED_PREFERENCE) else "pipelined"
+        if schedule == "pipelined" and len(link) <= MAX_PACED_PAIRS:
+            exchange_s = exchange_seconds(ev.traffic_tokens, model, inner)
+            steps, local = self._forward_step_seconds()
+            paced = paced_exchange_order(exchange_s, steps, local)
+            backward_steps, backward_total = (a.tolist() for a in self._pipelined_step_seconds(backward=True))
+            if paced != link and (layer_seconds(paced, exchange_s, steps, local, backward_steps, backward_total)
+                                  < layer_seconds(link, exchange_s, steps, local, backward_steps, backward_total)):
+                orders = self._orders_of(paced)
+        self._order, self._levels, self._backward_order, self._backward_levels = orders
+        self._chosen = (schedule, None)
+        if keep_rank == slowest and orders[0] is order:
+            self._programs.setdefault((keep_rank, "cpu", schedule), programs[schedule])
 
     def _exchange_levels(self) -> Mapping[tuple[int, int], int]:
         """`program.exchange_levels` of the exchange order (computed once, read-only)."""
@@ -338,13 +362,12 @@ class Plan:
         programs timed together (`timeline.joint_schedule`), keeping the K/V: the link order
         in either schedule, or the order paced by the kernels (`order.paced_exchange_order`,
         built for the pipelined forward) in the pipelined one; the first of those on a tie.
-        Sets the orders, their levels and `_joint`; the order is the plan's whether a rank
-        runs with `recompute_kv` or not (every rank must follow one). Of the programs compiled the plan keeps
+        Sets the orders, their levels and `_chosen`. Of the programs compiled the plan keeps
         only `keep_rank`'s, in the order and schedule it will run (another rank's, or one it
         will not run, would go with the plan wherever it is pickled)."""
         model, inner, ev = self.cost_model, self.inner_size, self.evaluation
         link = exchange_order(ev.traffic_tokens, model, inner)
-        paced = self._paced_order(exchange_seconds(ev.traffic_tokens, model, inner))
+        paced = paced_exchange_order(exchange_seconds(ev.traffic_tokens, model, inner), *self._forward_step_seconds())
         orders = {"link": link} if paced == link else {"link": link, "paced": paced}
         # each: the forward order, its levels, the backward's order and its levels
         ordered = {name: self._orders_of(order) for name, order in orders.items()}
@@ -359,7 +382,7 @@ class Plan:
             if best is None or max(t.total_s for t in times) < max(t.total_s for t in best[2]):
                 best = (ordered[name], schedule, times, programs)
         (self._order, self._levels, self._backward_order, self._backward_levels), schedule, times, programs = best
-        self._joint = (schedule, times)
+        self._chosen = (schedule, times)
         if keep_rank is not None:
             self._programs.setdefault((keep_rank, "cpu", schedule), programs[keep_rank])
 
@@ -379,15 +402,12 @@ class Plan:
         self.__dict__.update(state)
 
     def schedule(self, outer_rank: int, recompute_kv: bool = False) -> str:
-        """The schedule an outer rank runs by default, one for every rank of the plan. Keeping
-        the K/V for backward, with at most JOINT_SCHEDULE_RANKS outer ranks: the one whose
-        slowest rank the cost model times sooner done with all ranks run together
-        (`timeline.joint_schedule`, the gathered one on a tie). With more: the one it times
-        faster for the program of the plan's slowest rank by the estimate
-        (`evaluation.rank_time_s`, the lowest such rank) run alone (`timeline.rank_schedule`),
-        the gathered one also where it is at most GATHERED_PREFERENCE slower: its exchanges
-        wait for no kernel, so the ranks do not wait for each other's kernels, which a rank
-        run alone cannot show. Timing is with `pipelined_kernel_factor`. One for all because,
+        """The schedule an outer rank runs by default, one for every rank of the plan, chosen
+        with the exchange order (`_choose`). Keeping the K/V for backward, with at most
+        JOINT_SCHEDULE_RANKS outer ranks: the one, with its order, whose slowest rank the
+        cost model times sooner done with all ranks run together (`timeline.joint_schedule`).
+        With more: the one the plan's slowest rank runs faster alone (`_choose_by_steps`).
+        Timing is with `pipelined_kernel_factor`. One for all because,
         with one hardware queue, mixed schedules hold each other up: a gathered rank posts its
         gradients back only after all its calls, and a pipelined peer's next kernels queue
         behind its exchange with it (docs/planner.md, "Where the ranks wait for each other").
@@ -396,15 +416,9 @@ class Plan:
         self._check_outer(outer_rank)
         if check_bool(recompute_kv, "recompute_kv"):
             return "pipelined"
-        if self.outer_size <= JOINT_SCHEDULE_RANKS:
-            if self._joint is None:
-                self._choose_together(outer_rank)
-            return self._joint[0]
-        slowest = int(np.argmax(self.evaluation.rank_time_s))
-        times = self._timing(slowest, keep_programs=slowest == outer_rank)
-        if times["gathered"].total_s <= times["pipelined"].total_s * (1 + GATHERED_PREFERENCE):
-            return "gathered"
-        return "pipelined"
+        if self._chosen is None:
+            self._choose(outer_rank)
+        return self._chosen[0]
 
     def backward_program(self, outer_rank: int, device: torch.device | str | None = None,
                          schedule: str = "auto", recompute_kv: bool = False) -> RankProgram:
@@ -416,29 +430,15 @@ class Plan:
         forward writes alike)."""
         return self.program(outer_rank, device, "pipelined" if recompute_kv else schedule, recompute_kv)
 
-    def _timing(self, outer_rank: int, keep_programs: bool) -> dict[str, RankSchedule]:
-        """An outer rank's modelled times in each schedule, keeping the K/V (`timeline`),
-        computed once; the programs compiled to time them are cached only with
-        `keep_programs` (another rank's would go with the plan wherever it is pickled)."""
-        outer_rank = self._check_outer(outer_rank)
-        if outer_rank not in self._timings:
-            self._timings[outer_rank] = {
-                s: rank_schedule(self.program(outer_rank, schedule=s) if keep_programs
-                                 or (outer_rank, "cpu", s) in self._programs else self._compile(outer_rank, s),
-                                 self.inner_size, self.capacity, self.cost_model)
-                for s in SCHEDULES
-            }
-        return self._timings[outer_rank]
-
     def _default_schedule_times(self, model: CostModel) -> list[RankSchedule]:
         """Every outer rank's times run together, each in the schedule it runs by default,
         keeping the K/V (`timeline.plan_schedule`), under `model`: up to
         JOINT_SCHEDULE_RANKS outer ranks under the plan's own model, the times `schedule`
         chose by, without compiling every rank's program again."""
         if self.outer_size <= JOINT_SCHEDULE_RANKS and model == self.cost_model:
-            if self._joint is None:
-                self._choose_together(None)
-            return self._joint[1]
+            if self._chosen is None:
+                self._choose(None)
+            return self._chosen[1]
         return plan_schedule(self, model=model)
 
     # ---- statistics ---------------------------------------------------------------

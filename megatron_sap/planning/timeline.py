@@ -25,7 +25,9 @@ takes its larger side (send or receive) over its link plus a latency per message
 starts once the kernels queued before it are done (NCCL's stream waits for them when it
 is posted). The GPU has one hardware queue, as Megatron-LM runs with CP before Blackwell
 (CUDA_DEVICE_MAX_CONNECTIONS=1): a kernel queued after an exchange starts no sooner than
-that exchange does (with more queues the kernels can only start sooner). Kernel calls
+that exchange leaves the rank's queue, once the rank's stream is free and the kernels
+queued before it are done (its NCCL kernel then waits for the peer while it runs; with
+more queues the kernels can only start sooner). Kernel calls
 are tile-rounded per segment, as the kernels run them; the pipelined schedule's take
 `pipelined_kernel_factor` times as long.
 
@@ -123,8 +125,9 @@ def _run(programs: Sequence[RankProgram], events: Sequence[Sequence[Event]], bac
     `backward_events`), all run together (`alone`: each as if its peers were always ready).
     A rank's exchanges run one after another on its stream, each once both ranks have
     posted it and the kernels queued before it on either rank are done (NCCL waits for the
-    compute stream when an exchange is posted); kernels wait for the start of the exchange
-    queued last before them on their rank (one hardware queue), a step's calls for its K/V
+    compute stream when an exchange is posted); kernels wait until the exchange queued last
+    before them has left their rank's queue (its stream free, the kernels before it done:
+    one hardware queue), a step's calls for its K/V
     where fetched, a collect for its returned gradients. Raises if the ranks' orders of
     exchanges disagree (they would wait for each other forever)."""
     R = len(programs)
