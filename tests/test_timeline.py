@@ -181,7 +181,7 @@ def together_s(plan, order, schedule):
     """The slowest rank's time with every rank's program compiled with the forward exchange
     `order` (the backward's order and the levels as the plan derives them) in `schedule`,
     all run together."""
-    order, levels, _, backward_levels = plan._orders_of(dict(order))
+    order, levels, _, backward_levels = plan._orders_of(dict(order), plan._step_seconds())
     programs = [compile_program(plan.placement, r, None, schedule, order, levels, backward_levels)
                 for r in range(plan.outer_size)]
     return max(t.total_s for t in joint_schedule(programs, plan.inner_size, plan.capacity, plan.cost_model))
@@ -257,7 +257,7 @@ def test_beyond_joint_schedule_ranks_the_slowest_rank_chooses_the_schedule_and_t
     cu = pack(document_lengths(corpus), 128 * 1024, 1, seed=seed)[0]
     plan = sap.plan_sequences(cu, outer_size=32, cost_model=model, cache=None)
     orders, _ = order_options(plan)
-    link, levels, _, backward_levels = plan._orders_of(orders["link"])
+    link, levels, _, backward_levels = plan._orders_of(orders["link"], plan._step_seconds())
     slowest = int(np.argmax(plan.evaluation.rank_time_s))
     alone_s = {s: rank_schedule(compile_program(plan.placement, slowest, None, s, link, levels, backward_levels), 1,
                                 plan.capacity, model).total_s for s in ("pipelined", "gathered")}

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -70,6 +70,19 @@ def at_bound(time_s: float, bound_s: float) -> bool:
     cost of one kernel, which the model leaves out: rows of many short documents, whose
     whole layer takes tens of microseconds, need not be searched to a fraction of one."""
     return time_s <= bound_s + max(bound_s * TIME_TOLERANCE, TIME_RESOLUTION_S)
+
+
+class _StepSeconds(NamedTuple):
+    """What the step-level models of a plan read (`order`), in the pipelined schedule the
+    model assumes (`pipelined_kernel_factor`): each exchanging pair's exchange seconds, each
+    rank's forward kernel seconds of its step with each peer and of its local calls, and
+    backward of its step with each peer ([R, R] array) and of all its calls."""
+
+    exchange_s: dict[tuple[int, int], float]
+    forward: list[list[float]]
+    local: list[float]
+    backward: np.ndarray
+    backward_total: list[float]
 
 
 @dataclass(eq=False)
@@ -265,34 +278,52 @@ class Plan:
             self._choose(None)
         return self._order
 
-    def _pipelined_step_seconds(self, backward: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """([R, R] kernel seconds of each rank's step with each peer, [R] of all its calls),
-        forward or backward, in the pipelined schedule (`pipelined_kernel_factor`), from
-        `step_pairs` and the tile-rounded pairs: what the step-level models read."""
-        model, inner = self.cost_model, self.inner_size
-        pair_s = model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=backward, head_fraction=1.0 / inner)
-        return step_pairs(self.placement) * pair_s, self.evaluation.tile_pairs * pair_s
+    def _exchange_levels(self) -> Mapping[tuple[int, int], int]:
+        """`program.exchange_levels` of the exchange order (set with it, read-only)."""
+        self.exchange_order()
+        return self._levels
 
-    def _forward_step_seconds(self) -> tuple[list[list[float]], list[float]]:
-        """(forward kernel seconds of each rank's step with each peer, of its local calls),
-        pipelined, as the paced order and the step-level models read them."""
-        steps, total = self._pipelined_step_seconds()
-        return steps.tolist(), (total - steps.sum(1)).tolist()
+    def backward_exchange_order(self) -> Mapping[tuple[int, int], int]:
+        """The position of every exchanging pair in the order every rank runs its backward
+        exchanges: `exchange_order()` or its reverse, whichever the backward modelled step by
+        step ends sooner (`order.backward_order`; set with the forward's, read-only)."""
+        self.exchange_order()
+        return self._backward_order
+
+    def _backward_exchange_levels(self) -> Mapping[tuple[int, int], int]:
+        """`program.exchange_levels` of the backward's exchange order (set with it, read-only)."""
+        self.exchange_order()
+        return self._backward_levels
+
+    def _step_seconds(self) -> _StepSeconds:
+        """What the step-level models read, worked out once per choice (`_StepSeconds`)."""
+        model, inner, ev = self.cost_model, self.inner_size, self.evaluation
+        pairs = step_pairs(self.placement)
+        forward, backward = (model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=b, head_fraction=1.0 / inner)
+                             for b in (False, True))
+        return _StepSeconds(exchange_seconds(ev.traffic_tokens, model, inner), (pairs * forward).tolist(),
+                            (ev.tile_pairs * forward - (pairs * forward).sum(1)).tolist(), pairs * backward,
+                            (ev.tile_pairs * backward).tolist())
+
+    def _orders_of(self, order: dict[tuple[int, int], int], steps: _StepSeconds) -> tuple[Mapping[tuple[int, int], int], ...]:
+        """A forward `order`, its levels, the backward's order (`order.backward_order`) and its
+        levels, read-only."""
+        backward = backward_order(order, steps.exchange_s, steps.backward, steps.backward_total)
+        return tuple(MappingProxyType(o) for o in (order, exchange_levels(order), backward, exchange_levels(backward)))
 
     def _choose(self, keep_rank: int | None) -> None:
         """Choose the exchange order and the schedule every rank runs keeping the K/V, once:
         up to JOINT_SCHEDULE_RANKS outer ranks by all ranks' compiled programs timed
         together (`_choose_together`), beyond by the slowest rank and the step-level models
-        (`_choose_by_steps`). The order is the plan's whether a rank runs with
-        `recompute_kv` or not (every rank must follow one)."""
-        if self.outer_size <= JOINT_SCHEDULE_RANKS:
-            self._choose_together(keep_rank)
-        else:
-            self._choose_by_steps(keep_rank)
+        (`_choose_by_steps`). Sets the orders, their levels and `_chosen`. The order is the
+        plan's whether a rank runs with `recompute_kv` or not (every rank must follow one)."""
+        link = exchange_order(self.evaluation.traffic_tokens, self.cost_model, self.inner_size)
+        choose = self._choose_together if self.outer_size <= JOINT_SCHEDULE_RANKS else self._choose_by_steps
+        choose(keep_rank, link, self._step_seconds())
 
-    def _choose_by_steps(self, keep_rank: int | None) -> None:
+    def _choose_by_steps(self, keep_rank: int | None, link: dict[tuple[int, int], int], steps: _StepSeconds) -> None:
         """The schedule the plan's slowest rank by the estimate (`evaluation.rank_time_s`,
-        the lowest such rank) runs faster alone in the link order (`timeline.rank_schedule`),
+        the lowest such rank) runs faster alone in the `link` order (`timeline.rank_schedule`),
         the gathered one also where it is at most GATHERED_PREFERENCE slower: its exchanges
         wait for no kernel, so the ranks do not wait for each other's kernels, which a rank
         run alone cannot show. Then, pipelined, the paced order where the step-level models
@@ -300,77 +331,37 @@ class Plan:
         link order on a tie), up to MAX_PACED_PAIRS pairs; gathered, the link order. Of the
         programs compiled the plan keeps `keep_rank`'s where it is the slowest rank and
         runs them."""
-        model, inner, ev = self.cost_model, self.inner_size, self.evaluation
-        link = exchange_order(ev.traffic_tokens, model, inner)
-        orders = self._orders_of(link)
+        orders = self._orders_of(link, steps)
         order, levels, _, backward_levels = orders
-        slowest = int(np.argmax(ev.rank_time_s))
+        slowest = int(np.argmax(self.evaluation.rank_time_s))
         with _gc_paused():
             programs = {s: compile_program(self.placement, slowest, self._get_layout(), s, order, levels,
                                            backward_levels) for s in SCHEDULES}
-        alone = {s: rank_schedule(p, inner, self.capacity, model).total_s for s, p in programs.items()}
+        alone = {s: rank_schedule(p, self.inner_size, self.capacity, self.cost_model).total_s
+                 for s, p in programs.items()}
         schedule = "gathered" if alone["gathered"] <= alone["pipelined"] * (1 + GATHERED_PREFERENCE) else "pipelined"
         if schedule == "pipelined" and len(link) <= MAX_PACED_PAIRS:
-            exchange_s = exchange_seconds(ev.traffic_tokens, model, inner)
-            steps, local = self._forward_step_seconds()
-            paced = paced_exchange_order(exchange_s, steps, local)
-            backward_steps, backward_total = (a.tolist() for a in self._pipelined_step_seconds(backward=True))
-            if paced != link and (layer_seconds(paced, exchange_s, steps, local, backward_steps, backward_total)
-                                  < layer_seconds(link, exchange_s, steps, local, backward_steps, backward_total)):
-                orders = self._orders_of(paced)
+            paced = paced_exchange_order(steps.exchange_s, steps.forward, steps.local)
+            model_inputs = (steps.exchange_s, steps.forward, steps.local, steps.backward.tolist(), steps.backward_total)
+            if paced != link and layer_seconds(paced, *model_inputs) < layer_seconds(link, *model_inputs):
+                orders = self._orders_of(paced, steps)
         self._order, self._levels, self._backward_order, self._backward_levels = orders
         self._chosen = (schedule, None)
         if keep_rank == slowest and orders[0] is order:
             self._programs.setdefault((keep_rank, "cpu", schedule), programs[schedule])
 
-    def _exchange_levels(self) -> Mapping[tuple[int, int], int]:
-        """`program.exchange_levels` of the exchange order (computed once, read-only)."""
-        if self._levels is None:
-            self._levels = MappingProxyType(exchange_levels(self.exchange_order()))
-        return self._levels
-
-    def backward_exchange_order(self) -> Mapping[tuple[int, int], int]:
-        """The position of every exchanging pair in the order every rank runs its backward
-        exchanges: `exchange_order()` or its reverse, whichever the backward modelled step by
-        step ends sooner (`order.backward_order`; computed once, read-only)."""
-        if self._backward_order is None:
-            self._backward_order = MappingProxyType(self._backward_of(self.exchange_order()))
-        return self._backward_order
-
-    def _backward_of(self, order: Mapping[tuple[int, int], int]) -> dict[tuple[int, int], int]:
-        """`order.backward_order` of a forward `order` (backward kernel seconds in the
-        pipelined schedule the model assumes)."""
-        ev = self.evaluation
-        steps, total = self._pipelined_step_seconds(backward=True)
-        return backward_order(order, exchange_seconds(ev.traffic_tokens, self.cost_model, self.inner_size), steps,
-                              total.tolist())
-
-    def _orders_of(self, order: dict[tuple[int, int], int]) -> tuple[Mapping[tuple[int, int], int], ...]:
-        """A forward `order`, its levels, the backward's order (`_backward_of`) and its
-        levels, read-only."""
-        backward = self._backward_of(order)
-        return tuple(MappingProxyType(o) for o in (order, exchange_levels(order), backward, exchange_levels(backward)))
-
-    def _backward_exchange_levels(self) -> Mapping[tuple[int, int], int]:
-        """`program.exchange_levels` of the backward's exchange order (computed once, read-only)."""
-        if self._backward_levels is None:
-            self._backward_levels = MappingProxyType(exchange_levels(self.backward_exchange_order()))
-        return self._backward_levels
-
-    def _choose_together(self, keep_rank: int | None) -> None:
+    def _choose_together(self, keep_rank: int | None, link: dict[tuple[int, int], int], steps: _StepSeconds) -> None:
         """Choose the exchange order and the schedule every rank runs by all ranks' compiled
-        programs timed together (`timeline.joint_schedule`), keeping the K/V: the link order
-        in either schedule, or the order paced by the kernels (`order.paced_exchange_order`,
-        built for the pipelined forward) in the pipelined one; the first of those on a tie.
-        Sets the orders, their levels and `_chosen`. Of the programs compiled the plan keeps
-        only `keep_rank`'s, in the order and schedule it will run (another rank's, or one it
-        will not run, would go with the plan wherever it is pickled)."""
-        model, inner, ev = self.cost_model, self.inner_size, self.evaluation
-        link = exchange_order(ev.traffic_tokens, model, inner)
-        paced = paced_exchange_order(exchange_seconds(ev.traffic_tokens, model, inner), *self._forward_step_seconds())
+        programs timed together (`timeline.joint_schedule`), keeping the K/V: the `link`
+        order in either schedule, or the order paced by the kernels
+        (`order.paced_exchange_order`, built for the pipelined forward) in the pipelined one;
+        the first of those on a tie. Of the programs compiled the plan keeps only
+        `keep_rank`'s, in the order and schedule it will run (another rank's, or one it will
+        not run, would go with the plan wherever it is pickled)."""
+        paced = paced_exchange_order(steps.exchange_s, steps.forward, steps.local)
         orders = {"link": link} if paced == link else {"link": link, "paced": paced}
         # each: the forward order, its levels, the backward's order and its levels
-        ordered = {name: self._orders_of(order) for name, order in orders.items()}
+        ordered = {name: self._orders_of(order, steps) for name, order in orders.items()}
         options = [("link", "gathered"), ("link", "pipelined"), ("paced", "pipelined")]
         best = None
         for name, schedule in (option for option in options if option[0] in ordered):
@@ -378,7 +369,7 @@ class Plan:
             with _gc_paused():
                 programs = [compile_program(self.placement, r, self._get_layout(), schedule, order, levels,
                                             backward_levels) for r in range(self.outer_size)]
-            times = joint_schedule(programs, inner, self.capacity, model)
+            times = joint_schedule(programs, self.inner_size, self.capacity, self.cost_model)
             if best is None or max(t.total_s for t in times) < max(t.total_s for t in best[2]):
                 best = (ordered[name], schedule, times, programs)
         (self._order, self._levels, self._backward_order, self._backward_levels), schedule, times, programs = best
