@@ -152,10 +152,12 @@ def test_paced_order_waits_for_the_step_in_flight():
 def test_paced_forward_is_the_timelines_pipelined_forward(corpus):
     """Fed the compiled programs' own costs, the paced order's model of the pipelined forward
     ends each rank when the timeline (`joint_schedule`'s forward) does, in the link order
-    and in the paced one: the order is built on the model the choice is timed with."""
+    and in the paced one: the order is built on the model the choice is timed with (most
+    plans here have a paced order other than the link order)."""
     from megatron_sap.planning import timeline
 
     model = CostModel.preset("h100")
+    differ = 0
     for cu in pack(document_lengths(corpus), 32 * 1024, 2, seed=3):
         for outer, inner in ((8, 1), (4, 2), (16, 1)):
             plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cost_model=model, cache=None)
@@ -172,12 +174,13 @@ def test_paced_forward_is_the_timelines_pipelined_forward(corpus):
                     pair = (min(r, peer), max(r, peer))
                     exchange_s[pair] = max(exchange_s.get(pair, 0.0), x)
             paced = paced_exchange_order(exchange_s, step_s, local_s)
-            assert paced != link
+            differ += paced != link
             for order in (link, paced):
                 programs = [compile_program(plan.placement, r, None, "pipelined", order, exchange_levels(order))
                             for r in range(outer)]
                 ends = timeline._run(programs, [p.forward_events() for p in programs], False, inner, model, alone=False)
                 assert paced_forward(exchange_s, step_s, local_s, order)[1] == pytest.approx(ends, rel=1e-12)
+    assert differ >= 4  # of the 6 plans
 
 
 def test_backward_seconds_steps_through_the_order():

@@ -203,7 +203,7 @@ def order_options(plan):
 
 @pytest.mark.parametrize("cu, outer_size, inner_size, chosen", [
     ([0, 416, 694, 1342, 2347, 2604, 3072], 3, 1, ("link", "pipelined")),
-    ([0, 1086, 1665, 6004, 7592, 11434, 11867, 16384], 8, 1, ("paced", "pipelined")),
+    ([0, 3948, 8334, 11608, 12288], 6, 1, ("paced", "pipelined")),
     ([0, 198, 297, 2195, 2667, 3072], 6, 1, ("paced", "pipelined")),
     ([0, 3072], 3, 1, None),
     ([0, 900, 2500, 2600, 8192], 4, 2, None),
@@ -214,7 +214,7 @@ def test_auto_runs_the_order_and_schedule_all_ranks_together_finish_soonest(cu, 
     schedule in which all ranks together finish soonest, of the link order in either
     schedule and the paced order in the pipelined one (the first on a tie); the plan's
     time is that one's. On the first row the slowest rank alone would choose the gathered
-    schedule; on the next two the paced order beats the link order's best by 19% and 12%."""
+    schedule; on the next two the paced order beats the link order's best by 17% and 12%."""
     plan = sap.plan_sequences(cu, outer_size=outer_size, inner_size=inner_size, cache=None)
     orders, times = order_options(plan)
     best = min(times, key=times.get)  # the first of equals: dicts keep their order

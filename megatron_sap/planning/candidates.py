@@ -37,7 +37,9 @@ def candidates(
     balancing ranks would cross nodes, spread over one node instead), over FILL_MIN_RANKS
     outer ranks or more with `fill` only. Over FILL_MIN_RANKS outer ranks or more where
     every document fits on one rank, every greedy pass but the spread one runs with `fill`
-    only. The greedy passes start as one build."""
+    only. Under FILL_MIN_RANKS outer ranks, last, the zigzag greedy passes again with `fill`,
+    weighing the ranks by their projected loads (`GreedyPasses.density`: a rank's tiles plus its room
+    at the work per token of the documents left). The greedy passes start as one build."""
     passes = GreedyPasses(doc_starts, lengths, num_ranks, capacity, model, inner_size)
     # The passes without `fill`: all of them but over FILL_MIN_RANKS outer ranks or more
     # where every document fits on one rank (there they differ from their fill ones only in
@@ -51,6 +53,12 @@ def candidates(
     if num_ranks >= FILL_MIN_RANKS:
         members += [(greedy_name(s, "zigzag", fill=True), 2 * len(slacks) + 6 + i, s, "zigzag", None, True)
                     for i, s in enumerate(slacks)]
+    else:
+        # Last of all, the zigzag passes with `fill` weighing the ranks by their projected
+        # loads (over FILL_MIN_RANKS outer ranks or more they were all but never chosen, at
+        # a quarter more planning time).
+        members += [(greedy_name(s, "zigzag", fill=True, projected=True), 5 * len(slacks) + 7 + i, s, "zigzag", None, True,
+                     True) for i, s in enumerate(slacks)]
     builds: list[Build] = []
     if num_ranks > 1:
         spread_slack = min(slacks, default=0.0)

@@ -1,23 +1,28 @@
 """Evaluate a placement under the cost model: per-rank work, traffic and modelled time.
 
-The executor's program runs, on each outer rank, one step per peer. Forward, the
-transfers run one after another while the local blocks and then each step's blocks
-compute, a step's blocks once its transfer is in (the executor posts each transfer one
-step ahead; `timeline` times that, with one hardware queue, and the ranks together). Backward, each step's blocks
-run and their dK/dV go back at once, one transfer after another, and the local blocks
-run last. With the m steps taken as equal (x = X / m, r = C_remote / m), per rank:
+The executor's program runs, on each outer rank, one step per peer, on a GPU with one
+hardware queue (`timeline`: a transfer leaves the queue once the kernels queued before it
+are done, and no kernel queued after it starts before it has left). Forward, the first
+transfer is posted and the local blocks run under it; each later transfer is posted one
+step ahead, so it waits for the kernels queued before it, and a step's blocks run once
+its transfer is in and the next one has left. Backward, each step's blocks run and their
+dK/dV go back, one transfer after another, each waiting for its step; the local blocks
+run after the last return has left. With the m steps taken as equal (x = X / m,
+r = C_remote / m), per rank:
 
-    forward  = C                                    if the rank receives nothing
-             = max(C, x + C_remote, X + r)          otherwise
-    backward = b C                                  if the rank receives nothing
-             = max(b C, b r + X, b C_remote + x)    otherwise
+    forward  = C                                                  if the rank receives nothing
+             = max(x, C_local) + (m - 1) max(x, r) + r            otherwise
+    backward = b C                                                if the rank receives nothing
+             = b r + (m - 1) max(b r, x) + max(b C_local, x)      otherwise
 
-(the forward's last step computes from max over steps i of i x + (m - i + 1) r, or the
-local blocks end later; the backward's last gradient arrives after max over i of
-i b r + (m - i + 1) x). C is the kernel time of all the rank's blocks, C_local that of
-blocks whose keys are local, C_remote = C - C_local, b = `backward_factor`, X the
-transfer time (max of its send and receive sides, each message paying the latency) and m
-the number of messages it receives. The backward pass returns dK/dV over the same links
+C is the kernel time of all the rank's blocks, C_local that of blocks whose keys are
+local, C_remote = C - C_local, b = `backward_factor`, X the transfer time (max of its
+send and receive sides, each message paying the latency) and m the number of messages it
+receives. A rank that waits for partners busy with other exchanges is not modelled here:
+`timeline.joint_schedule` times that on the compiled programs. (Before 2026-12-05 the
+forward was max(C, x + C_remote, X + r) and the backward max(b C, b r + X, b C_remote +
+x), as if transfers overlapped the local blocks whatever the order they were queued in:
+never more, and on rows of many small exchanges much less, than the timeline.) The backward pass returns dK/dV over the same links
 with the same bytes. With an inner (Ulysses) group of U ranks every outer quantity is
 split over U head slices and the all-to-all of q, k, v, out (and their gradients) is
 added, not overlapped. The layer time is the largest rank time (the makespan).
@@ -182,10 +187,10 @@ def evaluate(placement: Placement, inner_size: int, model: CostModel) -> Evaluat
 
     # The pipelines of the module docstring, over m equal steps.
     m = np.maximum(messages, 1)
-    x, remote = xfer / m, comp - local
-    forward = np.maximum.reduce([comp, x + remote, xfer + remote / m])
+    x, r = xfer / m, (comp - local) / m
     b = model.backward_factor
-    backward = np.maximum.reduce([b * comp, b * remote / m + xfer, b * remote + x])
+    forward = np.maximum(x, local) + (m - 1) * np.maximum(x, r) + r
+    backward = b * r + (m - 1) * np.maximum(b * r, x) + np.maximum(b * local, x)
     receives = messages > 0
     a2a_bytes, a2a_time = ulysses_cost(model, placement.capacity, U, R)
     rank_time = np.where(receives, forward, comp) + np.where(receives, backward, b * comp) + a2a_time

@@ -12,7 +12,10 @@ or, where the fewest ranks that balance it outnumber a node's, over as many rank
 node as it can (SPREAD_NODE: balance bought with fast links only); with
 `fill`, a document that fits on one rank but finds no rank with room for it whole goes
 through the rooms left in consecutive chunks, each fill starting where the last ended.
-Ranks of one node are preferred for a split.
+Ranks of one node are preferred for a split. With `projected`, "least loaded" reads the
+ranks' projected loads: a rank's tile pairs plus its room at the work per token of the
+documents still to place (`GreedyPasses.density`), so that a rank with much room left is not
+taken for light while what must fill it is still to come.
 
 The passes at every slack and split mode run as one build while they place documents
 alike, and part where they choose differently (`GreedyBuild.step`).
@@ -55,6 +58,7 @@ def greedy(
     split: str = "zigzag",
     spread: str | None = None,
     fill: bool = False,
+    projected: bool = False,
 ) -> Placement:
     """Sequence-aware placement: keep documents whole, split the ones that would
     overload a rank over as few ranks as possible, preferring ranks of one node
@@ -65,24 +69,27 @@ def greedy(
     ranks that fit the limit outnumber a node's, as wide as that allows inside one node
     (SPREAD_NODE, `_DocChoices.node_wide`), instead of over the fewest ranks; with
     `fill`, a document that fits on one rank where none has room for it whole is cut
-    through the rooms (`_DocChoices.fill`) instead of weighed by load."""
+    through the rooms (`_DocChoices.fill`) instead of weighed by load; with `projected`, the
+    ranks are weighed by their projected loads (`GreedyPasses.density`)."""
     passes = GreedyPasses(doc_starts, lengths, num_ranks, capacity, model, inner_size)
-    (placement,) = build_all([passes.build([(greedy_name(slack, split, spread, fill), 0, slack, split, spread, fill)])]).values()
+    name = greedy_name(slack, split, spread, fill, projected)
+    (placement,) = build_all([passes.build([(name, 0, slack, split, spread, fill, projected)])]).values()
     return placement
 
 
-def greedy_name(slack: float, split: str, spread: str | None = None, fill: bool = False) -> str:
+def greedy_name(slack: float, split: str, spread: str | None = None, fill: bool = False, projected: bool = False) -> str:
     """The pass's candidate name; the slack short (``0.25``) where that reads back as the
     same number, else in full, so that passes at different slacks never share a name."""
     text = f"{slack:g}"
     if float(text) != slack:
         text = repr(float(slack))
     mode = {None: "", SPREAD_WIDE: ", spread", SPREAD_NODE: ", node spread"}[spread]
-    return f"greedy(slack={text}, {split}{mode}{', fill' if fill else ''})"
+    return f"greedy(slack={text}, {split}{mode}{', fill' if fill else ''}{', projected' if projected else ''})"
 
 
 class _Member(NamedTuple):
-    """One greedy pass: its candidate name and index, its load slack, split, spread and fill mode."""
+    """One greedy pass: its candidate name and index, its load slack, split, spread and fill
+    mode, and whether it weighs the ranks by their projected loads."""
 
     name: str
     index: int
@@ -90,6 +97,7 @@ class _Member(NamedTuple):
     split: str
     spread: str | None
     fill: bool
+    projected: bool = False
 
 
 class GreedyPasses:
@@ -129,10 +137,19 @@ class GreedyPasses:
         # at least ceil(room / unit) tiles of pairs more (`Tally.expect`).
         in_order = np.asarray(lengths, dtype=np.int64)[self.order]
         self.units = np.minimum(np.maximum.accumulate(in_order[::-1])[::-1], self.tile).tolist() + [0]
+        # At each position of the order, the tile pairs per token of the documents after it
+        # (0 at the last). Every rank's room is filled from those, so a rank's projected
+        # load is its tiles plus its room at that density: the projected loads sum to the
+        # total work, and a rank with much room left is as loaded as what will fill it.
+        # Weighing ranks by it keeps the heavy documents off ranks that must still take many
+        # tokens (which the plain load, blind to the room, gives them while they are light).
+        pairs_after = np.cumsum(np.asarray(self.cost, dtype=np.float64)[self.order][::-1])[::-1]
+        tokens_after = np.cumsum(in_order[::-1])[::-1]
+        self.density = [p / t for p, t in zip(pairs_after[1:].tolist(), tokens_after[1:].tolist())] + [0.0]
 
-    def build(self, members: Sequence[tuple[str, int, float, str, str | None, bool]]) -> Build:
-        """The passes (name, index, slack, split, spread, fill), built together while they
-        place documents alike."""
+    def build(self, members: Sequence[tuple]) -> Build:
+        """The passes (name, index, slack, split, spread, fill[, projected]), built together
+        while they place documents alike."""
         build = GreedyBuild(self, tuple(_Member(*m) for m in members), Tally(self.R, self.inner_size, self.model),
                             [self.capacity] * self.R, [], 0, None)
         build._count_rooms(range(self.R), raise_floor=True)
@@ -188,14 +205,17 @@ class _DocChoices:
     and kept for the other passes when `shared`. `spill` is the rank the state's last
     fill left part-filled (see `fill`)."""
 
-    __slots__ = ("greedy", "d", "load", "room", "n", "c", "by_load", "whole_rank", "shared", "spill",
+    __slots__ = ("greedy", "d", "load", "room", "n", "c", "density", "by_load", "whole_rank", "shared", "spill",
                  "_sorted_loads", "_roomy", "_rooms", "_widest", "_splits", "_slots", "_fragments", "_node_wide",
                  "filled")
 
-    def __init__(self, greedy: GreedyPasses, d: int, load: list[int], room: list[int], by_load: list[int],
-                 whole_rank: int | None, shared: bool, spill: int | None):
+    def __init__(self, greedy: GreedyPasses, d: int, load: list[float], room: list[int], by_load: list[int],
+                 whole_rank: int | None, shared: bool, spill: int | None, density: float = 0.0):
         self.greedy, self.d, self.load, self.room, self.shared, self.spill = greedy, d, load, room, shared, spill
-        self.n, self.c = greedy.lengths[d], greedy.cost[d]
+        # With projected loads (`density` > 0) a piece adds its cost less what its tokens were
+        # projected to cost, as placing it fills that much of its rank's room.
+        self.n, self.density = greedy.lengths[d], density
+        self.c = greedy.cost[d] - self.n * density
         self.by_load, self.whole_rank = by_load, whole_rank  # see `GreedyBuild.step`
         self._sorted_loads: list[int] | None = None
         self._roomy: list[int] | None = None  # the ranks with room, least loaded first
@@ -284,6 +304,8 @@ class _DocChoices:
             near = self._node_local(k, eligible)
             if near == first:
                 near = first
+        if self.density:
+            heavy = [cost - cut.sizes[slot] * self.density for cost, slot in zip(heavy, cut.order)]
         peak_first = max(map(add, map(load.__getitem__, first), heavy))
         peak_near = peak_first if near is first else max(map(add, map(load.__getitem__, near), heavy))
         return near, first, peak_near, peak_first, cut
@@ -370,43 +392,55 @@ class GreedyBuild(Build):
         self.names = tuple(m.name for m in members)
         self.indices = tuple(m.index for m in members)
         self.index = members[0].index
-        self.tightest = min(m.slack for m in members)
+        # The members by how they weigh the ranks (plain loads first, then projected), with
+        # each group's tightest slack.
+        self.views = tuple((projected, group, min(m.slack for m in group))
+                           for projected in (False, True)
+                           for group in [tuple(m for m in members if m.projected == projected)] if group)
         self.floor_s = self.tally.floor_s
 
     def step(self) -> list[Build]:
-        g, load, room = self.greedy, self.tally.tiles, self.room
+        g, tiles, room = self.greedy, self.tally.tiles, self.room
         d = g.order[self.position]
         n = g.lengths[d]
-        # The least-loaded rank with room for the whole document (ties: the lowest rank),
-        # most often simply the least-loaded rank.
-        by_load, whole = None, None
-        if n <= g.capacity:
-            whole = load.index(min(load))
-            if room[whole] < n:
-                by_load = sorted(range(g.R), key=load.__getitem__)
-                whole = next((r for r in by_load if room[r] >= n), None)
-        if whole is not None and load[whole] + g.cost[d] <= (1.0 + self.tightest) * g.share:
-            # Kept whole by the tightest pass, so by all: a larger slack only raises the
-            # limit, and the split and spread modes change only how a document is split.
-            self._place(d, ((whole,), split_cut(n, 1, "contiguous", g.tile)))
-            return [self]
-        if by_load is None:
-            by_load = sorted(range(g.R), key=load.__getitem__)
-        doc = _DocChoices(g, d, load, room, by_load, whole, len(self.members) > 1, self.spill)
-        if len(self.members) == 1:
-            m = self.members[0]
-            choice = g.choose(doc, m.slack, m.split, m.spread, m.fill)
-            self._place(d, choice, filled=choice is doc.filled)
-            return [self]
+        whole_cut = None
+        # Members that choose alike, by (ranks, cut, whether a fill chose it): a document on
+        # one rank is the same placement whichever way it was chosen.
         groups: dict[tuple, tuple[tuple[tuple[int, ...], Cut], list[_Member]]] = {}
-        for m in self.members:
-            choice = g.choose(doc, m.slack, m.split, m.spread, m.fill)
-            groups.setdefault((choice[0], id(choice[1])), (choice, []))[1].append(m)
+        for projected, members, tightest in self.views:
+            density = g.density[self.position] if projected else 0.0
+            load = [t + r * density for t, r in zip(tiles, room)] if projected else tiles
+            # The least-loaded rank with room for the whole document (ties: the lowest rank),
+            # most often simply the least-loaded rank.
+            by_load, whole = None, None
+            if n <= g.capacity:
+                whole = load.index(min(load))
+                if room[whole] < n:
+                    by_load = sorted(range(g.R), key=load.__getitem__)
+                    whole = next((r for r in by_load if room[r] >= n), None)
+            if whole is not None and load[whole] + g.cost[d] - n * density <= (1.0 + tightest) * g.share:
+                # Kept whole by the tightest pass, so by all: a larger slack only raises the
+                # limit, and the split and spread modes change only how a document is split.
+                if whole_cut is None:
+                    whole_cut = split_cut(n, 1, "contiguous", g.tile)
+                groups.setdefault(((whole,), None, False), (((whole,), whole_cut), []))[1].extend(members)
+                continue
+            if by_load is None:
+                by_load = sorted(range(g.R), key=load.__getitem__)
+            doc = _DocChoices(g, d, load, room, by_load, whole, len(members) > 1, self.spill, density)
+            for m in members:
+                choice = g.choose(doc, m.slack, m.split, m.spread, m.fill)
+                filled = choice is doc.filled
+                key = (choice[0], None if len(choice[0]) == 1 else id(choice[1]), filled)
+                groups.setdefault(key, (choice, []))[1].append(m)
+        if len(groups) == 1:
+            ((_, _, filled), (choice, _)), = groups.items()
+            self._place(d, choice, filled=filled)
+            return [self]
         parted = [self] + [self._copy() for _ in range(len(groups) - 1)]
-        for build, (choice, members) in zip(parted, groups.values()):
-            if len(groups) > 1:
-                build._join(tuple(members))  # before placing: a finished placement takes the first name
-            build._place(d, choice, filled=choice is doc.filled)
+        for build, ((_, _, filled), (choice, members)) in zip(parted, groups.items()):
+            build._join(tuple(members))  # before placing: a finished placement takes the first name
+            build._place(d, choice, filled=filled)
         return parted
 
     def _count_rooms(self, ranks: Sequence[int], raise_floor: bool) -> None:

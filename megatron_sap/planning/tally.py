@@ -5,15 +5,17 @@ tally keeps, per outer rank, the tile pairs it computes (and those whose keys it
 holds), the seconds its KV sends and receives take (bytes over its links' bandwidth,
 plus the latency of each message: one per pair of ranks that exchange anything) and
 `floor_s`: the slowest rank's floor, forward and backward. A pass of a rank that
-receives m messages takes (see `evaluate`)
+receives m messages takes at least (`evaluate` has the whole model)
 
-    forward  = max(C, X/m + C_remote, X + C_remote/m)
-    backward = max(b C, X + b C_remote/m, X/m + b C_remote)
+    forward  >= max(C, X/m + C_remote, X + C_remote/m)
+    backward >= max(b C, X + b C_remote/m, X/m + b C_remote)
 
 and one that receives nothing its kernels. With R - 1 (the most messages a rank can
-receive) for m, these bound it from below, and adding documents lowers none of C,
-C_remote and X, so `floor_s` bounds from below the modelled layer time of every
-placement that completes the candidate. A builder that knows more of what is to come
+receive) for m, these bound it from below; so do C_local + X (m - 1) / m forward and
+b C_local + X (m - 1) / m backward with the messages it receives so far (the transfers
+after the first queued behind the local blocks), and adding documents lowers none of C,
+C_local, C_remote, X and m, so `floor_s` bounds from below the modelled layer time of
+every placement that completes the candidate. A builder that knows more of what is to come
 (the greedy: every rank's room must be filled, at a tile of pairs per tile row at the
 least) adds it to C as `pending` local pairs (`expect`). A candidate whose floor is
 already slower than the fastest one so far is given up there. Once every document is
@@ -125,11 +127,16 @@ class Tally:
         floor = self.floor_s
         for r in ranks:
             c = (tiles[r] + pending[r]) * pair_s
-            if messages[r]:
+            m = messages[r]
+            if m:
                 x = send_s[r] if send_s[r] > recv_s[r] else recv_s[r]
                 remote = c - (local[r] + pending[r]) * pair_s
-                forward = max(c, x + remote / most, remote + x / most)
-                rank_floor = forward + max(backward * c, x + backward * remote / most, backward * remote + x / most)
+                # The transfers after the first wait for the local blocks queued before them.
+                queued = x * (m - 1) / m
+                held = local[r] * pair_s
+                forward = max(c, x + remote / most, remote + x / most, held + queued)
+                rank_floor = forward + max(backward * c, x + backward * remote / most, backward * remote + x / most,
+                                           backward * held + queued)
             else:
                 rank_floor = (1.0 + backward) * c
             if rank_floor > floor:
