@@ -10,6 +10,7 @@ from .tally import Tally
 
 # From this many outer ranks the greedy passes are weighed with `fill` too: rooms are small
 # there, and the last documents' cuts by load scatter over many ranks (docs/planner.md).
+# Under it only the projected passes fill.
 FILL_MIN_RANKS = 32
 
 
