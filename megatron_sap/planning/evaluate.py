@@ -22,10 +22,11 @@ receives. A rank that waits for partners busy with other exchanges is not modell
 `timeline.joint_schedule` times that on the compiled programs. (Before 2026-12-05 the
 forward was max(C, x + C_remote, X + r) and the backward max(b C, b r + X, b C_remote +
 x), as if transfers overlapped the local blocks whatever the order they were queued in:
-never more, and on rows of many small exchanges much less, than the timeline.) The backward pass returns dK/dV over the same links
-with the same bytes. With an inner (Ulysses) group of U ranks every outer quantity is
-split over U head slices and the all-to-all of q, k, v, out (and their gradients) is
-added, not overlapped. The layer time is the largest rank time (the makespan).
+never more, and on rows of many small exchanges much less, than the timeline.) The
+backward pass returns dK/dV over the same links with the same bytes. With an inner
+(Ulysses) group of U ranks every outer quantity is split over U head slices and the
+all-to-all of q, k, v, out (and their gradients) is added, not overlapped. The layer time
+is the largest rank time (the makespan).
 """
 from __future__ import annotations
 

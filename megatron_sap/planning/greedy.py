@@ -217,7 +217,7 @@ class _DocChoices:
         self.n, self.density = greedy.lengths[d], density
         self.c = greedy.cost[d] - self.n * density
         self.by_load, self.whole_rank = by_load, whole_rank  # see `GreedyBuild.step`
-        self._sorted_loads: list[int] | None = None
+        self._sorted_loads: list[float] | None = None
         self._roomy: list[int] | None = None  # the ranks with room, least loaded first
         self._rooms: list[int] | None = None  # their rooms, ascending
         self._widest: int | None = None
@@ -228,7 +228,7 @@ class _DocChoices:
         self.filled: tuple[tuple[int, ...], Cut] | None = None
 
     @property
-    def sorted_loads(self) -> list[int]:
+    def sorted_loads(self) -> list[float]:
         if self._sorted_loads is None:
             self._sorted_loads = list(map(self.load.__getitem__, self.by_load))
         return self._sorted_loads
