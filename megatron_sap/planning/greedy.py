@@ -461,6 +461,7 @@ class GreedyBuild(Build):
             self.spill = ranks[-1] if room[ranks[-1]] else None
         self.position += 1
         self._count_rooms(ranks, raise_floor=False)  # before `add` raises their floors
+        self.tally.close([r for r in ranks if not room[r]])
         self.tally.add(ranks, cut)
         if g.units[self.position] != g.units[self.position - 1]:  # shorter documents left: every room costs more
             self._count_rooms([r for r in range(g.R) if room[r]], raise_floor=True)

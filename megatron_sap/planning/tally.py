@@ -5,21 +5,25 @@ tally keeps, per outer rank, the tile pairs it computes (and those whose keys it
 holds), the seconds its KV sends and receives take (bytes over its links' bandwidth,
 plus the latency of each message: one per pair of ranks that exchange anything) and
 `floor_s`: the slowest rank's floor, forward and backward. A pass of a rank that
-receives m messages takes at least (`evaluate` has the whole model)
+receives m messages takes (`evaluate` has the whole model; x = X/m, r = C_remote/m)
 
-    forward  >= max(C, X/m + C_remote, X + C_remote/m)
-    backward >= max(b C, X + b C_remote/m, X/m + b C_remote)
+    forward  = max(x, C_local) + (m - 1) max(x, r) + r
+             >= C_local + (m - 1)/m max(X, C_remote) + C_remote/m,  and >= max(X, C_remote) + min(X, C_remote)/m
+    backward = b r + (m - 1) max(b r, x) + max(b C_local, x)
+             >= b C_local + (m - 1)/m max(X, b C_remote) + b C_remote/m,  and >= max(X, b C_remote) + min(X, b C_remote)/m
 
-and one that receives nothing its kernels. With R - 1 (the most messages a rank can
-receive) for m, these bound it from below; so do C_local + X (m - 1) / m forward and
-b C_local + X (m - 1) / m backward with the messages it receives so far (the transfers
-after the first queued behind the local blocks), and adding documents lowers none of C,
-C_local, C_remote, X and m, so `floor_s` bounds from below the modelled layer time of
-every placement that completes the candidate. A builder that knows more of what is to come
-(the greedy: every rank's room must be filled, at a tile of pairs per tile row at the
-least) adds it to C as `pending` local pairs (`expect`). A candidate whose floor is
-already slower than the fastest one so far is given up there. Once every document is
-in, the tally holds all that `evaluate` needs.
+and one that receives nothing its kernels, (1 + b) C. Adding documents lowers none of
+C_local, C_remote, X and m; the first bounds grow with m, so with the messages a rank
+receives so far they bound every placement that completes the candidate, and the
+second ones do with R - 1 (the most messages a rank can receive) for m. So `floor_s`
+bounds from below the modelled layer time of every such placement. A builder that knows
+more of what is to come (the greedy: every rank's room must be filled, at a tile of pairs
+per tile row at the least) adds it as `pending` pairs (`expect`), counted where they cost
+least: remote in the first bounds (a pair adds 1/m there while the transfers dominate),
+not at all in the second, in C for a rank that receives nothing; and once a rank takes no
+more pieces (`close`: its room is full), its floor is its modelled time. A candidate whose
+floor is already slower than the fastest one so far is given up there. Once every
+document is in, the tally holds all that `evaluate` needs.
 """
 from __future__ import annotations
 
@@ -64,6 +68,8 @@ class Tally:
         self.receives_from = [0] * num_ranks
         self.tokens = 0
         self.pending = [0] * num_ranks  # tile pairs each rank will compute at least, beyond `tiles` (see `expect`)
+        self.closed = [False] * num_ranks  # ranks that take no more pieces (see `close`)
+        self.head_fraction = 1.0 / inner_size
         self.floor_s = 0.0
 
     def copy(self) -> Tally:
@@ -71,7 +77,7 @@ class Tally:
         other = copy.copy(self)
         other.tiles, other.local, other.send_s, other.recv_s = self.tiles[:], self.local[:], self.send_s[:], self.recv_s[:]
         other.messages, other.sends_to, other.receives_from = self.messages[:], self.sends_to[:], self.receives_from[:]
-        other.pending = self.pending[:]
+        other.pending, other.closed = self.pending[:], self.closed[:]
         return other
 
     def matches(self, inner_size: int, model: CostModel) -> bool:
@@ -108,7 +114,7 @@ class Tally:
     def expect(self, ranks: Sequence[int], pairs: Sequence[int], raise_floor: bool = True) -> None:
         """Rank `ranks[i]` will compute at least `pairs[i]` tile pairs beyond its `tiles`
         once every document is in (what is left of its room, at the least a document can
-        cost there), all of their keys local at best: the floor counts them (with
+        cost there): the floor counts them where they cost least (module docstring; with
         `raise_floor`, at once). The caller keeps `tiles + pending` of every rank from
         falling as documents arrive."""
         pending = self.pending
@@ -117,28 +123,58 @@ class Tally:
         if raise_floor:
             self._raise_floor(ranks)
 
+    def close(self, ranks: Iterable[int]) -> None:
+        """These ranks take no more pieces (their room is full): nothing of theirs changes
+        any more, so their floor is their modelled time (`rank_seconds`), raised when next
+        `add` or `expect` touches them."""
+        closed = self.closed
+        for r in ranks:
+            closed[r] = True
+
+    def rank_seconds(self, r: int) -> float:
+        """Rank r's forward + backward as `evaluate` models them, in its arithmetic."""
+        model, b = self.model, self.backward_factor
+        comp = model.compute_seconds(float(self.tiles[r]), head_fraction=self.head_fraction)
+        m = self.messages[r]
+        if not m:
+            return comp + b * comp
+        local = model.compute_seconds(float(self.local[r]), head_fraction=self.head_fraction)
+        x = max(self.send_s[r], self.recv_s[r]) / m
+        rs = (comp - local) / m
+        forward = max(x, local) + (m - 1) * max(x, rs) + rs
+        return forward + (b * rs + (m - 1) * max(b * rs, x) + max(b * local, x))
+
     def _raise_floor(self, ranks: Iterable[int]) -> None:
         """`floor_s` with these ranks' floors as they are now (a rank's floor only grows)."""
-        # Each pass of a rank that receives: its pipeline (see the module docstring) with
-        # the most messages it could get; of one that receives nothing, its kernels.
-        tiles, local, pending = self.tiles, self.local, self.pending
+        # Each pass of a rank that receives: the bounds of the module docstring; of one that
+        # receives nothing, its kernels; of a closed rank, its modelled time.
+        tiles, local, pending, closed = self.tiles, self.local, self.pending, self.closed
         pair_s, backward, send_s, recv_s, messages = self.pair_s, self.backward_factor, self.send_s, self.recv_s, self.messages
         most = self.most_messages
         floor = self.floor_s
         for r in ranks:
-            c = (tiles[r] + pending[r]) * pair_s
+            if closed[r]:
+                rank_floor = self.rank_seconds(r)
+                if rank_floor > floor:
+                    floor = rank_floor
+                continue
             m = messages[r]
             if m:
                 x = send_s[r] if send_s[r] > recv_s[r] else recv_s[r]
-                remote = c - (local[r] + pending[r]) * pair_s
-                # The transfers after the first wait for the local blocks queued before them.
-                queued = x * (m - 1) / m
                 held = local[r] * pair_s
-                forward = max(c, x + remote / most, remote + x / most, held + queued)
-                rank_floor = forward + max(backward * c, x + backward * remote / most, backward * remote + x / most,
-                                           backward * held + queued)
+                remote = tiles[r] * pair_s - held
+                # The bounds of the module docstring: (m - 1)/m max(X, C_remote) + C_remote/m
+                # with the messages so far, the pending pairs remote (where they cost least),
+                # and with the most messages.
+                at_least = remote + pending[r] * pair_s
+                larger = x if x > at_least else at_least
+                forward = max(held + larger - (larger - at_least) / m, x + remote / most, remote + x / most)
+                at_least *= backward
+                larger = x if x > at_least else at_least
+                rank_floor = forward + max(backward * held + larger - (larger - at_least) / m,
+                                           x + backward * remote / most, backward * remote + x / most)
             else:
-                rank_floor = (1.0 + backward) * c
+                rank_floor = (1.0 + backward) * (tiles[r] + pending[r]) * pair_s
             if rank_floor > floor:
                 floor = rank_floor
         self.floor_s = floor
