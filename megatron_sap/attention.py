@@ -496,7 +496,7 @@ def sap_attention(
     check_bool(check_agreement, "check_agreement")
     if check_finite is not None and not isinstance(check_finite, bool):
         raise TypeError(f"check_finite must be True, False or None (MEGATRON_SAP_CHECK_FINITE), got {check_finite!r}")
-    scale = resolve_softmax_scale(q.shape[2], softmax_scale)
+    scale = resolve_softmax_scale(q.shape[2], softmax_scale, q.dtype)
     # The backend and dtype are checked here, before any exchange is posted: an error
     # raised between posting and waiting would leave the peers' transfers pending.
     backend = resolve_backend(backend, q.device, q.dtype, q.shape[2])

@@ -89,7 +89,7 @@ def simulate_plan(
         if t.shape[0] != plan.total_tokens:
             raise ValueError(f"{name} must be the whole batch [T={plan.total_tokens}, heads, head_dim], "
                              f"got shape {tuple(t.shape)}")
-    scale = resolve_softmax_scale(q.shape[2], softmax_scale)
+    scale = resolve_softmax_scale(q.shape[2], softmax_scale, q.dtype)
     acc_dtype = _accumulation_dtype(q.dtype)
     device = q.device
     R = plan.outer_size

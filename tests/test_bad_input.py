@@ -235,6 +235,30 @@ def test_sap_attention_rejects_a_non_finite_softmax_scale(scale: float) -> None:
         sap.sap_attention(q, k, v, _plan([0, 8]), softmax_scale=scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_softmax_scale_beyond_the_score_dtype_is_refused(dtype: torch.dtype) -> None:
+    """Half and single precision inputs have their scores computed in float32: a scale
+    beyond its range made every output 0 or NaN without a word."""
+    q, k, v = _qkv(8, dtype=dtype)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    pattern = r"softmax_scale -?1e\+39 overflows torch\.float32, the dtype the scores of torch\.\w+ inputs are computed in"
+    with pytest.raises(ValueError, match=pattern):
+        sap.sap_attention(q, k, v, _plan([0, 8]), softmax_scale=1e39)
+    with pytest.raises(ValueError, match=pattern):
+        varlen_forward(q, k, v, cu, cu, 8, 8, True, 1e39)
+    with pytest.raises(ValueError, match=pattern):
+        varlen_forward(q, k, v, cu, cu, 8, 8, True, -1e39)
+
+
+def test_float64_inputs_take_a_float64_scale() -> None:
+    """Their scores are float64: a scale beyond float32 is theirs to use."""
+    q, k, v = _qkv(8, dtype=torch.float64)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    out, lse = varlen_forward(q * 1e-40, k, v, cu, cu, 8, 8, True, 1e40)
+    reference, _ = varlen_forward(q, k, v, cu, cu, 8, 8, True, 1.0)
+    torch.testing.assert_close(out, reference)
+
+
 def test_stats_take_a_preset_by_name() -> None:
     plan = _plan([0, 5, 16], outer=2)
     assert plan.stats(cost_model="h200") == plan.stats(cost_model=sap.CostModel.preset("h200"))

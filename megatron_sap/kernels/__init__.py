@@ -169,22 +169,28 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
                 raise ValueError(f"max_seqlen for {name} is {max_seqlen}, below its longest segment ({longest})")
 
 
-def resolve_softmax_scale(head_dim: int, softmax_scale: float | None) -> float:
+def resolve_softmax_scale(head_dim: int, softmax_scale: float | None, dtype: torch.dtype = torch.float32) -> float:
     """The scale of the scores: `softmax_scale`, default head_dim ** -0.5; checked a finite
     real number (a NaN or infinite scale would make every output NaN; a string or a bool is
-    a mistake that `float` would accept)."""
+    a mistake that `float` would accept) that is finite in the dtype the kernels compute the
+    scores of `dtype` inputs in (float32, float64 for float64: beyond it every output would
+    be NaN or 0)."""
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)):
         raise TypeError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    score_dtype = _lse_dtype(dtype)
+    if abs(scale) > torch.finfo(score_dtype).max:
+        raise ValueError(f"softmax_scale {softmax_scale!r} overflows {score_dtype}, the dtype the scores of {dtype} "
+                         "inputs are computed in")
     return scale
 
 
 def _call_scale(q: Tensor, causal: bool, softmax_scale: float | None) -> float:
     """`resolve_softmax_scale` for a kernel call, with `causal` checked a bool."""
     check_bool(causal, "causal")
-    return resolve_softmax_scale(q.shape[2], softmax_scale)
+    return resolve_softmax_scale(q.shape[2], softmax_scale, q.dtype)
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
