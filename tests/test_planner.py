@@ -30,8 +30,8 @@ from megatron_sap.planning.layouts import (BALANCED, DEALT, REFINED, ZigzagBuild
                                           refined_order, whole_packing)
 from megatron_sap.planning.placement import build_all
 from megatron_sap.planning.tally import Tally
-from megatron_sap.planning.plan import (DEFAULT_SLACKS, TIME_RESOLUTION_S, TIME_TOLERANCE, TIMELINE_BAND, TIMELINE_CANDIDATES,
-                                        at_bound)
+from megatron_sap.planning.plan import (DEFAULT_SLACKS, STEP_CHOICE_RANKS, TIME_RESOLUTION_S, TIME_TOLERANCE, TIMELINE_BAND,
+                                        TIMELINE_CANDIDATES, at_bound, step_level_seconds)
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MAX_TOKENS = 768  # keeps the dense T x T coverage matrices small
@@ -1179,9 +1179,62 @@ def pruned_count(seed: int, outer: int, inner: int) -> int:
         assert at_bound(plan.evaluation.makespan_s, bound)
     else:
         near = [(p, ev) for p, ev in evaluations if ev.makespan_s <= fastest * (1 + TIME_TOLERANCE)]
-        chosen = min(near, key=lambda pe: (pe[1].traffic_total, pe[1].makespan_s))[0]
+        # Up to STEP_CHOICE_RANKS outer ranks, of the near candidates none outmoves (as fast and
+        # fewer bytes), the one the step-level models end soonest; then the fewest bytes.
+        front = [(p, ev) for p, ev in near
+                 if not any(o.makespan_s <= ev.makespan_s and o.traffic_total < ev.traffic_total for _, o in near)]
+        steps = (lambda p, ev: step_level_seconds(p, ev, model, inner)) if outer <= STEP_CHOICE_RANKS else (lambda p, ev: 0.0)
+        chosen = min(front, key=lambda pe: (steps(*pe), pe[1].traffic_total, pe[1].makespan_s))[0]
         assert plan.placement.ranks == chosen.ranks
     return len(plan.pruned)
+
+
+def test_estimate_choice_weighs_the_step_level_models_among_the_near_candidates_none_outmoves():
+    """With `steps_of` (up to STEP_CHOICE_RANKS outer ranks): of the candidates within
+    TIME_TOLERANCE that no other near one outmoves (as fast or faster, fewer bytes), the one
+    the step-level models end soonest, then the fewest bytes; beyond the tolerance, the fastest."""
+    from types import SimpleNamespace
+
+    from megatron_sap.planning.plan import _estimate_choice
+
+    def candidate(index, seconds, traffic, steps):
+        return (index, SimpleNamespace(steps=steps), SimpleNamespace(makespan_s=seconds, traffic_total=traffic))
+
+    def steps_of(placement, ev):
+        return placement.steps
+
+    fast = candidate(0, 1.0, 100, 3.0)
+    near = candidate(1, 1.0 + TIME_TOLERANCE / 2, 50, 2.0)
+    outmoved = candidate(2, 1.0 + TIME_TOLERANCE / 2, 120, 1.0)  # slower than `fast`, more bytes: out
+    far = candidate(3, 1.0 + 2 * TIME_TOLERANCE, 10, 0.5)
+    assert _estimate_choice([fast, near, outmoved, far], 1.0, steps_of) == near
+    assert _estimate_choice([fast, near, outmoved, far], 1.0) == near  # by bytes alone, the same here
+    sooner = candidate(4, 1.0 + TIME_TOLERANCE / 4, 60, 1.5)  # more bytes than `near`, but faster: in
+    assert _estimate_choice([fast, near, sooner], 1.0, steps_of) == sooner
+    assert _estimate_choice([fast, near, sooner], 1.0) == near
+    tie = candidate(5, 1.0 + TIME_TOLERANCE / 4, 55, 1.5)  # equal step-level time: fewer bytes
+    assert _estimate_choice([fast, near, sooner, tie], 1.0, steps_of) == tie
+    assert _estimate_choice([fast, far], 1.0, steps_of) == fast
+
+
+def test_step_level_choice_keeps_ranks_from_waiting_for_each_other():
+    """A realistic 32K row at `1 x 8`: greedy passes at slack 0 and 0.02 and the spread pass
+    are within TIME_TOLERANCE by the estimate. The one moving the fewest bytes makes ranks
+    wait for busy peers; the step-level models see it, and the plan takes the spread layout,
+    over 10% faster with all ranks' programs timed together."""
+    cu, outer, inner = realistic_cu_seqlens(32768, 38), 8, 1
+    model = CostModel.preset("h100")
+    plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
+    evaluations = {p.strategy: evaluate(p, inner, model) for p in candidates_of(cu, outer, inner)}
+    fastest = min(ev.makespan_s for ev in evaluations.values())
+    near = {name: ev for name, ev in evaluations.items() if ev.makespan_s <= fastest * (1 + TIME_TOLERANCE)}
+    by_bytes = min(near, key=lambda name: (near[name].traffic_total, near[name].makespan_s))
+    assert plan.strategy in near and plan.strategy != by_bytes
+    placements = {p.strategy: p for p in candidates_of(cu, outer, inner)}
+    other = sap.Plan(tuple(cu), outer, inner, model, placements[by_bytes], near[by_bytes], {})
+    assert step_level_seconds(plan.placement, plan.evaluation, model, inner) < step_level_seconds(
+        other.placement, other.evaluation, model, inner)
+    assert plan.stats()["modelled_time_s"] < 0.9 * other.stats()["modelled_time_s"]
 
 
 def test_estimate_choice_takes_the_fewest_bytes_within_the_tolerance():
@@ -1203,7 +1256,8 @@ def test_estimate_choice_takes_the_fewest_bytes_within_the_tolerance():
     assert _estimate_choice([fast, candidate(4, 1.0, 100)], 1.0) == fast
 
 
-@pytest.mark.parametrize("seed, outer, inner", [(0, 8, 1), (1, 8, 1), (2, 8, 8), (3, 4, 2), (4, 64, 1)])
+@pytest.mark.parametrize("seed, outer, inner", [(0, 8, 1), (1, 8, 1), (2, 8, 8), (3, 4, 2), (4, 64, 1), (27, 8, 1), (27, 4, 2),
+                                               (30, 8, 2)])
 def test_pruning_does_not_change_the_plan(seed, outer, inner):
     pruned_count(seed, outer, inner)
 

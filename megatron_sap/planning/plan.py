@@ -12,7 +12,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -45,7 +45,11 @@ GATHERED_PREFERENCE = 0.02
 # grows as R^2).
 JOINT_SCHEDULE_RANKS = 16
 DEFAULT_COST_MODEL = CostModel.preset("h100")
-TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on bytes moved
+TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on the step-level models, then bytes moved
+# Up to this many outer ranks the candidates within TIME_TOLERANCE of the fastest estimate
+# compete on the step-level models of all ranks together (`order.layer_seconds`: 0.4-0.9 ms a
+# candidate at 8 outer ranks, 2-10 ms at 16), then on the bytes they move; beyond, on bytes.
+STEP_CHOICE_RANKS = 8
 TIME_RESOLUTION_S = 10e-6  # a candidate this close to the lower bound ends the search (see `at_bound`)
 # How `plan_sequences` chooses among the candidates: by the planner's own estimate
 # (`evaluate`), or by the executor's schedule of their compiled programs, all ranks
@@ -297,13 +301,7 @@ class Plan:
 
     def _step_seconds(self) -> _StepSeconds:
         """What the step-level models read, worked out once per choice (`_StepSeconds`)."""
-        model, inner, ev = self.cost_model, self.inner_size, self.evaluation
-        pairs = step_pairs(self.placement)
-        forward, backward = (model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=b, head_fraction=1.0 / inner)
-                             for b in (False, True))
-        return _StepSeconds(exchange_seconds(ev.traffic_tokens, model, inner), (pairs * forward).tolist(),
-                            (ev.tile_pairs * forward - (pairs * forward).sum(1)).tolist(), pairs * backward,
-                            (ev.tile_pairs * backward).tolist())
+        return step_seconds(self.placement, self.evaluation, self.cost_model, self.inner_size)
 
     def _orders_of(self, order: dict[tuple[int, int], int], steps: _StepSeconds) -> tuple[Mapping[tuple[int, int], int], ...]:
         """A forward `order`, its levels, the backward's order (`order.backward_order`) and its
@@ -677,6 +675,30 @@ def _cache_key_values(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[int, ..
     return None
 
 
+def step_seconds(placement: Placement, ev: Evaluation, model: CostModel, inner_size: int) -> _StepSeconds:
+    """What the step-level models of `placement` (evaluated as `ev`) read (`_StepSeconds`)."""
+    pairs = step_pairs(placement)
+    forward, backward = (model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=b, head_fraction=1.0 / inner_size)
+                         for b in (False, True))
+    return _StepSeconds(exchange_seconds(ev.traffic_tokens, model, inner_size), (pairs * forward).tolist(),
+                        (ev.tile_pairs * forward - (pairs * forward).sum(1)).tolist(), pairs * backward,
+                        (ev.tile_pairs * backward).tolist())
+
+
+def step_level_seconds(placement: Placement, ev: Evaluation, model: CostModel, inner_size: int) -> float:
+    """The pipelined layer of `placement`, all ranks together, under the step-level models
+    (`order.layer_seconds`), in the link order or the paced one, whichever ends sooner: what
+    the candidates near the fastest estimate compete on (`_estimate_choice`). Unlike the
+    estimate, it sees a rank wait for a peer busy with its own kernels or exchanges (a
+    contiguous split's chain of exchanges, say); the all-to-alls, the same for every
+    candidate, are left out."""
+    steps = step_seconds(placement, ev, model, inner_size)
+    link = exchange_order(ev.traffic_tokens, model, inner_size)
+    paced = paced_exchange_order(steps.exchange_s, steps.forward, steps.local)
+    inputs = (steps.exchange_s, steps.forward, steps.local, steps.backward.tolist(), steps.backward_total)
+    return min(layer_seconds(order, *inputs) for order in ((link,) if paced == link else (link, paced)))
+
+
 def _outmoved(build: Build, floor_s: float, evaluated: list[tuple[int, Placement, Evaluation]]) -> bool:
     """Whether a finished candidate no slower than `build` can finish (its floor) moves
     fewer KV tokens than `build` already does: then `build` loses to it whenever both
@@ -715,7 +737,9 @@ def plan_sequences(
     balancing orders, and over 32 outer ranks or more the greedy passes that fill the
     last rooms in a chain) are evaluated with the cost model; the one
     with the lowest modelled forward+backward layer time wins (within 1%, the one that
-    moves fewer bytes). The search stops at the first candidate within 1% or 10 us of
+    moves fewer bytes; up to STEP_CHOICE_RANKS outer ranks, of those no other is as fast
+    with fewer bytes, the one the step-level models of all ranks together end soonest).
+    The search stops at the first candidate within 1% or 10 us of
     the lower bound (every document computed whole, spread evenly, no communication but
     the Ulysses all-to-alls), which no other candidate could beat by more than that; a
     candidate is given up as soon as the floor of its ranks' pipelines makes it over 1%
@@ -871,15 +895,28 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
             break
     if by_timeline:
         return _timed_choice(cu, outer_size, inner_size, model, slacks, evaluated, fastest, considered, pruned)
-    _, placement, ev = _estimate_choice(evaluated, fastest)
+    steps_of = None
+    if outer_size <= STEP_CHOICE_RANKS:
+        steps_of = lambda placement, ev: step_level_seconds(placement, ev, model, inner_size)  # noqa: E731
+    _, placement, ev = _estimate_choice(evaluated, fastest, steps_of)
     return Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks)
 
 
-def _estimate_choice(evaluated: list[tuple[int, Placement, Evaluation]], fastest: float) -> tuple[int, Placement, Evaluation]:
+def _estimate_choice(evaluated: list[tuple[int, Placement, Evaluation]], fastest: float,
+                     steps_of: Callable[[Placement, Evaluation], float] | None = None) -> tuple[int, Placement, Evaluation]:
     """The choice by estimate: the fastest candidate; among those within TIME_TOLERANCE of
     it, the one that moves the fewest bytes (less contention with other traffic for the
-    same modelled time), then the faster, then the earlier candidate."""
+    same modelled time), then the faster, then the earlier candidate. With `steps_of`, of
+    those near candidates that no other is at least as fast as and moves fewer bytes than,
+    the one the step-level models end sooner (`step_level_seconds`, which sees ranks wait for
+    each other) comes first. A candidate another near one outmoves that way is out either
+    way (`_outmoved` gives it up unfinished)."""
     near = [(i, p, ev) for i, p, ev in evaluated if ev.makespan_s <= fastest * (1 + TIME_TOLERANCE)]
+    if steps_of is not None and len(near) > 1:
+        near = [(i, p, ev) for i, p, ev in near
+                if not any(o.makespan_s <= ev.makespan_s and o.traffic_total < ev.traffic_total for _, _, o in near)]
+        if len(near) > 1:
+            return min(near, key=lambda ipe: (steps_of(ipe[1], ipe[2]), ipe[2].traffic_total, ipe[2].makespan_s, ipe[0]))
     return min(near, key=lambda ipe: (ipe[2].traffic_total, ipe[2].makespan_s, ipe[0]))
 
 
