@@ -11,6 +11,7 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
@@ -895,9 +896,7 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
             break
     if by_timeline:
         return _timed_choice(cu, outer_size, inner_size, model, slacks, evaluated, fastest, considered, pruned)
-    steps_of = None
-    if outer_size <= STEP_CHOICE_RANKS:
-        steps_of = lambda placement, ev: step_level_seconds(placement, ev, model, inner_size)  # noqa: E731
+    steps_of = partial(step_level_seconds, model=model, inner_size=inner_size) if outer_size <= STEP_CHOICE_RANKS else None
     _, placement, ev = _estimate_choice(evaluated, fastest, steps_of)
     return Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks)
 
