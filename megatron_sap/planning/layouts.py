@@ -470,6 +470,6 @@ class WholeBuild(Build):
         records = [Record(d, self.starts[d], (where[d],), split_cut(n, 1, "contiguous", tile))
                    for d, n in enumerate(self.lengths) if n > 0]
         self.tally.add_whole([rec.ranks[0] for rec in records], [rec.cut.costs[0] for rec in records])
-        self.floor_s = self.tally.floor_s
+        self.floor_s = max(self.floor_s, self.tally.floor_s)  # the mean, rounded otherwise, may be the larger by an ulp
         self.placement = finish_placement(self.capacity, R, records, "whole", self.tally)
         return [self]

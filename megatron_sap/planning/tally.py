@@ -174,7 +174,7 @@ class Tally:
                 rank_floor = forward + max(backward * held + larger - (larger - at_least) / m,
                                            x + backward * remote / most, backward * remote + x / most)
             else:
-                rank_floor = (1.0 + backward) * (tiles[r] + pending[r]) * pair_s
+                rank_floor = (1.0 + backward) * ((tiles[r] + pending[r]) * pair_s)
             if rank_floor > floor:
                 floor = rank_floor
         self.floor_s = floor
