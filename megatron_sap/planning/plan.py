@@ -49,7 +49,8 @@ DEFAULT_COST_MODEL = CostModel.preset("h100")
 TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on the step-level models, then bytes moved
 # Up to this many outer ranks the candidates within TIME_TOLERANCE of the fastest estimate
 # compete on the step-level models of all ranks together (`order.layer_seconds`: 0.4-0.9 ms a
-# candidate at 8 outer ranks, 2-10 ms at 16), then on the bytes they move; beyond, on bytes.
+# candidate at 8 outer ranks), then on the bytes they move; beyond, on bytes (at 16 outer ranks
+# the models gained nothing on average, docs/planner.md "Choice").
 STEP_CHOICE_RANKS = 8
 TIME_RESOLUTION_S = 10e-6  # a candidate this close to the lower bound ends the search (see `at_bound`)
 # How `plan_sequences` chooses among the candidates: by the planner's own estimate
