@@ -590,6 +590,22 @@ def test_core_batch_hooks_take_the_plan_the_loader_made() -> None:
         DEFAULT_CACHE.clear()
 
 
+def test_loader_of_a_stage_that_reads_no_data_plans_nothing(monkeypatch) -> None:
+    """A middle pipeline stage's model chunks take the first stage's documents and plans; with
+    --sft from core_v0.18 it still builds a data loader (for the rows' boundaries), whose
+    workers would plan rows nobody uses: its dataset is not wrapped."""
+    from megatron_sap.megatron import hooks
+    from megatron_sap.megatron.loader import PLAN_KEY
+
+    args = SimpleNamespace(cp_comm_type=["sap"], reset_position_ids=True, dataloader_type="single", num_workers=1)
+    build = hooks.wrap_build_pretraining_data_loader(
+        lambda dataset, consumed: torch.utils.data.DataLoader(dataset, batch_size=1, num_workers=args.num_workers),
+        get_args=lambda: args)
+    assert PLAN_KEY in next(iter(build(_Rows([[5, 9, 2]]), 0)))
+    monkeypatch.setattr(hooks, "rank_reads_no_data", lambda: True)
+    assert PLAN_KEY not in next(iter(build(_Rows([[5, 9, 2]]), 0)))
+
+
 def _core_v019_pretrain(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func,
                         model_provider=None, process_non_loss_data_func=None, store=None):
     """Megatron-LM core_v0.19's `pretrain` signature: a config container, no `extra_args_provider`."""

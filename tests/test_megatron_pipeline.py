@@ -142,13 +142,14 @@ def run_host_group_rank(rank: int, world_size: int) -> dict:
     from megatron.core import parallel_state
 
     from megatron_sap.megatron import groups, initialize_sap_parallel
-    from megatron_sap.megatron.stages import documents_for, send_documents
+    from megatron_sap.megatron.stages import documents_for, rank_reads_no_data, send_documents
 
     rows = [[0, 5, 8], [0, 8], [0, 1, 2, 8]]
     found: dict = {}
     try:
         initialize_sap_parallel(inner_size=1, outer_size=2, pipeline_model_parallel_size=3)
         stage = parallel_state.get_pipeline_model_parallel_rank()
+        found["reads no data"] = rank_reads_no_data()
         if stage < 2:  # the last stage reads its own data and never joins
             host = groups.pipeline_host_group()[0]
             found["members"] = dist.get_process_group_ranks(host)
@@ -187,6 +188,7 @@ def test_documents_go_over_a_host_group_of_the_first_and_middle_stages(pool6) ->
             assert r["members"] == pipeline[:2] and r["own group"] and "prepare_pipeline_host_group" in r["unprepared"]
             assert r["same host"]
         assert r["made again"] == 0
+        assert r["reads no data"] is (r["stage"] == 1)  # its data loader plans nothing
         if r["stage"] == 1:
             assert r["received"] == [(cu, b"plan") for cu in ([0, 5, 8], [0, 8], [0, 1, 2, 8])]
 

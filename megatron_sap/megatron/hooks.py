@@ -61,7 +61,7 @@ from .compat import (MLA_ROPE_TABLE_REFUSED, TRAINING_LAYOUT_REFUSED, chunk_awar
 from .groups import prepare_pipeline_host_group, tensor_parallel_host_group
 from .loader import PLAN_KEY, PlannedDataset, adopt_loader_plan, host_boundaries, loader_plan_bytes, loader_planning
 from .rope import install_sap_rope
-from .stages import documents_for, reads_no_data, send_documents
+from .stages import documents_for, rank_reads_no_data, reads_no_data, send_documents
 from .specs import swap_core_attention, use_sap_core_attention
 
 _INSTALLED = False
@@ -520,7 +520,9 @@ def wrap_build_pretraining_data_loader(build: Callable, get_args: Callable[[], A
     (`loader.PlannedDataset`), with SAP on and `--sap-plan-in-data-loader` (the default), for the
     loaders Megatron builds itself (`--dataloader-type single` or `cyclic`) with workers
     (`--num-workers` > 0: without, the training process would plan there and pay the pickling
-    on top). A function wrapped already is returned as it is."""
+    on top), except on a rank none of whose model chunks reads data (`stages.rank_reads_no_data`:
+    they take the first stage's plans; with `--sft` from core_v0.18 a middle stage still reads
+    the rows, for their boundaries). A function wrapped already is returned as it is."""
     if getattr(build, "_sap_hook", False):
         return build
 
@@ -529,7 +531,7 @@ def wrap_build_pretraining_data_loader(build: Callable, get_args: Callable[[], A
         megatron_args = get_args()
         if (dataset is not None and sap_requested(megatron_args) and getattr(megatron_args, "sap_plan_in_data_loader", True)
                 and getattr(megatron_args, "dataloader_type", "single") in ("single", "cyclic")
-                and getattr(megatron_args, "num_workers", 0) > 0):
+                and getattr(megatron_args, "num_workers", 0) > 0 and not rank_reads_no_data()):
             dataset = PlannedDataset(dataset, loader_planning(bool(getattr(megatron_args, "reset_position_ids", False))))
         return build(dataset, *args, **kwargs)
 

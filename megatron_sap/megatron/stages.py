@@ -72,6 +72,13 @@ def reads_no_data(chunk: Optional[int]) -> bool:
     return not (stage == 0 and chunk == 0) and not (stage == last_stage and chunk == last_chunk)
 
 
+def rank_reads_no_data() -> bool:
+    """Whether no model chunk of this rank gets a batch from `pretrain_gpt.get_batch` (a middle
+    pipeline stage's): all of them take each micro-batch's documents and plan from the first
+    stage (`documents_for`)."""
+    return all(reads_no_data(chunk) for chunk in range(_chunks()))
+
+
 def send_documents(documents: Optional[list[int]], plan_bytes: Optional[bytes]) -> None:
     """On a first pipeline stage whose pipeline has chunks that read no data, post this
     micro-batch's documents and pickled plan to the stages that run them (and keep them for its
