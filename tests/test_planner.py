@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import megatron_sap as sap
-from megatron_sap.plan import main as plan_cli
+from megatron_sap.plan import describe, main as plan_cli
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
 from megatron_sap.planning.evaluate import evaluate, inner_peer_links, rank_work, ulysses_cost, whole_documents_s
 from megatron_sap.planning.candidates import FILL_MIN_RANKS, candidates
@@ -1236,6 +1236,10 @@ def test_step_level_choice_keeps_ranks_from_waiting_for_each_other():
     assert step_level_seconds(plan.placement, plan.evaluation, model, inner) < step_level_seconds(
         other.placement, other.evaluation, model, inner)
     assert plan.stats()["modelled_time_s"] < 0.9 * other.stats()["modelled_time_s"]
+    stepped = plan.stats()["candidates_step_level_s"]  # the near candidates weighed, the chosen one the soonest
+    assert set(stepped) == set(near) and min(stepped, key=stepped.get) == plan.strategy
+    assert stepped[plan.strategy] == step_level_seconds(plan.placement, plan.evaluation, model, inner)
+    assert "(step-level" in describe(plan)
 
 
 def test_estimate_choice_takes_the_fewest_bytes_within_the_tolerance():

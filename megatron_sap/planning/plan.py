@@ -11,7 +11,6 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
@@ -112,6 +111,7 @@ class Plan:
     slacks: tuple[float, ...] = DEFAULT_SLACKS  # the greedy passes' load slacks it was planned with
     choose_by: str = "estimate"  # how it was chosen among the candidates (CHOOSE_BY)
     timed: dict[str, float] = field(default_factory=dict)  # choose_by="timeline": the timed candidates' makespans
+    stepped: dict[str, float] = field(default_factory=dict)  # the near candidates' step-level seconds, where weighed
     _layout: _Layout | None = field(default=None, repr=False)
     _order: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
     _levels: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
@@ -495,6 +495,9 @@ class Plan:
             "candidates_modelled_time_s": dict(self.considered),
             "candidates_pruned_floor_s": dict(self.pruned),
             "candidates_timeline_s": dict(self.timed),  # choose_by="timeline": the timed candidates' modelled_time_s
+            # up to STEP_CHOICE_RANKS outer ranks, the near candidates weighed on the step-level models
+            # (`step_level_seconds`, all-to-alls left out), where more than one was
+            "candidates_step_level_s": dict(self.stepped),
         }
 
 
@@ -897,9 +900,14 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
             break
     if by_timeline:
         return _timed_choice(cu, outer_size, inner_size, model, slacks, evaluated, fastest, considered, pruned)
-    steps_of = partial(step_level_seconds, model=model, inner_size=inner_size) if outer_size <= STEP_CHOICE_RANKS else None
-    _, placement, ev = _estimate_choice(evaluated, fastest, steps_of)
-    return Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks)
+    stepped: dict[str, float] = {}
+
+    def steps_of(placement: Placement, ev: Evaluation) -> float:
+        stepped[placement.strategy] = step_level_seconds(placement, ev, model, inner_size)
+        return stepped[placement.strategy]
+
+    _, placement, ev = _estimate_choice(evaluated, fastest, steps_of if outer_size <= STEP_CHOICE_RANKS else None)
+    return Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks, stepped=stepped)
 
 
 def _estimate_choice(evaluated: list[tuple[int, Placement, Evaluation]], fastest: float,
