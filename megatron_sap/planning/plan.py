@@ -89,6 +89,14 @@ class _StepSeconds(NamedTuple):
     backward: np.ndarray
     backward_total: list[float]
 
+    def paced_order(self) -> dict[tuple[int, int], int]:
+        """`order.paced_exchange_order` of these steps."""
+        return paced_exchange_order(self.exchange_s, self.forward, self.local)
+
+    def layer_seconds(self, order: Mapping[tuple[int, int], int]) -> float:
+        """`order.layer_seconds` of these steps with the exchanges in `order`."""
+        return layer_seconds(order, self.exchange_s, self.forward, self.local, self.backward.tolist(), self.backward_total)
+
 
 @dataclass(eq=False)
 class Plan:
@@ -341,9 +349,8 @@ class Plan:
                  for s, p in programs.items()}
         schedule = "gathered" if alone["gathered"] <= alone["pipelined"] * (1 + GATHERED_PREFERENCE) else "pipelined"
         if schedule == "pipelined" and len(link) <= MAX_PACED_PAIRS:
-            paced = paced_exchange_order(steps.exchange_s, steps.forward, steps.local)
-            model_inputs = (steps.exchange_s, steps.forward, steps.local, steps.backward.tolist(), steps.backward_total)
-            if paced != link and layer_seconds(paced, *model_inputs) < layer_seconds(link, *model_inputs):
+            paced = steps.paced_order()
+            if paced != link and steps.layer_seconds(paced) < steps.layer_seconds(link):
                 orders = self._orders_of(paced, steps)
         self._order, self._levels, self._backward_order, self._backward_levels = orders
         self._chosen = (schedule, None)
@@ -358,7 +365,7 @@ class Plan:
         the first of those on a tie. Of the programs compiled the plan keeps only
         `keep_rank`'s, in the order and schedule it will run (another rank's, or one it will
         not run, would go with the plan wherever it is pickled)."""
-        paced = paced_exchange_order(steps.exchange_s, steps.forward, steps.local)
+        paced = steps.paced_order()
         orders = {"link": link} if paced == link else {"link": link, "paced": paced}
         # each: the forward order, its levels, the backward's order and its levels
         ordered = {name: self._orders_of(order, steps) for name, order in orders.items()}
@@ -698,10 +705,8 @@ def step_level_seconds(placement: Placement, ev: Evaluation, model: CostModel, i
     contiguous split's chain of exchanges, say); the all-to-alls, the same for every
     candidate, are left out."""
     steps = step_seconds(placement, ev, model, inner_size)
-    link = exchange_order(ev.traffic_tokens, model, inner_size)
-    paced = paced_exchange_order(steps.exchange_s, steps.forward, steps.local)
-    inputs = (steps.exchange_s, steps.forward, steps.local, steps.backward.tolist(), steps.backward_total)
-    return min(layer_seconds(order, *inputs) for order in ((link,) if paced == link else (link, paced)))
+    link, paced = exchange_order(ev.traffic_tokens, model, inner_size), steps.paced_order()
+    return min(steps.layer_seconds(order) for order in ((link,) if paced == link else (link, paced)))
 
 
 def _outmoved(build: Build, floor_s: float, evaluated: list[tuple[int, Placement, Evaluation]]) -> bool:
