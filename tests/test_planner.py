@@ -736,6 +736,35 @@ def test_cache_hits_misses_and_identity():
     assert sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=cache) is not first
 
 
+def test_a_pickled_plan_leaves_its_layout_behind_and_compiles_every_program_alike():
+    """A plan pickled in a loader's worker leaves the pieces' layout out (only compiling
+    another program reads it); unpickled, it compiles every rank's programs, in both
+    schedules and with recompute_kv, exactly as the plan it was made from."""
+    from megatron_sap.bench.data import document_lengths
+    from megatron_sap.bench.packing import pack
+    from megatron_sap.planning.program import SCHEDULES
+
+    def fields(program) -> tuple:  # kernel calls and transfers compare by identity: by their fields here
+        def call(c):
+            return (c.q_ranges, c.k_ranges, c.causal, c.seqlens)
+
+        steps = tuple((t.round, t.level, t.backward_level, t.send_peer, t.send_ranges, t.recv_peer, t.recv_tokens,
+                       tuple(map(call, t.calls))) for t in program.transfers)
+        return program.rank, program.num_tokens, program.schedule, tuple(map(call, program.local_calls)), steps
+
+    cu = pack(document_lengths("sharegpt"), 16 * 1024, 1, seed=3)[0]
+    plan = sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=None)
+    plan.program(1)
+    shipped = pickle.loads(pickle.dumps(plan))
+    assert plan._layout is not None and shipped._layout is None and shipped == plan
+    assert fields(shipped.program(1)) == fields(plan.program(1)) and shipped._layout is None  # carried
+    for rank in range(4):
+        for schedule in SCHEDULES:
+            assert fields(shipped.program(rank, schedule=schedule)) == fields(plan.program(rank, schedule=schedule))
+        assert fields(shipped.backward_program(rank, recompute_kv=True)) == fields(plan.backward_program(rank, recompute_kv=True))
+    assert shipped.memory_bytes(0) == plan.memory_bytes(0)
+
+
 def test_cache_evicts_least_recently_used():
     cache = PlanCache(maxsize=2)
     a, b, c = [0, 8], [0, 4, 8], [0, 2, 8]
