@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import megatron_sap as sap
 from megatron_sap.plan import describe, main as plan_cli
 from megatron_sap.planning import DEFAULT_CACHE, CostModel, PlanCache
-from megatron_sap.planning.evaluate import evaluate, inner_peer_links, rank_work, ulysses_cost, whole_documents_s
+from megatron_sap.planning.evaluate import evaluate, inner_peer_links, rank_work, step_pairs, ulysses_cost, whole_documents_s
 from megatron_sap.planning.candidates import FILL_MIN_RANKS, candidates
 from megatron_sap.planning.cuts import Cut, _chunks, chunk_sizes, ring_cut, split_cut, split_need, tile_pairs, whole_pairs
 from megatron_sap.planning.greedy import SPREAD_NODE, SPREAD_WIDE, GreedyPasses, greedy, heaviest_first
@@ -197,6 +197,20 @@ def work_from_pieces(placement, cu: list[int], model: CostModel) -> tuple[list[i
                 if src != dst:
                     traffic[src, dst] += sum(o.end - o.start for o in others if o.doc == doc and o.end <= last_start)
     return exact, tiles, local, traffic
+
+
+def step_pairs_from_pieces(placement, cu: list[int]) -> np.ndarray:
+    """[R, R]: the causal pairs of rank q's queries on the keys rank k holds, k != q, read off
+    the pieces pair by pair (an independent reference for `step_pairs`)."""
+    R = placement.num_ranks
+    pairs = np.zeros((R, R))
+    for q, queries in enumerate(placement.ranks):
+        for k, keys in enumerate(placement.ranks):
+            if k != q:
+                pairs[q, k] = sum(sum(min(key.end, row + 1) - key.start for row in range(query.start, query.end)
+                                      if row >= key.start)
+                                  for query in queries for key in keys if key.doc == query.doc)
+    return pairs
 
 
 @settings(max_examples=300, deadline=None)
@@ -649,6 +663,7 @@ def test_every_candidate_evaluates_as_its_pieces(batch):
         exact, tiles, local, traffic = work_from_pieces(placement, cu, model)
         got_exact, got_traffic = rank_work(placement)
         assert got_exact.tolist() == exact and (got_traffic == traffic).all(), placement.strategy
+        assert step_pairs(placement).tolist() == step_pairs_from_pieces(placement, cu).tolist(), placement.strategy
         assert list(placement.tile_pairs) == tiles, placement.strategy
         ev = evaluate(placement, inner, model)
         assert ev.tile_pairs.tolist() == tiles and ev.local_pairs.tolist() == local, placement.strategy
