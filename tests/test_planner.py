@@ -1899,6 +1899,23 @@ def test_indices_are_the_callers_to_change():
     again = sap.plan_sequences(cu, outer_size=2)
     assert [again.local_indices(r).tolist() for r in range(2)] == expected
     assert sorted(again.position_ids(0).tolist() + again.position_ids(1).tolist()) == sorted([*range(5), *range(11)])
+    # The plan keeps them in int32 (half the bytes it is pickled in); callers get int64.
+    assert again.local_indices(0).dtype == again.group_indices(1).dtype == again.position_ids(0).dtype == torch.int64
+    assert {t.dtype for t in again._indices.values()} == {torch.int32}
+
+
+def test_indices_of_more_positions_than_int32_holds_stay_int64():
+    """A row past 2**31 - 1 tokens (planned here over its placement alone) keeps int64 indices."""
+    from megatron_sap.planning.placement import Piece
+
+    huge = 2**31 + 4
+    plan = sap.plan_sequences([0, 8], outer_size=2, cache=None)
+    plan.cu_seqlens = (0, huge - 8, huge)
+    last = Piece(doc=1, start=huge - 8, end=huge - 4)
+    plan.placement.__dict__["ranks"] = (plan.placement.ranks[0], (last,))
+    plan._indices.clear()
+    assert plan.group_indices(1).tolist() == list(range(huge - 8, huge - 4))
+    assert plan._indices[1].dtype == torch.int64
 
 
 @pytest.mark.parametrize("values", [

@@ -24,7 +24,7 @@ from .order import (MAX_PACED_PAIRS, backward_order, exchange_order, exchange_se
                     paced_exchange_order)
 from .candidates import candidates
 from .placement import Build, Placement
-from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _index_tensor, _Layout,
+from .program import (COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _Layout,
                       _one_run, check_schedule, compile_program, exchange_levels)
 from .timeline import RankSchedule, joint_schedule, plan_schedule, rank_schedule
 
@@ -206,16 +206,19 @@ class Plan:
         return [(p.doc, p.start, p.end) for p in self.placement.ranks[self._check_outer(outer_rank)]]
 
     def _group_indices(self, outer_rank: int) -> torch.Tensor:
-        """`group_indices`, the plan's own (cached) tensor."""
+        """`group_indices`, the plan's own (cached) tensor, int32 where the positions fit (half
+        the bytes of a plan pickled in a loader's worker, which carries it; the accessors
+        return int64 copies)."""
         if outer_rank not in self._indices:
-            pieces = self.placement.ranks[outer_rank]
-            self._indices[outer_rank] = _index_tensor(tuple(range(p.start, p.end) for p in pieces), CPU)
+            dtype = np.int32 if self.total_tokens <= np.iinfo(np.int32).max else np.int64
+            rows = [np.arange(p.start, p.end, dtype=dtype) for p in self.placement.ranks[outer_rank]]
+            self._indices[outer_rank] = torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, dtype=dtype))
         return self._indices[outer_rank]
 
     def group_indices(self, outer_rank: int) -> torch.Tensor:
         """Global positions of the outer group's T / R tokens, in its local order (a new
-        tensor: plans are shared through the cache)."""
-        return self._group_indices(self._check_outer(outer_rank)).clone()
+        int64 tensor: plans are shared through the cache)."""
+        return self._group_indices(self._check_outer(outer_rank)).to(torch.int64, copy=True)
 
     def local_indices(self, cp_rank: int) -> torch.Tensor:
         """Global packed positions this CP rank holds, in its local order (T / P of them; a
@@ -223,7 +226,7 @@ class Plan:
         cp_rank = self._check_rank(cp_rank)
         outer, inner = divmod(cp_rank, self.inner_size)
         n = self.local_tokens
-        return self._group_indices(outer)[inner * n : (inner + 1) * n].clone()
+        return self._group_indices(outer)[inner * n : (inner + 1) * n].to(torch.int64, copy=True)
 
     def position_ids(self, cp_rank: int) -> torch.Tensor:
         """Each local token's position inside its own document (for RoPE)."""
