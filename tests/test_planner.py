@@ -1270,6 +1270,7 @@ def test_step_level_choice_keeps_ranks_from_waiting_for_each_other():
     cu, outer, inner = realistic_cu_seqlens(32768, 38), 8, 1
     model = CostModel.preset("h100")
     plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
+    assert plan._steps is not None  # the choice's step-level inputs, handed on to the choice of order and schedule
     evaluations = {p.strategy: evaluate(p, inner, model) for p in candidates_of(cu, outer, inner)}
     fastest = min(ev.makespan_s for ev in evaluations.values())
     near = {name: ev for name, ev in evaluations.items() if ev.makespan_s <= fastest * (1 + TIME_TOLERANCE)}
@@ -1284,6 +1285,11 @@ def test_step_level_choice_keeps_ranks_from_waiting_for_each_other():
     assert set(stepped) == set(near) and min(stepped, key=stepped.get) == plan.strategy
     assert stepped[plan.strategy] == step_level_seconds(plan.placement, plan.evaluation, model, inner)
     assert "(step-level" in describe(plan)
+    # Read once and let go; a plan that works them out itself chooses alike.
+    again = sap.Plan(tuple(cu), outer, inner, model, plan.placement, plan.evaluation, {})
+    assert plan._steps is None and again._steps is None
+    assert dict(again.exchange_order()) == dict(plan.exchange_order()) and again.schedule(0) == plan.schedule(0)
+    assert dict(again.backward_exchange_order()) == dict(plan.backward_exchange_order())
 
 
 def test_estimate_choice_takes_the_fewest_bytes_within_the_tolerance():

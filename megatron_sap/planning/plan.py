@@ -97,6 +97,16 @@ class _StepSeconds(NamedTuple):
         """`order.layer_seconds` of these steps with the exchanges in `order`."""
         return layer_seconds(order, self.exchange_s, self.forward, self.local, self.backward.tolist(), self.backward_total)
 
+    def level_seconds(self, traffic_tokens: np.ndarray, model: CostModel, inner_size: int) -> float:
+        """The pipelined layer, all ranks together, under the step-level models
+        (`layer_seconds`), in the link order (`order.exchange_order` of the plan's
+        `traffic_tokens`) or the paced one, whichever ends sooner. Unlike the estimate, it
+        sees a rank wait for a peer busy with its own kernels or exchanges (a contiguous
+        split's chain of exchanges, say); the all-to-alls, the same for every candidate, are
+        left out."""
+        link, paced = exchange_order(traffic_tokens, model, inner_size), self.paced_order()
+        return min(self.layer_seconds(order) for order in ((link,) if paced == link else (link, paced)))
+
 
 @dataclass(eq=False)
 class Plan:
@@ -127,6 +137,9 @@ class Plan:
     _backward_levels: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
     _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    # what the step-level models read, where the choice among the candidates worked it out
+    # (`_step_seconds`); not pickled
+    _steps: _StepSeconds | None = field(default=None, repr=False)
     # the schedule every rank runs keeping the K/V (`_choose`), and up to JOINT_SCHEDULE_RANKS
     # outer ranks all ranks' times in it, run together
     _chosen: tuple[str, list[RankSchedule] | None] | None = field(default=None, repr=False)
@@ -313,8 +326,11 @@ class Plan:
         return self._backward_levels
 
     def _step_seconds(self) -> _StepSeconds:
-        """What the step-level models read, worked out once per choice (`_StepSeconds`)."""
-        return step_seconds(self.placement, self.evaluation, self.cost_model, self.inner_size)
+        """What the step-level models read (`_StepSeconds`), for the one choice of order and
+        schedule (`_choose`): the choice among the candidates' where it weighed this one
+        (then let go), else worked out now."""
+        steps, self._steps = self._steps, None
+        return steps or step_seconds(self.placement, self.evaluation, self.cost_model, self.inner_size)
 
     def _orders_of(self, order: dict[tuple[int, int], int], steps: _StepSeconds) -> tuple[Mapping[tuple[int, int], int], ...]:
         """A forward `order`, its levels, the backward's order (`order.backward_order`) and its
@@ -394,7 +410,7 @@ class Plan:
         back from the placement then (`_get_layout`): a tenth of the time to unpickle a
         128K-token plan, for a rank that runs the program the plan carries."""
         state = dict(self.__dict__)
-        state["_layout"] = None
+        state["_layout"] = state["_steps"] = None
         for name in ("_order", "_levels", "_backward_order", "_backward_levels"):
             if state.get(name) is not None:
                 state[name] = dict(state[name])
@@ -706,14 +722,9 @@ def step_seconds(placement: Placement, ev: Evaluation, model: CostModel, inner_s
 
 def step_level_seconds(placement: Placement, ev: Evaluation, model: CostModel, inner_size: int) -> float:
     """The pipelined layer of `placement`, all ranks together, under the step-level models
-    (`order.layer_seconds`), in the link order or the paced one, whichever ends sooner: what
-    the candidates near the fastest estimate compete on (`_estimate_choice`). Unlike the
-    estimate, it sees a rank wait for a peer busy with its own kernels or exchanges (a
-    contiguous split's chain of exchanges, say); the all-to-alls, the same for every
-    candidate, are left out."""
-    steps = step_seconds(placement, ev, model, inner_size)
-    link, paced = exchange_order(ev.traffic_tokens, model, inner_size), steps.paced_order()
-    return min(steps.layer_seconds(order) for order in ((link,) if paced == link else (link, paced)))
+    (`_StepSeconds.level_seconds`): what the candidates near the fastest estimate compete on
+    (`_estimate_choice`)."""
+    return step_seconds(placement, ev, model, inner_size).level_seconds(ev.traffic_tokens, model, inner_size)
 
 
 def _outmoved(build: Build, floor_s: float, evaluated: list[tuple[int, Placement, Evaluation]]) -> bool:
@@ -913,13 +924,16 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
     if by_timeline:
         return _timed_choice(cu, outer_size, inner_size, model, slacks, evaluated, fastest, considered, pruned)
     stepped: dict[str, float] = {}
+    steps: dict[str, _StepSeconds] = {}
 
     def steps_of(placement: Placement, ev: Evaluation) -> float:
-        stepped[placement.strategy] = step_level_seconds(placement, ev, model, inner_size)
+        steps[placement.strategy] = step_seconds(placement, ev, model, inner_size)
+        stepped[placement.strategy] = steps[placement.strategy].level_seconds(ev.traffic_tokens, model, inner_size)
         return stepped[placement.strategy]
 
     _, placement, ev = _estimate_choice(evaluated, fastest, steps_of if outer_size <= STEP_CHOICE_RANKS else None)
-    return Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks, stepped=stepped)
+    return Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks, stepped=stepped,
+                _steps=steps.get(placement.strategy))
 
 
 def _estimate_choice(evaluated: list[tuple[int, Placement, Evaluation]], fastest: float,
