@@ -408,7 +408,9 @@ class Plan:
         process): the exchange orders and levels, forward and backward, as plain dicts, and
         not the pieces' layout, which only compiling another program reads and which comes
         back from the placement then (`_get_layout`): a tenth of the time to unpickle a
-        128K-token plan, for a rank that runs the program the plan carries."""
+        128K-token plan, for a rank that runs the program the plan carries; nor the
+        step-level inputs (`_step_seconds` works them out where the choice of order and
+        schedule is still to make)."""
         state = dict(self.__dict__)
         state["_layout"] = state["_steps"] = None
         for name in ("_order", "_levels", "_backward_order", "_backward_levels"):
