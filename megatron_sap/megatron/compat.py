@@ -1,6 +1,8 @@
 """What differs between the megatron-core and Megatron-LM releases SAP supports (0.13 to 0.19) and SAP must know."""
 from __future__ import annotations
 
+from types import ModuleType
+
 import megatron.core
 import megatron.core.utils as core_utils
 
@@ -65,7 +67,7 @@ TRAINING_LAYOUT_REFUSED = (
 )
 
 
-def training_layout(training_utils) -> str | None:
+def training_layout(training_utils: ModuleType) -> str | None:
     """Where Megatron-LM keeps the batch functions the hooks wrap: "training-utils" (core_v0.13
     to core_v0.17: `megatron.training.utils`), "core-utils" (core_v0.18 on: `megatron.core.utils`,
     with `pretrain` taking a config container and the args parsed by the script), else None."""
