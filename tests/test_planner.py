@@ -752,9 +752,10 @@ def test_cache_hits_misses_and_identity():
 
 
 def test_a_pickled_plan_leaves_its_layout_behind_and_compiles_every_program_alike():
-    """A plan pickled in a loader's worker leaves the pieces' layout out (only compiling
-    another program reads it); unpickled, it compiles every rank's programs, in both
-    schedules and with recompute_kv, exactly as the plan it was made from."""
+    """A plan pickled in a loader's worker leaves out the pieces' layout (only compiling
+    another program reads it) and the [R, R] traffic; unpickled, it compiles every rank's
+    programs, in both schedules and with recompute_kv, exactly as the plan it was made from,
+    and reports the same stats."""
     from megatron_sap.bench.data import document_lengths
     from megatron_sap.bench.packing import pack
     from megatron_sap.planning.program import SCHEDULES
@@ -772,12 +773,17 @@ def test_a_pickled_plan_leaves_its_layout_behind_and_compiles_every_program_alik
     plan.program(1)
     shipped = pickle.loads(pickle.dumps(plan))
     assert plan._layout is not None and shipped._layout is None and shipped == plan
+    # Nor the [R, R] traffic: the pairs per rank come without it, the traffic worked out again.
+    assert "_work" in plan.evaluation.__dict__ and "_work" not in shipped.evaluation.__dict__
+    assert shipped.evaluation.exact_pairs.tolist() == plan.evaluation.exact_pairs.tolist()
+    assert "_work" not in shipped.evaluation.__dict__
+    assert shipped.evaluation.traffic_tokens.tolist() == plan.evaluation.traffic_tokens.tolist()
     assert fields(shipped.program(1)) == fields(plan.program(1)) and shipped._layout is None  # carried
     for rank in range(4):
         for schedule in SCHEDULES:
             assert fields(shipped.program(rank, schedule=schedule)) == fields(plan.program(rank, schedule=schedule))
         assert fields(shipped.backward_program(rank, recompute_kv=True)) == fields(plan.backward_program(rank, recompute_kv=True))
-    assert shipped.memory_bytes(0) == plan.memory_bytes(0)
+    assert shipped.memory_bytes(0) == plan.memory_bytes(0) and shipped.stats() == plan.stats()
 
 
 def test_cache_evicts_least_recently_used():
