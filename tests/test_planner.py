@@ -566,7 +566,8 @@ def test_rows_of_documents_that_fit_weigh_the_greedy_passes_with_fill_only():
     """From FILL_MIN_RANKS outer ranks, on a row whose documents all fit on one rank, the
     greedy passes run with `fill` only (the spread pass as it is): the plain ones would
     differ only in cutting the documents no rank has room for by load. Fewer ranks, or
-    one document longer than a rank holds, and the plain passes are back."""
+    one document longer than a rank holds, and the plain passes are back (from
+    FILL_MIN_RANKS outer ranks with zigzag splits only)."""
     model = CostModel.preset("h100")
     rng = np.random.default_rng(3)
     short = [0]
@@ -580,7 +581,9 @@ def test_rows_of_documents_that_fit_weigh_the_greedy_passes_with_fill_only():
         greedy_names = {n for n in names if n.startswith("greedy(")}
         with_fill = {n for n in greedy_names if n.endswith(", fill)")}
         assert (greedy_names - with_fill == {"greedy(slack=0, zigzag, spread)"}) == (not plain), (outer, sorted(greedy_names))
-        assert ("greedy(slack=0.1, contiguous)" in names) == plain
+        assert ("greedy(slack=0.1, zigzag)" in names) == plain
+        # From FILL_MIN_RANKS outer ranks the plain passes split zigzag only.
+        assert ("greedy(slack=0.1, contiguous)" in names) == (outer < FILL_MIN_RANKS)
         assert bool(with_fill) == (outer >= FILL_MIN_RANKS)
 
 
@@ -592,8 +595,9 @@ def test_fill_passes_are_weighed_from_many_outer_ranks():
     cu = realistic_cu_seqlens(32 * 1024, 1)
     lengths = np.diff(cu).tolist()
     model = CostModel.preset("h100")
+    builds = {}
     for outer in (FILL_MIN_RANKS // 2, FILL_MIN_RANKS):
-        built = build_all(candidates(cu[:-1], lengths, outer, cu[-1] // outer, model, DEFAULT_SLACKS, 1))
+        built = builds[outer] = build_all(candidates(cu[:-1], lengths, outer, cu[-1] // outer, model, DEFAULT_SLACKS, 1))
         fill = [n for n in built if n.endswith(", fill)") and "node spread" not in n]
         assert fill == ([f"greedy(slack={s:g}, zigzag, fill)" for s in DEFAULT_SLACKS] if outer >= FILL_MIN_RANKS else [])
         node = [n for n in built if "node spread" in n]
@@ -601,10 +605,13 @@ def test_fill_passes_are_weighed_from_many_outer_ranks():
                         for s in DEFAULT_SLACKS]
     filled_differently = 0
     for s in DEFAULT_SLACKS:
-        for split, fill, spread in (("contiguous", False, None), ("zigzag", False, None), ("zigzag", True, None),
-                                    ("zigzag", True, SPREAD_NODE)):
+        for outer, split, fill, spread in ((FILL_MIN_RANKS // 2, "contiguous", False, None),
+                                           (FILL_MIN_RANKS // 2, "zigzag", False, None),
+                                           (FILL_MIN_RANKS, "zigzag", False, None), (FILL_MIN_RANKS, "zigzag", True, None),
+                                           (FILL_MIN_RANKS, "zigzag", True, SPREAD_NODE)):
             alone = greedy(cu[:-1], lengths, outer, cu[-1] // outer, model, s, split=split, spread=spread, fill=fill)
-            assert alone.ranks == built[alone.strategy].ranks, alone.strategy
+            assert alone.ranks == builds[outer][alone.strategy].ranks, alone.strategy
+        built = builds[FILL_MIN_RANKS]
         filled_differently += built[f"greedy(slack={s:g}, zigzag, fill)"].ranks != built[f"greedy(slack={s:g}, zigzag)"].ranks
     assert filled_differently  # the row has documents to fill
 
@@ -1149,8 +1156,10 @@ def test_passes_at_different_slacks_have_different_names():
              for n in b.names]
     assert len(names) == len(set(names))
     assert {"greedy(slack=0.1, zigzag)", "greedy(slack=0.1000001, zigzag)", "greedy(slack=0.25, zigzag, fill)"} <= set(names)
-    default = {n for b in candidates(cu[:-1], np.diff(cu).tolist(), 64, cu[-1] // 64, model, DEFAULT_SLACKS) for n in b.names}
-    assert {"greedy(slack=0, contiguous)", "greedy(slack=1, zigzag, fill)"} <= default
+    default = lambda R: {n for b in candidates(cu[:-1], np.diff(cu).tolist(), R, cu[-1] // R, model, DEFAULT_SLACKS)
+                         for n in b.names}
+    assert {"greedy(slack=0, zigzag)", "greedy(slack=1, zigzag, fill)"} <= default(64)
+    assert {"greedy(slack=0, contiguous)", "greedy(slack=1, zigzag, fill, projected)"} <= default(16)
 
 
 # ---- choosing by the timeline --------------------------------------------------------------
@@ -1579,13 +1588,15 @@ def pinned_batch(name: str) -> list[int]:
 # 32 and 64): the other candidates' digests are unchanged. Under 32 outer ranks the projected
 # zigzag passes are candidates too, and every rank time follows the one-queue pipeline
 # (`evaluate`, 2026-12-05): the other candidates' placements, pairs and traffic are unchanged.
+# From 32 outer ranks the plain greedy passes split zigzag only (the realistic rows at 32 and
+# 64 lose their `contiguous` passes; the other candidates' digests are unchanged).
 PINNED = {
     ('one-and-ones', 16, 4): '1584620d058b60ff',
     ('ones', 64, 1): 'a54c9c310d246584',  # a whole candidate since the best fit (1,024 documents)
-    ('realistic:131072:20', 64, 1): 'bd5bdd897500ee26',
-    ('realistic:131072:3', 64, 1): 'f077e7e65af47ce9',
-    ('realistic:131072:4', 32, 2): 'feb85cf59f5857c5',
-    ('realistic:131072:6', 64, 1): 'a979fc9e788acdca',
+    ('realistic:131072:20', 64, 1): '1b199708d1a6e768',
+    ('realistic:131072:3', 64, 1): 'fef1260ca421ab8a',
+    ('realistic:131072:4', 32, 2): '9376ffb442658927',
+    ('realistic:131072:6', 64, 1): '4f94709f5dce67c9',
     ('realistic:131072:7', 16, 4): '57299c50af4fc6ab',
     ('realistic:16384:0', 8, 1): 'cf57a7f3df35cd05',
     ('realistic:16384:1', 4, 2): 'e18cc413fcedcdec',

@@ -25,7 +25,8 @@ def candidates(
 ) -> list[Build]:
     """Every placement the planner weighs, as builds (see `Build`), in this order:
     sequence-aware ones from the tightest slack (the most balanced) up, the split mode
-    that moves fewer bytes first; then one that spreads each document heavier than a
+    that moves fewer bytes first (over FILL_MIN_RANKS outer ranks or more, zigzag splits
+    only); then one that spreads each document heavier than a
     rank's share over as many ranks as it can (balance when one document dominates the
     work, worth its traffic where links are fast); then the zigzag, contiguous and
     whole layouts, and the contiguous layouts of the documents in `balanced_order`, in
@@ -44,12 +45,16 @@ def candidates(
     passes = GreedyPasses(doc_starts, lengths, num_ranks, capacity, model, inner_size)
     # The passes without `fill`: all of them but over FILL_MIN_RANKS outer ranks or more
     # where every document fits on one rank (there they differ from their fill ones only in
-    # how the documents no rank has room for whole are cut).
+    # how the documents no rank has room for whole are cut). Over FILL_MIN_RANKS outer ranks
+    # or more, with zigzag splits only: the contiguous ones cost a tenth to a fifth of the
+    # planning time there, and the plans chosen without them run as fast all ranks together
+    # on average (docs/planner.md, "Candidates").
     plain = num_ranks < FILL_MIN_RANKS or max(lengths, default=0) > capacity
+    splits = ("contiguous", "zigzag") if num_ranks < FILL_MIN_RANKS else ("zigzag",)
     members = [
         (greedy_name(s, split), 2 * i + j, s, split, None, False)
         for i, s in enumerate(slacks)
-        for j, split in enumerate(("contiguous", "zigzag"))
+        for j, split in enumerate(("contiguous", "zigzag")) if split in splits
     ] if plain else []
     if num_ranks >= FILL_MIN_RANKS:
         members += [(greedy_name(s, "zigzag", fill=True), 2 * len(slacks) + 6 + i, s, "zigzag", None, True)
