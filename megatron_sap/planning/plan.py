@@ -24,7 +24,7 @@ from .order import (MAX_PACED_PAIRS, backward_order, exchange_order, exchange_se
                     paced_exchange_order)
 from .candidates import candidates
 from .placement import Build, Placement
-from .program import (COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _Layout,
+from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _index_tensor, _Layout,
                       _one_run, check_schedule, compile_program, exchange_levels)
 from .timeline import RankSchedule, joint_schedule, plan_schedule, rank_schedule
 
@@ -224,8 +224,8 @@ class Plan:
         return int64 copies)."""
         if outer_rank not in self._indices:
             dtype = np.int32 if self.total_tokens <= np.iinfo(np.int32).max else np.int64
-            rows = [np.arange(p.start, p.end, dtype=dtype) for p in self.placement.ranks[outer_rank]]
-            self._indices[outer_rank] = torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, dtype=dtype))
+            ranges = tuple(range(p.start, p.end) for p in self.placement.ranks[outer_rank])
+            self._indices[outer_rank] = _index_tensor(ranges, CPU, dtype)
         return self._indices[outer_rank]
 
     def group_indices(self, outer_rank: int) -> torch.Tensor:

@@ -366,12 +366,10 @@ def _rows(ranges: tuple[range, ...], device: torch.device) -> Rows:
     return _index_tensor(ranges, device) if run is None else run
 
 
-def _index_tensor(ranges: tuple[range, ...], device: torch.device) -> torch.Tensor:
-    """The rows of these ranges, in order, as one index tensor (int64)."""
-    if not ranges:
-        return torch.zeros(0, dtype=torch.long, device=device)
-    rows = torch.from_numpy(np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in ranges]))
-    return rows.to(device, non_blocking=True)
+def _index_tensor(ranges: tuple[range, ...], device: torch.device, dtype: type = np.int64) -> torch.Tensor:
+    """The rows of these ranges, in order, as one index tensor (int64 unless `dtype` says)."""
+    rows = np.concatenate([np.arange(r.start, r.stop, dtype=dtype) for r in ranges]) if ranges else np.zeros(0, dtype=dtype)
+    return torch.from_numpy(rows).to(device, non_blocking=True)
 
 
 class _Staged:
