@@ -387,10 +387,10 @@ def _shape_key(shape: Sequence) -> tuple:
     return (*(int(x) for x in sizes), dtype_name(kind) if isinstance(kind, (str, torch.dtype)) else int(kind))
 
 
-# id(CP group) -> (the signature of the plan last checked on it, the (recompute_kv, attention
-# shape) checked with it). The signature, not the plan object: ranks holding equal plans as
-# different objects (one planned afresh, the other's from its cache) skip the check alike.
-_LAST_CHECKED: dict[int, tuple[str, set[tuple[bool, tuple | None]]]] = {}
+# id(CP group) -> what was last checked on it: the plan's signature, `recompute_kv` and the
+# attention shape. The signature, not the plan object: ranks holding equal plans as different
+# objects (one planned afresh, the other's from its cache) skip the check alike.
+_LAST_CHECKED: dict[int, tuple[str, bool, tuple | None]] = {}
 
 
 def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: tuple[int, int, int, str]) -> None:
@@ -398,13 +398,13 @@ def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: t
     equal one: `Plan.signature`), `recompute_kv` and attention shape (a batch split's
     check, or an earlier layer's).
 
-    Checking whenever a rank changes plan, not only on a plan's first use, is what keeps
-    ranks that agreed from parting silently: a rank that goes back to a plan it checked
-    before, while the others stay on theirs, enters the all-reduce alone and fails at the
-    group's timeout (the others fail waiting for its messages) instead of exchanging
-    messages of the right sizes for another batch."""
-    last = _LAST_CHECKED.get(id(groups.cp_group))
-    if last is None or last[0] != plan.signature() or (bool(recompute_kv), shape) not in last[1]:
+    Checking whenever a rank's call differs from the last one checked, not only on a
+    plan's or shape's first use, is what keeps ranks that agreed from parting silently: a
+    rank that goes back to a plan or shape it checked before, while the others stay on
+    theirs, enters the all-reduce alone and fails at the group's timeout instead of
+    exchanging messages of the right sizes for another batch (peers waiting for its
+    messages fail too). A model whose layers alternate shapes checks at every change."""
+    if _LAST_CHECKED.get(id(groups.cp_group)) != (plan.signature(), bool(recompute_kv), shape):
         verify_plan_agreement(plan, groups, recompute_kv, shape)
 
 
@@ -443,11 +443,7 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
             f"{plan.cost_model.name!r}, attention shape (heads, kv heads, head dim, dtype) {shape}, "
             f"recompute_kv={recompute_kv}), the group has hashes from {low:x} to {high:x}"
         )
-    last = _LAST_CHECKED.get(id(groups.cp_group))
-    if last is not None and last[0] == plan.signature():
-        last[1].add((recompute_kv, shape))
-    else:
-        _LAST_CHECKED[id(groups.cp_group)] = (plan.signature(), {(recompute_kv, shape)})
+    _LAST_CHECKED[id(groups.cp_group)] = (plan.signature(), recompute_kv, shape)
     mark_ready(group)  # the CP group (and the outer group when it is the CP group, U = 1), or the host group
 
 
@@ -479,11 +475,13 @@ def sap_attention(
     `check_agreement`: when the plan, `recompute_kv` or attention shape differs from what
     was last checked on these groups, all-reduce a hash of them (`verify_plan_agreement`)
     so that ranks that planned different batches fail together; the layers of one
-    micro-batch check once. A rank that keeps its plan while another changes does not
-    enter the all-reduce: both fail at the group's timeout, so a caller that can hand one
-    rank a cached plan while another plans a new batch (without Megatron's batch split,
-    which checks every micro-batch) should call `verify_plan_agreement` per micro-batch for
-    a clear message.
+    micro-batch check once (where they share a shape). A rank that keeps its plan while
+    another changes does not enter the all-reduce: the changed rank fails at the group's
+    timeout, and so does the other wherever it waits for that rank's messages (one whose
+    program exchanges nothing returns its result for the plan it kept), so a caller that
+    can hand one rank a cached plan while another plans a new batch (without Megatron's
+    batch split, which checks every micro-batch) should call `verify_plan_agreement` per
+    micro-batch for a clear message on every rank.
     `check_finite` (default: the MEGATRON_SAP_CHECK_FINITE variable, "1" for on): raise on
     every rank when q, k or v of any rank holds NaN or Inf (one all-reduce and a host sync;
     on alike on every rank).

@@ -120,6 +120,53 @@ def test_agreeing_ranks_pass(pool4: WorkerPool) -> None:
     assert pool4.run(disagree_job, 2, cu, cu, 0) == ["ok"] * 4
 
 
+def changing_calls_job(rank: int, world: int, calls: list[tuple], last: list[tuple]) -> list[str]:
+    """One plan, attended by every rank in each of `calls` in turn ((query heads, KV heads,
+    head dim, dtype, recompute_kv), forward and backward), then by each rank in its own
+    entry of `last`. Returns 'ok' or the error of each call."""
+    import megatron_sap as sap
+    from megatron_sap.planning import PlanCache
+
+    groups = groups_for(1, world)
+    cu = [0, 48, 64]  # the document spans both ranks: the K/V are exchanged
+    plan = sap.plan_sequences(cu, outer_size=world, cache=PlanCache())
+    idx = plan.local_indices(groups.cp_rank)
+    results = []
+    for heads, kv_heads, dim, dtype, recompute in [*calls, last[rank]]:
+        q, k, v, dout = (t[idx].to(getattr(torch, dtype)) for t in make_inputs(cu, heads, kv_heads, dim, seed=2))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        try:
+            sap.sap_attention(q, k, v, plan, groups, recompute_kv=recompute).backward(dout)
+            results.append("ok")
+        except RuntimeError as exc:
+            results.append(str(exc))
+    return results
+
+
+# Three keys with K/V rows of one size (32 elements), so that ranks exchanging in different
+# ones would read each other's buffers without a size error.
+_SAME_SIZE_SHAPES = [(8, 4, 8, "float64", False), (8, 2, 16, "float64", False), (8, 1, 32, "float64", False)]
+
+
+@pytest.mark.parametrize(("calls", "last"), [
+    (_SAME_SIZE_SHAPES, _SAME_SIZE_SHAPES[:2]),
+    ([(4, 2, 8, "bfloat16", False), (4, 2, 8, "float16", False), (4, 2, 8, "float32", False)],
+     [(4, 2, 8, "bfloat16", False), (4, 2, 8, "float16", False)]),
+    ([(4, 2, 8, "float64", False), (4, 2, 8, "float64", True), (4, 1, 16, "float64", False)],
+     [(4, 2, 8, "float64", False), (4, 2, 8, "float64", True)]),
+], ids=["shape", "dtype", "recompute_kv"])
+def test_ranks_parting_to_keys_checked_before_raise_on_every_rank(pool2: WorkerPool, calls, last) -> None:
+    """Both ranks attended in every key of `calls` (each checked once), then each goes back to
+    a different earlier one: neither is the last key checked, so both check again and fail
+    with the disagreement, where a check skipped for any key checked before with the plan let
+    them exchange in different shapes or dtypes (a wrong answer, no error) or wait for each
+    other's K/V (a timeout)."""
+    results = pool2.run(changing_calls_job, calls, last)
+    for rank, result in enumerate(results):
+        assert result[:-1] == ["ok"] * len(calls), (rank, result)
+        assert "CP ranks disagree" in result[-1], (rank, result[-1])
+
+
 def nan_rank_job(rank: int, world: int, inner: int, odd_rank: int) -> list[str]:
     """Two forwards of one plan with check_finite on every rank: the first clean, the second
     with a NaN in `odd_rank`'s k. Returns 'ok' or the error of each."""
@@ -294,7 +341,7 @@ def split_agreement_job(rank: int, world: int, model_shape, attention_dtype=None
     from megatron_sap.planning.plan import DEFAULT_CACHE
 
     groups = groups_for(1, world)
-    DEFAULT_CACHE.clear()  # plans remember the shapes already checked with a group: plan afresh
+    DEFAULT_CACHE.clear()  # the split plans afresh, as for rows it has not seen
     set_sap_options(model_shape=model_shape, attention_dtype=attention_dtype)
     calls, real = 0, dist.all_reduce
 
