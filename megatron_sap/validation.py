@@ -6,6 +6,7 @@ producing a wrong answer or a hang.
 """
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import Sequence
 
@@ -69,6 +70,14 @@ def _integer(value: object, name: str) -> int:
         return operator.index(value)
     except TypeError:
         raise ValueError(f"{name} must hold integers, got {value!r} ({type(value).__name__})") from None
+
+
+def positive_int(value: object, name: str) -> int:
+    """`value` as an int, checked to be a positive integer (numpy's too; no bools or floats,
+    which would read as 1 or truncate)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def check_divisible(total: int, parts: int, what: str, by: str) -> None:

@@ -221,6 +221,30 @@ def test_an_empty_row_is_refused(name):
         get(name).layout(_cu([0]), 2, **_layout_kwargs(name, 2))
 
 
+@pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.parametrize(("cu_seqlens", "world_size", "inner_size", "message"), [
+    ([0, 2.5, 5], 2, 1, r"cu_seqlens must hold integers, got 2.5"),  # would truncate to [0, 2, 5]
+    ([[0, 2], [3, 5]], 2, 1, r"cu_seqlens must hold integers, got \[0, 2\]"),  # would flatten
+    (torch.tensor([0.0, 4.0]), 2, 1, r"cu_seqlens must have an integer dtype"),
+    ([0, 3, 2, 4], 2, 1, r"cu_seqlens must be non-decreasing"),
+    ([0, 4], True, 1, r"world_size must be a positive integer, got True"),  # would read as 1
+    ([0, 4], 2.0, 1, r"world_size must be a positive integer, got 2.0"),
+    ([0, 4], 0, 1, r"world_size must be a positive integer, got 0"),
+])
+def test_model_stats_refuses_what_the_planner_refuses(name, cu_seqlens, world_size, inner_size, message):
+    """The baselines' models take the planner's checks: no boundary truncated or
+    flattened, no size that only reads as an integer."""
+    with pytest.raises(ValueError, match=message):
+        get(name).model_stats(cu_seqlens, world_size, CostModel(), inner_size=inner_size)
+
+
+def test_hybrid_inner_size_must_be_a_positive_integer_dividing_the_world():
+    for inner_size, message in ((2.0, "inner_size must be a positive integer, got 2.0"), (0, "positive integer, got 0"),
+                                (3, r"inner_size \(3\) must divide world_size \(4\)")):
+        with pytest.raises(ValueError, match=message):
+            get("a2a+p2p").model_stats([0, 8], 4, CostModel(), inner_size=inner_size)
+
+
 def test_kv_heads_per_rank():
     assert kv_heads_per_rank(8, 4, 2) == 2  # sharded
     assert kv_heads_per_rank(8, 2, 4) == 1  # replicated twice

@@ -168,6 +168,27 @@ def test_merge_handles_rows_with_minus_inf_lse(dtype: torch.dtype) -> None:
     assert torch.equal(acc_out[4], out_a[4].float()) and not acc_out[[0, 1, 2, 3, 5]].any()
 
 
+@pytest.mark.parametrize("scale", [1.0, 1e4, 1e6, 2e7])
+def test_merging_key_blocks_keeps_the_whole_at_large_lse(scale: float) -> None:
+    """Attention scores in the thousands and beyond (logit growth): the merge of two key
+    blocks equals one call over both, as the kernel's own rescaling does, in both forms.
+    Weights against the rounded merged lse would be off by 2e-4 at lse 1e4 and add the two
+    outputs (out 4, not 2) from about 2e7."""
+    q = torch.ones(1, 1, 1)
+    k = torch.ones(2, 1, 1)
+    v = torch.tensor([1.0, 3.0]).view(2, 1, 1)
+    one, two = torch.tensor([0, 1]), torch.tensor([0, 2])
+    whole, whole_lse = varlen_forward(q, k, v, one, two, 1, 2, softmax_scale=scale, backend="torch")
+    parts = [varlen_forward(q, k[i:i + 1], v[i:i + 1], one, one, 1, 1, softmax_scale=scale, backend="torch")
+             for i in range(2)]
+    out, lse = merge_partials(*parts[0], *parts[1])
+    assert whole.item() == 2.0 and out.item() == 2.0 and torch.equal(lse, whole_lse)
+    acc_out, acc_lse = torch.zeros(1, 1, 1), torch.full((1, 1), float("-inf"))
+    for part in parts:
+        merge_into(acc_out, acc_lse, slice(0, 1), *part)
+    assert acc_out.item() == 2.0 and torch.equal(acc_lse, whole_lse)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_kernel_rows_without_keys(dtype: torch.dtype) -> None:
     """Bottom-right causal with more queries than keys: the first rows see nothing; out 0, lse -inf, grads 0."""

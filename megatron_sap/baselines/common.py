@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_sap.planning.cost_model import LINK_INTER, LINK_INTRA, CostModel
+from megatron_sap.validation import cu_seqlens_to_list, positive_int
 
 # Recent torch renames the fused collectives (deprecating the old names); older releases lack the new ones.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -65,14 +66,12 @@ class BaselineLayout:
 
 
 def as_cu_seqlens(cu_seqlens: Tensor | Sequence[int]) -> Tensor:
-    """Validated int64 CPU copy of document boundaries."""
-    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).flatten().cpu()
-    if cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"cu_seqlens must hold at least two entries, start at 0 and never decrease; "
-                         f"got {cu.numel()} entries starting {cu[:8].tolist()}")
-    if int(cu[-1]) == 0:
+    """Validated int64 CPU copy of document boundaries (`cu_seqlens_to_list`'s checks, as
+    SAP's planner makes them)."""
+    values = cu_seqlens_to_list(cu_seqlens)
+    if values[-1] == 0:
         raise ValueError("cu_seqlens describes an empty batch (0 tokens)")
-    return cu
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def check_layout(layout: BaselineLayout, method: str, world_size: int, rows: int) -> None:
@@ -90,8 +89,7 @@ def check_layout(layout: BaselineLayout, method: str, world_size: int, rows: int
 
 def check_world_size(world_size: int) -> None:
     """Reject a world size a layout cannot be built for."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be positive, got {world_size}")
+    positive_int(world_size, "world_size")
 
 
 def contiguous_layout(cu_seqlens: Tensor | Sequence[int], world_size: int, method: str) -> BaselineLayout:

@@ -8,6 +8,11 @@ disjoint set B, attention over A u B is
 
 A row that saw no keys on one side has lse = -inf there and contributes
 nothing; a row with no keys on either side stays out = 0, lse = -inf.
+
+The weights are computed from the difference of the two lse, as sigmoid(lse_a - lse_b)
+and sigmoid(lse_b - lse_a), not against the rounded merged lse: they then sum to 1
+however large the lse (in float32, exp(lse_a - lse) + exp(lse_b - lse) is off by 2e-4
+at |lse| = 1e4 and by a factor of 2 from about 2e7), as the kernels' own rescaling is.
 """
 from __future__ import annotations
 
@@ -19,15 +24,19 @@ def _accumulation_dtype(*tensors: Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def _weights(lse_a: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """The two sides' weights [T, H, 1] for lse [H, T] (see the module docstring); 0 on
+    rows with -inf on both sides (the difference is NaN there)."""
+    diff = lse_a - lse_b
+    return tuple(torch.sigmoid(d).nan_to_num_(0.0).transpose(0, 1).unsqueeze(-1) for d in (diff, -diff))
+
+
 def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Merge in `dtype`; out [T, H, D], lse [H, T]. Returns (out, lse) in `dtype`."""
     lse_a, lse_b = lse_a.to(dtype), lse_b.to(dtype)
-    lse = torch.logaddexp(lse_a, lse_b)
-    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    weight_a = torch.exp(lse_a - finite_lse).transpose(0, 1).unsqueeze(-1)  # [T, H, 1]
-    weight_b = torch.exp(lse_b - finite_lse).transpose(0, 1).unsqueeze(-1)
+    weight_a, weight_b = _weights(lse_a, lse_b)
     out = weight_a * out_a.to(dtype) + weight_b * out_b.to(dtype)
-    return out, lse
+    return out, torch.logaddexp(lse_a, lse_b)
 
 
 def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -124,8 +133,7 @@ def _merge_in_place(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> N
     """`_merge` into (out, lse) themselves, in their dtype: two passes over out (scale it, then
     add the weighted part), where building the merged tensor anew takes several."""
     lse_b = lse_b.to(lse.dtype)
-    merged = torch.logaddexp(lse, lse_b)
-    finite = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
-    out.mul_(torch.exp(lse - finite).transpose(0, 1).unsqueeze(-1))
-    out.addcmul_(out_b, torch.exp(lse_b - finite).transpose(0, 1).unsqueeze(-1))
-    lse.copy_(merged)
+    weight, weight_b = _weights(lse, lse_b)
+    out.mul_(weight)
+    out.addcmul_(out_b, weight_b)
+    torch.logaddexp(lse, lse_b, out=lse)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from ..validation import check_bool, check_divisible, cu_seqlens_to_list
+from ..validation import check_bool, check_divisible, cu_seqlens_to_list, positive_int
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, inner_peer_links, step_pairs, ulysses_cost, whole_documents_s
 from .order import (MAX_PACED_PAIRS, backward_order, exchange_order, exchange_seconds, layer_seconds,
@@ -791,10 +791,7 @@ def plan_sequences(
     Plans are cached by (cu_seqlens, sizes, cost model, slacks, choose_by): a repeated
     batch shape costs a dictionary lookup. Pass `cache=None` to bypass the cache.
     """
-    for name, size in (("outer_size", outer_size), ("inner_size", inner_size)):
-        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
-            raise ValueError(f"{name} must be a positive integer, got {size!r}")
-    outer_size, inner_size = int(outer_size), int(inner_size)
+    outer_size, inner_size = positive_int(outer_size, "outer_size"), positive_int(inner_size, "inner_size")
     model = _cost_model(cost_model)
     try:
         slacks = tuple(slacks)
