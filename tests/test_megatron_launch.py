@@ -1040,6 +1040,8 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
         (dict(micro_batch_size=2), "use --micro-batch-size 1 \\(got 2\\)"),
         (dict(tensor_model_parallel_size=2, sequence_parallel=True, seq_length=4098),
          "--sequence-parallel needs --seq-length divisible by CP x TP = 2 x 2 \\(got 4098\\)"),
+        (dict(context_parallel_size=1, tensor_model_parallel_size=4, sequence_parallel=True, seq_length=258),
+         "--sequence-parallel needs --seq-length divisible by CP x TP = 1 x 4 \\(got 258\\)"),
         (dict(attention_dropout=0.1), "no attention dropout.*--attention-dropout 0"),
         (dict(window_size=(128, 0)), "does not support sliding windows: drop --window-size"),
         (dict(overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),

@@ -218,7 +218,7 @@ def _refuse_unsupported(args: Any) -> None:
             "micro-batch's documents from the first stage does not follow"
         )
     seq_length = getattr(args, "seq_length", None)
-    if cp > 1 and tp > 1 and getattr(args, "sequence_parallel", False) and seq_length and seq_length % (cp * tp):
+    if tp > 1 and getattr(args, "sequence_parallel", False) and seq_length and seq_length % (cp * tp):
         raise ValueError(
             f"SAP with --sequence-parallel needs --seq-length divisible by CP x TP = {cp} x {tp} (got {seq_length}): "
             "each CP rank's share of the row is split evenly over its TP ranks"
