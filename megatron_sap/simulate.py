@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import _accumulation_dtype, _backward_calls, _forward_calls, _local_forward, _write_forward, check_qkv
+from .attention import _accumulation_dtype, _backward_calls, _forward_calls, _local_forward, _write_forward
 from .kernels import add_rows, resolve_softmax_scale, take_rows
 from .planning import Plan
+from .validation import check_qkv
 
 
 @dataclass

@@ -92,6 +92,27 @@ def check_has_data(q: torch.Tensor) -> None:
         raise ValueError("q, k, v are meta tensors (shapes without data); attention needs real ones")
 
 
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q [tokens, Hq, D] and k/v [tokens, Hkv, D]: one dtype and device, k and v alike, a
+    positive head_dim shared by all, query heads a multiple of key/value heads."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    check_has_data(q)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k/v must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
+    if q.shape[2] == 0:
+        raise ValueError(f"head_dim must be positive, got shape {tuple(q.shape)}")
+    if q.shape[1] == 0 or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+
+
 def check_bool(value: object, name: str) -> bool:
     """`value`, checked to be True or False: a flag such as the string "no" would read as True."""
     if not isinstance(value, bool):

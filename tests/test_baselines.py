@@ -211,8 +211,57 @@ def test_layouts_of_another_size_or_method_are_refused(dist_pool):
             size, method, rows = messages[3 * i: 3 * i + 3]
             assert "the layout was made for 8 ranks, but the group has 4" in size
             assert f"{name} attention got a layout made for" in method
-            assert "q, k and v hold 5 rows, but the layout gives each rank" in rows
+            assert "q holds 5 rows, but the layout gives each rank" in rows
         assert "group must be (inner, outer): inner 2 consecutive ranks" in messages[-1]
+
+
+def bad_inputs_then_a_good_call(rank: int, world_size: int) -> list[str]:
+    """Every method with inputs its kernels would refuse (a head ratio, k/v rows, a backend
+    or scale): the ValueError of each, then one good call on the same group, whose output
+    is returned against the reference's as the last entry ('ok' or the error)."""
+    cu = _cu([37, 50])
+    q_all, k_all, v_all = (torch.randn(int(cu[-1]), h, HEAD_DIM, dtype=torch.float64,
+                                       generator=torch.Generator().manual_seed(i)) for i, h in enumerate((4, 2, 2)))
+    messages = []
+    for name in METHODS:
+        module, group = get(name), _groups(name, 2)
+        layout = module.layout(cu, world_size, **_layout_kwargs(name, 2))
+        q, k, v = (shard(x, layout, rank) for x in (q_all, k_all, v_all))
+        extra = torch.cat([k, k[:1]])
+        for args, kwargs in (((q, k[:, :1].expand(-1, 3, -1), v[:, :1].expand(-1, 3, -1)), {}),
+                             ((q, extra, torch.cat([v, v[:1]])), {}),
+                             ((q, k, v), {"backend": "no-such-backend"}),
+                             ((q, k, v), {"softmax_scale": float("nan")})):
+            with pytest.raises(ValueError) as err:
+                module.attention(*args, layout, group, **kwargs)
+            messages.append(str(err.value))
+        out = unshard([t for t in _all_gather(module.attention(q, k, v, layout, group))], layout)
+        ref, _ = dense_attention(q_all, k_all, v_all, cu)
+        messages.append("ok" if torch.allclose(out, ref, atol=1e-10, rtol=0) else f"{name}: wrong output")
+    return messages
+
+
+def _all_gather(t: torch.Tensor) -> list[torch.Tensor]:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return parts
+
+
+@pytest.mark.parametrize("dist_pool", [4], indirect=True)
+def test_inputs_a_kernel_would_refuse_are_refused_before_any_exchange(dist_pool):
+    """Each bad input raises on every rank before a message is posted: the p2p ring posted
+    its first K/V before its first kernel call, so an error there left the message pending
+    and the group's next operation waited until the timeout; all_gather read k/v rows
+    past q's without a check (a wrong answer)."""
+    for messages in dist_pool.run(bad_inputs_then_a_good_call):
+        assert len(messages) == 5 * len(METHODS)
+        for i, name in enumerate(METHODS):
+            heads, rows, backend, scale, good = messages[5 * i: 5 * i + 5]
+            assert "query heads (4) must be a multiple of key/value heads (3)" in heads, (name, heads)
+            assert "k holds" in rows and "rows, but the layout gives each rank" in rows, (name, rows)
+            assert "no-such-backend" in backend, (name, backend)
+            assert "softmax_scale" in scale, (name, scale)
+            assert good == "ok", (name, good)
 
 
 @pytest.mark.parametrize("name", METHODS)

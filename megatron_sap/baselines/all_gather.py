@@ -121,7 +121,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: BaselineLayout, group: di
               softmax_scale: float | None = None, backend: str = "auto") -> Tensor:
     """`all_gather` attention of this rank's contiguous rows; padding rows come back zero."""
     rank = dist.get_rank(group)
-    check_layout(layout, NAME, dist.get_world_size(group), q.shape[0])
+    check_layout(layout, NAME, dist.get_world_size(group), q, k, v)
     segments = Segments.of(layout, rank)
     cu = layout.on_device(f"segments {rank}", q.device,
                           lambda d: (cu_tensor(segments.q_lengths, d), cu_tensor(segments.k_lengths, d)))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_sap.planning.cost_model import LINK_INTER, LINK_INTRA, CostModel
-from megatron_sap.validation import cu_seqlens_to_list, positive_int
+from megatron_sap.validation import check_qkv, cu_seqlens_to_list, positive_int
 
 # Recent torch renames the fused collectives (deprecating the old names); older releases lack the new ones.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -74,17 +74,22 @@ def as_cu_seqlens(cu_seqlens: Tensor | Sequence[int]) -> Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
-def check_layout(layout: BaselineLayout, method: str, world_size: int, rows: int) -> None:
-    """What a method's `attention` is given: a layout made by that method for `world_size`
-    ranks (the group's), and this rank's `rows` of it (`shard`). Anything else would run
-    and give a wrong answer."""
+def check_layout(layout: BaselineLayout, method: str, world_size: int, q: Tensor, k: Tensor, v: Tensor) -> None:
+    """What a method's `attention` is given, checked before anything is exchanged: q, k, v
+    of one dtype, device and head_dim, whole groups of query heads per key/value head
+    (`check_qkv`), a layout made by that method for `world_size` ranks (the group's), and
+    this rank's rows of it (`shard`) in each of q, k and v. Anything else would run and
+    give a wrong answer, or fail in a kernel after a first message was sent (which the
+    group's next operation would then wait for)."""
+    check_qkv(q, k, v)
     if layout.method != method:
         raise ValueError(f"{method} attention got a layout made for {layout.method!r}: use {method}'s own layout()")
     if layout.world_size != world_size:
         raise ValueError(f"the layout was made for {layout.world_size} ranks, but the group has {world_size}")
-    if rows != layout.local_tokens:
-        raise ValueError(f"q, k and v hold {rows} rows, but the layout gives each rank {layout.local_tokens} "
-                         "(pass shard(x, layout, rank))")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[0] != layout.local_tokens:
+            raise ValueError(f"{name} holds {t.shape[0]} rows, but the layout gives each rank {layout.local_tokens} "
+                             "(pass shard(x, layout, rank))")
 
 
 def check_world_size(world_size: int) -> None:

@@ -88,7 +88,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout,
     size = dist.get_world_size(inner)
     # One outer rank: a ring of this rank alone, which moves nothing.
     outer_ranks = group_ranks(outer) if outer is not None else [dist.get_rank()]
-    check_layout(layout, NAME, size * len(outer_ranks), q.shape[0])
+    check_layout(layout, NAME, size * len(outer_ranks), q, k, v)
     if size != layout.inner_size:
         raise ValueError(f"inner group has {size} ranks but the layout was made for {layout.inner_size}")
     inner_ranks = group_ranks(inner)

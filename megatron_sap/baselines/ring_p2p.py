@@ -43,7 +43,8 @@ from megatron_sap.baselines.common import (
 )
 from megatron_sap.comm.groups import group_ranks
 from megatron_sap.comm.p2p import post_exchange
-from megatron_sap.kernels import merge_into, merge_partials, varlen_backward, varlen_forward
+from megatron_sap.kernels import (merge_into, merge_partials, resolve_backend, resolve_softmax_scale, varlen_backward,
+                                  varlen_forward)
 from megatron_sap.planning.cost_model import CostModel
 
 NAME = "p2p"
@@ -181,7 +182,10 @@ class ZigzagRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, shape: RingShape, ring: Ring,
                 softmax_scale: float | None, backend: str) -> Tensor:
-        kw: dict[str, Any] = {"softmax_scale": softmax_scale, "backend": backend}
+        # Resolved before the first message is posted: an error after it would leave that
+        # message pending, for the group's next operation to wait on.
+        kw: dict[str, Any] = {"softmax_scale": resolve_softmax_scale(q.shape[2], softmax_scale, q.dtype),
+                              "backend": resolve_backend(backend, q.device, q.dtype, q.shape[2])}
         acc = accumulation_dtype(q)
         kv = torch.stack([k, v])  # the one contiguous buffer that travels
         out = lse = None
@@ -247,7 +251,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout, group: dist
               softmax_scale: float | None = None, backend: str = "auto") -> Tensor:
     """`p2p` attention of this rank's zigzag rows; padding rows come back zero."""
     ring = Ring.of(group)
-    check_layout(layout, NAME, ring.size, q.shape[0])
+    check_layout(layout, NAME, ring.size, q, k, v)
     shape = layout.on_device("ring shape", q.device, lambda d: RingShape.from_chunks(layout.chunk_sizes, d))
     out = ZigzagRingAttention.apply(q, k, v, shape, ring, softmax_scale, backend)
     return zero_padding_rows(out, layout, ring.rank)

@@ -91,7 +91,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: BaselineLayout, group: di
               softmax_scale: float | None = None, backend: str = "auto") -> Tensor:
     """`a2a` attention of this rank's contiguous rows; padding rows come back zero."""
     size = dist.get_world_size(group)
-    check_layout(layout, NAME, size, q.shape[0])
+    check_layout(layout, NAME, size, q, k, v)
     k, v = replicate_kv_heads(k, v, q.shape[1], size)
     q_h, k_h, v_h = ScatterHeads.apply(group, STEP, q, k, v)
     segments = padded_segments(layout)
