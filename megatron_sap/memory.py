@@ -3,8 +3,9 @@ storages on CPU.
 
 CPU PyTorch keeps no allocator statistics, so `track_peak_memory` follows every
 storage that an operator creates inside the block (a dispatch mode sees each op's
-outputs) until it is freed, and reports the peak of the live total above what existed
-before. Views share their base's storage and are counted once.
+outputs, those on an input's storage left out) until it is freed, and reports the peak of
+the live total above what existed before. Views share their base's storage and are
+counted once; a view of, or a write into, a tensor made before the block counts nothing.
 """
 from __future__ import annotations
 
@@ -57,8 +58,11 @@ class _StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # An output on an input's storage (a view, an in-place or out= write) is no new
+        # memory: counted where that storage was made, if inside the block.
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().data_ptr() not in inputs:
                 self._track(t)
         return out
 
