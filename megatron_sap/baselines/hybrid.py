@@ -23,7 +23,6 @@ from megatron_sap.baselines.common import (
     summarize,
     zero_padding_rows,
 )
-from megatron_sap.validation import positive_int
 from megatron_sap.baselines.ring_p2p import (
     Ring,
     RingShape,
@@ -39,6 +38,7 @@ from megatron_sap.baselines.ulysses import exchange_bytes, kv_heads_per_rank, re
 from megatron_sap.comm.groups import group_ranks
 from megatron_sap.comm.ulysses import GatherHeads, ScatterHeads
 from megatron_sap.planning.cost_model import CostModel
+from megatron_sap.validation import positive_int
 
 NAME = "a2a+p2p"
 STEP = "a2a+p2p inner all-to-all"  # names the collective when a peer fails

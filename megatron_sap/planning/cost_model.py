@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from ..validation import positive_int
+
 LINK_INTRA = "intra"
 LINK_INTER = "inter"
 # The longest row the model's times must stay finite for: int32 cu_seqlens (the kernels')
@@ -52,10 +54,8 @@ class CostModel:
         if not isinstance(self.name, str):
             raise ValueError(f"CostModel.name must be a string, got {self.name!r}")
         for field in ("gpus_per_node", "tile", "num_heads", "num_kv_heads", "head_dim", "bytes_per_element"):
-            value = getattr(self, field)
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value <= 0:
-                raise ValueError(f"CostModel.{field} must be a positive integer, got {value!r}")
-            object.__setattr__(self, field, int(value))  # numpy integers too; equal models compare equal
+            # numpy integers too, as ints: equal models compare equal
+            object.__setattr__(self, field, positive_int(getattr(self, field), f"CostModel.{field}"))
         for field in ("attention_tflops", "intra_node_gbps", "inter_node_gbps", "backward_factor",
                       "pipelined_kernel_factor", "message_latency_us"):
             value = getattr(self, field)
