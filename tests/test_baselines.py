@@ -373,6 +373,9 @@ def test_hybrid_without_an_inner_group_points_to_the_ring():
     q = torch.zeros(layout.local_tokens, 4, HEAD_DIM, dtype=torch.float64)
     with pytest.raises(ValueError, match="a2a\\+p2p needs its inner group .*use megatron_sap.baselines.ring_p2p"):
         get("a2a+p2p").attention(q, q, q, layout, (None, None))
+    for group in (None, object(), (None,)):
+        with pytest.raises(ValueError, match=r"a2a\+p2p takes its groups as the pair \(inner, outer\), got "):
+            get("a2a+p2p").attention(q, q, q, layout, group)
 
 
 def test_collective_and_exchange_times_pay_one_latency_per_message_on_each_link() -> None:

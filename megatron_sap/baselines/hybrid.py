@@ -81,6 +81,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout,
     with the same inner rank, one per inner group, or None where R = 1 (as
     `SAPGroups.outer_group` is). Padding rows come back zero.
     """
+    if not isinstance(group, (tuple, list)) or len(group) != 2:
+        raise ValueError(f"a2a+p2p takes its groups as the pair (inner, outer), got {group!r}")
     inner, outer = group
     if inner is None:
         raise ValueError("a2a+p2p needs its inner group (got None); with one inner rank it is the p2p ring: "
