@@ -142,7 +142,10 @@ def zero_padding_rows(out: Tensor, layout: BaselineLayout, rank: int) -> Tensor:
     """Zero the output of `rank`'s padding rows; differentiable, so their gradient is dropped too.
 
     Padding rows compute garbage (they attend whatever shares their kernel segment);
-    masking here keeps them from sending gradient into real keys in backward.
+    masking here keeps them from sending gradient into real keys in backward, as long as
+    their q, k, v are finite (`shard` fills them with zeros): a NaN or Inf there makes
+    the kernel's backward NaN for their whole segment, the real keys' dK/dV included
+    (`p2p`, `a2a+p2p`; a zero gradient times NaN is still NaN).
     """
     real = layout.on_device(f"real rows {rank}", out.device, lambda d: (layout.positions[rank] >= 0).to(d))
     return torch.where(real[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
