@@ -235,7 +235,7 @@ def bad_inputs_then_a_good_call(rank: int, world_size: int) -> list[str]:
             with pytest.raises(ValueError) as err:
                 module.attention(*args, layout, group, **kwargs)
             messages.append(str(err.value))
-        out = unshard([t for t in _all_gather(module.attention(q, k, v, layout, group))], layout)
+        out = unshard(_all_gather(module.attention(q, k, v, layout, group)), layout)
         ref, _ = dense_attention(q_all, k_all, v_all, cu)
         messages.append("ok" if torch.allclose(out, ref, atol=1e-10, rtol=0) else f"{name}: wrong output")
     return messages
