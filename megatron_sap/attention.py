@@ -408,22 +408,48 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
     shape = None if shape is None else _shape_key(shape)
     digest = hashlib.sha1(f"{plan.signature()}|{recompute_kv}|{shape}".encode()).hexdigest()
     mine = int(digest[:16], 16) & ((1 << 62) - 1)
-    group = groups.cp_group if over is None else over
-    values = torch.tensor([mine, -mine], dtype=torch.int64, device=collective_device(group))
-    _all_reduce(values, group, dist.ReduceOp.MAX, groups, "agreement check", "plan hashes",
-                "the ranks built their SAP groups differently (every rank must create them alike, e.g. the same "
-                "init_sap_groups sizes)")
-    high, low = int(values[0]), -int(values[1])
+    high, low, failed = _exchange_hashes(mine, groups, over)
+    described = (f"this rank (cp_rank {groups.cp_rank}) planned hash {mine:x} ({plan.total_tokens} tokens, "
+                 f"{len(plan.cu_seqlens) - 1} documents, layout {plan.inner_size}x{plan.outer_size}, cost model "
+                 f"{plan.cost_model.name!r}, attention shape (heads, kv heads, head dim, dtype) {shape}, "
+                 f"recompute_kv={recompute_kv})")
+    if failed:
+        raise RuntimeError(
+            f"CP rank {failed - 1} of {list(groups.cp_ranks)} (the highest that failed) could not prepare this "
+            f"micro-batch; its own error names the problem; {described}"
+        )
     if high != low:
         raise RuntimeError(
             f"CP ranks disagree on the batch, the layout, the cost model, the attention shape or recompute_kv: "
-            f"this rank (cp_rank {groups.cp_rank}) planned hash {mine:x} ({plan.total_tokens} tokens, "
-            f"{len(plan.cu_seqlens) - 1} documents, layout {plan.inner_size}x{plan.outer_size}, cost model "
-            f"{plan.cost_model.name!r}, attention shape (heads, kv heads, head dim, dtype) {shape}, "
-            f"recompute_kv={recompute_kv}), the group has hashes from {low:x} to {high:x}"
+            f"{described}, the group has hashes from {low:x} to {high:x}"
         )
     _LAST_CHECKED[id(groups.cp_group)] = (plan.signature(), recompute_kv, shape)
-    mark_ready(group)  # the CP group (and the outer group when it is the CP group, U = 1), or the host group
+    mark_ready(groups.cp_group if over is None else over)  # the CP group (and the outer group at U = 1), or the host group
+
+
+def announce_failure(groups: SAPGroups, over: dist.ProcessGroup | None = None) -> None:
+    """Take part in the agreement check the other CP ranks are running as a rank that could
+    not prepare its micro-batch (bad input, a plan it could not make): they raise at once,
+    naming this rank, instead of waiting for its hash until the group's timeout. The caller
+    raises its own error after this returns; `over` as in `verify_plan_agreement`."""
+    _exchange_hashes(None, groups, over)
+
+
+# What a failed rank adds to the hashes' maximum: below any hash (hashes are >= 0).
+_NO_HASH = -(1 << 62)
+
+
+def _exchange_hashes(mine: int | None, groups: SAPGroups, over: dist.ProcessGroup | None) -> tuple[int, int, int]:
+    """(highest hash, lowest hash, 1 + the highest failed cp_rank or 0) over the CP group, or
+    over `over`; `mine` None for a rank that failed."""
+    failed = mine is None
+    values = [_NO_HASH, _NO_HASH, groups.cp_rank + 1] if failed else [mine, -mine, 0]
+    group = groups.cp_group if over is None else over
+    values = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
+    _all_reduce(values, group, dist.ReduceOp.MAX, groups, "agreement check", "plan hashes",
+                "the ranks built their SAP groups differently (every rank must create them alike, e.g. the same "
+                "init_sap_groups sizes)")
+    return int(values[0]), -int(values[1]), int(values[2])
 
 
 def sap_attention(

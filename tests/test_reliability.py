@@ -547,6 +547,46 @@ def test_batch_splitter_catches_a_stale_cached_plan(pool2: WorkerPool) -> None:
     assert all("CP ranks disagree" in m for m in messages), messages
 
 
+def one_bad_batch_job(rank: int, world: int, bad: str) -> dict:
+    """Rank 1 splits an invalid micro-batch (`bad` says how) while the others split a valid
+    one, over groups whose timeout (120 s) outlasts the job's; then every rank splits a
+    valid one again."""
+    import datetime
+
+    import megatron_sap as sap
+    from megatron_sap.megatron import sap_packed_seq_params, sap_split_batch
+
+    groups = sap.init_sap_groups(inner_size=1, outer_size=world, timeout=datetime.timedelta(seconds=120))
+    row, cu = torch.arange(16)[None], [0, 5, 16]
+    if rank == 1:
+        row, cu = {"cu_seqlens": (row, [0, 9, 5, 16]), "cu_seqlens_end": (row, [0, 5, 15]),
+                   "shape": (torch.arange(32).reshape(2, 16), cu), "length": (torch.arange(15)[None], [0, 5, 15]),
+                   "middle_stage": (None, [0, 5, 15])}[bad]
+    try:
+        if row is None:
+            sap_packed_seq_params(cu, torch.device("cpu"), groups)
+        else:
+            sap_split_batch({"tokens": row}, cu, groups)
+        outcome = "ok"
+    except (ValueError, RuntimeError) as error:
+        outcome = f"{type(error).__name__}: {error}"
+    local, _ = sap_split_batch({"tokens": torch.arange(16)[None]}, [0, 7, 16], groups)
+    return {"outcome": outcome, "then": local["tokens"][0].tolist()}
+
+
+@pytest.mark.parametrize("bad", ["cu_seqlens", "cu_seqlens_end", "shape", "length", "middle_stage"])
+def test_a_rank_with_a_bad_batch_makes_the_others_raise_at_once(pool4: WorkerPool, bad: str) -> None:
+    """The splitting rank raises its own error, and the others, in the agreement check,
+    name it at once (they waited for its hash until the group's timeout before); the
+    group stays usable."""
+    results = pool4.run(one_bad_batch_job, bad, timeout=30)
+    assert results[1]["outcome"].startswith("ValueError"), results[1]
+    for rank in (0, 2, 3):
+        assert "CP rank 1 of [0, 1, 2, 3] (the highest that failed) could not prepare this micro-batch" in \
+            results[rank]["outcome"], results[rank]
+    assert sorted(sum((r["then"] for r in results), [])) == list(range(16))
+
+
 # ---- NCCL's order: each group's batched P2P calls run one after another -------------------------
 
 

@@ -8,7 +8,8 @@ looks up, so the batch split and the layers always agree.
 from __future__ import annotations
 
 import operator
-from typing import Mapping, Optional, Union
+from contextlib import contextmanager
+from typing import Iterator, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ import megatron_sap as sap
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_sap.attention import verify_plan_agreement
+from megatron_sap.attention import announce_failure, verify_plan_agreement
 from megatron_sap.validation import cu_seqlens_to_list
 
 from .groups import _sap_groups, host_twin, sap_groups_from_parallel_state
@@ -121,25 +122,28 @@ def sap_split_batch(
     are not tensors come back unchanged, as Megatron's own
     `get_thd_batch_on_this_cp_rank` leaves them. `cu_seqlens` as a list of ints (read on the
     host, as the hooks read them from the data loader's CPU copy) is planned from without a
-    device read; a device tensor is read back, which waits for the GPU.
+    device read; a device tensor is read back, which waits for the GPU. A rank whose batch is
+    invalid raises its own error, and the other CP ranks, in the agreement check, an error
+    naming it (with `check_agreement` on: the check is the split's only collective).
     """
-    if not isinstance(batch, Mapping):
-        raise TypeError(f"batch must be a mapping of names to [1, T] tensors (the batch dict), got {type(batch).__name__}")
-    lengths = {key: value.shape for key, value in batch.items() if _is_token_tensor(key, value)}
-    if not lengths:
-        raise ValueError("batch holds no tensors to split")
-    for key, shape in lengths.items():
-        if len(shape) != 2 or shape[0] != 1:
-            raise ValueError(f"batch[{key!r}] must be [1, T] (packed, micro-batch size 1), got {tuple(shape)}")
-    total = {shape[1] for shape in lengths.values()}
-    if len(total) != 1:
-        raise ValueError(f"batch tensors disagree on the packed length: { {k: s[1] for k, s in lengths.items()} }")
-    total_tokens = total.pop()
-    device = next(value.device for key, value in batch.items() if key in lengths)
-
     groups = resolve_groups(cp_group)
-    cu, values = _as_cu_seqlens(cu_seqlens, total_tokens, device)
-    indices, positions, params = _plan_this_rank(cu, values, groups, device, summarise=True)
+    with _failures_told_to_peers(groups):
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"batch must be a mapping of names to [1, T] tensors (the batch dict), "
+                            f"got {type(batch).__name__}")
+        lengths = {key: value.shape for key, value in batch.items() if _is_token_tensor(key, value)}
+        if not lengths:
+            raise ValueError("batch holds no tensors to split")
+        for key, shape in lengths.items():
+            if len(shape) != 2 or shape[0] != 1:
+                raise ValueError(f"batch[{key!r}] must be [1, T] (packed, micro-batch size 1), got {tuple(shape)}")
+        total = {shape[1] for shape in lengths.values()}
+        if len(total) != 1:
+            raise ValueError(f"batch tensors disagree on the packed length: { {k: s[1] for k, s in lengths.items()} }")
+        device = next(value.device for key, value in batch.items() if key in lengths)
+        cu, values = _as_cu_seqlens(cu_seqlens, total.pop(), device)
+        plan = _plan_this_rank(cu, values, groups, summarise=True)
+    indices, positions, params = _use_plan(plan, cu, values, groups, device)
     local: dict[str, Optional[Tensor]] = {}
     for key, value in batch.items():
         if key == "attention_mask" or value is None:
@@ -160,16 +164,34 @@ def sap_packed_seq_params(documents: Union[list[int], Tensor], device: torch.dev
     tensors: a pipeline stage between the first and the last, whose input is the previous
     stage's output, already in the plan's token order. The same plan, agreement check and
     RoPE positions as `sap_split_batch` of that row."""
-    cu, values = _as_cu_seqlens(documents, None, device)
-    return _plan_this_rank(cu, values, resolve_groups(cp_group), device)[2]
+    groups = resolve_groups(cp_group)
+    with _failures_told_to_peers(groups):
+        cu, values = _as_cu_seqlens(documents, None, device)
+        plan = _plan_this_rank(cu, values, groups)
+    return _use_plan(plan, cu, values, groups, device)[2]
 
 
-def _plan_this_rank(cu: Tensor, values: list[int], groups: Optional["sap.SAPGroups"], device: torch.device,
-                    summarise: bool = False) -> tuple[Tensor, Tensor, PackedSeqParams]:
-    """This rank's (local indices, in-document positions, PackedSeqParams) of the row `cu`
-    (`values` its cu_seqlens on the host), its plan checked to be the other CP ranks' and its
-    positions registered for the SAP RoPE; with `summarise` (a batch split), the plan counted for
-    the log line (`--sap-log-interval`)."""
+@contextmanager
+def _failures_told_to_peers(groups: Optional["sap.SAPGroups"]) -> Iterator[None]:
+    """Where the agreement check runs, an error raised in the block (this rank's batch or
+    cu_seqlens is invalid, its plan cannot be made) is first announced in that check, which
+    the other CP ranks are about to run: they raise at once, naming this rank, instead of
+    waiting for its hash until the group's timeout. Then the error itself is raised."""
+    try:
+        yield
+    except Exception as error:
+        if groups is not None and get_sap_options().check_agreement:
+            try:
+                announce_failure(groups, over=host_twin(groups.cp_group))
+            except Exception as told:  # the peers are gone: this rank's own error is the one to see
+                error.add_note(f"(telling the other CP ranks failed too: {told})")
+        raise
+
+
+def _plan_this_rank(cu: Tensor, values: list[int], groups: Optional["sap.SAPGroups"],
+                    summarise: bool = False) -> "sap.Plan":
+    """The plan of the row `cu` (`values` its cu_seqlens on the host); with `summarise` (a
+    batch split), counted for the log line (`--sap-log-interval`)."""
     world = 1 if groups is None else groups.world_size
     if values[-1] % world:
         raise ValueError(f"packed length {values[-1]} is not divisible by the CP size {world}; pad the batch")
@@ -180,6 +202,13 @@ def _plan_this_rank(cu: Tensor, values: list[int], groups: Optional["sap.SAPGrou
     plan = plan_for(cu, groups, values)
     if counting:
         record_plan(plan, made_here=planning_cache().misses > misses)
+    return plan
+
+
+def _use_plan(plan: "sap.Plan", cu: Tensor, values: list[int], groups: Optional["sap.SAPGroups"],
+              device: torch.device) -> tuple[Tensor, Tensor, PackedSeqParams]:
+    """This rank's (local indices, in-document positions, PackedSeqParams) of `plan`, the
+    plan checked to be the other CP ranks' and its positions registered for the SAP RoPE."""
     options = get_sap_options()
     if groups is not None and options.check_agreement:
         # every micro-batch: cheap, and it also catches stale cached plans; with the model's
