@@ -1903,6 +1903,43 @@ def test_all_to_alls_of_inner_groups_across_nodes_go_over_both_links():
     assert stats["sent_bytes_inter_per_rank"] == pytest.approx([2 * a2a / 3] * 4)
 
 
+@pytest.mark.parametrize("inner, outer, gpus_per_node", [(2, 2, 3), (2, 3, 3), (3, 2, 2), (2, 4, 8), (4, 2, 2)])
+def test_p2p_bytes_go_by_the_link_between_the_inner_ranks_that_exchange(inner, outer, gpus_per_node):
+    """Inner rank i of an outer group exchanges K/V with inner rank i of the others, so each
+    CP rank's P2P bytes are intra-node where that peer shares its node, by the CP ranks' own
+    nodes: where U and a node's GPUs do not divide one another, inner ranks of one outer pair
+    part (counted from the plan's pieces and work, not its traffic matrix)."""
+    model = CostModel.preset("cpu", gpus_per_node=gpus_per_node, num_heads=12, num_kv_heads=12, head_dim=8,
+                             bytes_per_element=4)
+    total = 96 * outer * inner
+    cu = [0, 5, total // 2 + 7, total // 2 + 40, total]
+    plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cost_model=model, cache=None)
+    stats = plan.stats()
+    owner = np.empty(total, dtype=int)
+    for r in range(outer):
+        owner[plan.group_indices(r).numpy()] = r
+    traffic = np.zeros((outer, outer))
+    for b in range(outer):
+        needed = np.zeros(total, dtype=bool)
+        for _, _, k_start, k_end, _ in plan.work(b * inner):
+            needed[k_start:k_end] = True
+        for a in range(outer):
+            if a != b:
+                traffic[a, b] = np.count_nonzero(needed & (owner == a))
+    assert traffic.sum() > 0
+    kv = model.inner_kv_bytes_per_token(inner)
+    a2a = stats["sent_bytes_per_rank"][0] - (traffic[0].sum() + traffic[:, 0].sum()) * kv
+    for a in range(outer):
+        for i in range(inner):
+            cp = a * inner + i
+            intra = sum((traffic[a, b] + traffic[b, a]) * kv for b in range(outer)
+                        if cp // gpus_per_node == (b * inner + i) // gpus_per_node)
+            peers_in_node = sum(1 for j in range(inner) if j != i and cp // gpus_per_node == (a * inner + j) // gpus_per_node)
+            intra += a2a * peers_in_node / max(inner - 1, 1)
+            assert stats["sent_bytes_intra_per_rank"][cp] == pytest.approx(intra), cp
+            assert stats["sent_bytes_inter_per_rank"][cp] == pytest.approx(stats["sent_bytes_per_rank"][cp] - intra), cp
+
+
 def test_outer_rank_methods_check_their_rank():
     plan = plan_of([0, 3, 8], 2, 1)
     for method in (plan.pieces, plan.group_indices, plan.program, plan.schedule, plan.memory_bytes):

@@ -470,8 +470,9 @@ class Plan:
 
         Bytes use the cost model's shape (heads, head dim, element size); pass another
         `cost_model` (or a preset name) to count for a different shape. Inner ranks each move
-        their own head slice (1/U of the outer traffic) and add the Ulysses all-to-all
-        (intra-node). `pairs_per_rank` counts the causal (q, k) pairs over all heads, as a
+        their own head slice (1/U of the outer traffic) with the same inner rank of
+        the other outer groups, counted intra- or inter-node by those two CP ranks' nodes,
+        and add the Ulysses all-to-all (by each inner peer's node). `pairs_per_rank` counts the causal (q, k) pairs over all heads, as a
         share of heads: every inner rank of an outer group computes that group's `work` on
         1/U of the heads, so its entry is the work's pairs / U (possibly fractional).
         """
@@ -482,11 +483,17 @@ class Plan:
         U = self.inner_size
         traffic = ev.traffic_tokens
         kv = m.inner_kv_bytes_per_token(U)
-        intra = ev.intra
         # forward sends KV it owns; backward sends dK/dV of what it received
-        sent_intra = (traffic * intra).sum(1) + (traffic * intra).sum(0)
-        sent_inter = (traffic * ~intra).sum(1) + (traffic * ~intra).sum(0)
-        sent = (sent_intra + sent_inter) * kv
+        sent = (traffic.sum(1) + traffic.sum(0)) * kv
+        # Inner rank i of an outer group exchanges with inner rank i of the others: by the
+        # links of those CP ranks (where U neither divides nor is a multiple of a node's GPUs,
+        # inner ranks of one outer pair can sit on one node or on two).
+        sent_intra = np.empty((self.outer_size, U))
+        for i in range(U):
+            node = np.array([m.node_of(r * U + i) for r in range(self.outer_size)])
+            same = node[:, None] == node[None, :]
+            sent_intra[:, i] = ((traffic * same).sum(1) + (traffic * same).sum(0)) * kv
+        sent_inter = sent[:, None] - sent_intra
         expand = lambda a: [float(x) for x in np.repeat(np.asarray(a, dtype=np.float64), U)]  # noqa: E731
         # Each inner rank's all-to-all bytes, an equal share per peer, by the peer's link.
         links = inner_peer_links(m.gpus_per_node, U, self.outer_size)
@@ -512,8 +519,8 @@ class Plan:
             "sent_bytes_per_rank": [x + ev.a2a_bytes for x in expand(sent)],
             # every rank receives what it sends: its forward K/V in-traffic is its backward dK/dV out-traffic
             "recv_bytes_per_rank": [x + ev.a2a_bytes for x in expand(sent)],
-            "sent_bytes_intra_per_rank": [x + a2a_intra for x, a2a_intra in zip(expand(sent_intra * kv), a2a_by_link[0])],
-            "sent_bytes_inter_per_rank": [x + a2a_inter for x, a2a_inter in zip(expand(sent_inter * kv), a2a_by_link[1])],
+            "sent_bytes_intra_per_rank": [float(x) + a2a for x, a2a in zip(sent_intra.ravel(), a2a_by_link[0])],
+            "sent_bytes_inter_per_rank": [float(x) + a2a for x, a2a in zip(sent_inter.ravel(), a2a_by_link[1])],
             "peak_extra_bytes_per_rank": expand([max(x["forward"], x["backward"]) for x in memory]),
             # The executor's schedule of the compiled programs, all ranks together
             # (`timeline.joint_schedule`), each rank in the schedule it runs by default
