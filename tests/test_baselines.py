@@ -452,3 +452,34 @@ def test_device_copies_are_made_once_per_layout():
         mask = layout.on_device(f"real rows {rank}", "cpu", lambda d: pytest.fail("made again"))
         assert torch.equal(mask, layout.positions[rank] >= 0)
     assert layout == dataclasses.replace(layout)
+
+
+
+def second_order_job(rank: int, world_size: int) -> list[str]:
+    """Per method: what asking for a second-order gradient through it raises."""
+    cu = [0, 5, 20, 40]
+    gen = torch.Generator().manual_seed(3)
+    full = [torch.randn(40, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3)]
+    raised = []
+    for name in METHODS:
+        inner_size = 2 if name == "a2a+p2p" else 1
+        layout = get(name).layout(cu, world_size, **_layout_kwargs(name, inner_size))
+        q, k, v = (shard(x, layout, rank).requires_grad_() for x in full)
+        out = get(name).attention(q, k, v, layout, _groups(name, inner_size))
+        (dq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+        try:
+            dq.pow(2).sum().backward()
+            raised.append("nothing")
+        except RuntimeError as error:
+            raised.append(str(error))
+    return raised
+
+
+@pytest.mark.parametrize("dist_pool", [2], indirect=True)
+def test_double_backward_is_refused(dist_pool):
+    """The exchanged gradients and the kernels' backward are not differentiable: second-order
+    gradients raise instead of coming out wrong (the ring's ran, off by up to 25%)."""
+    for raised in dist_pool.run(second_order_job):
+        assert len(raised) == len(METHODS)
+        for name, message in zip(METHODS, raised):
+            assert "once_differentiable" in message, (name, message)

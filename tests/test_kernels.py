@@ -894,3 +894,15 @@ def test_flash_backends_take_stacked_kv_views_without_copies(monkeypatch):
         assert seen[-1][3:] == (1, 1)
     finally:
         aten_flash.varlen.padded_lse.cache_clear()
+
+
+def test_double_backward_through_the_kernel_interface_is_refused():
+    """`varlen_forward`'s backward is `varlen_backward`, which is not differentiable itself:
+    second-order gradients raise (they ran and came out wrong, by up to 2.5x the largest)."""
+    cu = torch.tensor([0, 5, 20, 33], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(33, 2, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(3))
+    out, _ = varlen_forward(q, k, v, cu, cu, 15, 15, causal=True, backend="torch")
+    (dq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.pow(2).sum().backward()

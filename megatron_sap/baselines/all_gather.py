@@ -99,6 +99,7 @@ class AllGatherAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the exchanged gradients are not differentiable
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         seg, group, ranks = ctx.segments, ctx.group, ctx.ranks

@@ -208,6 +208,7 @@ class ZigzagRingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the exchanged gradients are not differentiable
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, last_kv = ctx.saved_tensors
         shape, ring, kw = ctx.shape, ctx.ring, ctx.kw

@@ -80,6 +80,7 @@ class VarlenAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' backward is not differentiable itself
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, cu = ctx.saved_tensors
         dq, dk, dv = varlen_backward(dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len,

@@ -227,7 +227,8 @@ def varlen_forward(
     cu_seqlens values are validated when they live on the CPU; on a GPU that
     would cost a host sync, so the flash backends trust them. Where q, k or v
     require grad (and grad mode is on), out is differentiable: its backward is
-    `varlen_backward` (lse is not differentiable).
+    `varlen_backward` (lse is not differentiable), once: a second-order gradient
+    raises, as it does through `sap_attention` and the baselines.
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale = _call_scale(q, causal, softmax_scale)
@@ -263,6 +264,7 @@ class _VarlenAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' backward is not differentiable itself
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         max_seqlen_q, max_seqlen_k, causal, scale, name = ctx.call
