@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 from typing import Sequence
 
@@ -366,16 +367,17 @@ def _shape_key(shape: Sequence) -> tuple:
     return (*(int(x) for x in sizes), dtype_name(kind) if isinstance(kind, (str, torch.dtype)) else int(kind))
 
 
-# id(CP group) -> what was last checked on it: the plan's signature, `recompute_kv` and the
-# attention shape. The signature, not the plan object: ranks holding equal plans as different
+# id(CP group) -> what was last checked on it: the plan's signature, `recompute_kv`, the
+# attention shape and the softmax scale (None: the default). The signature, not the plan object: ranks holding equal plans as different
 # objects (one planned afresh, the other's from its cache) skip the check alike.
-_LAST_CHECKED: dict[int, tuple[str, bool, tuple | None]] = {}
+_LAST_CHECKED: dict[int, tuple[str, bool, tuple | None, float | None]] = {}
 
 
-def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: tuple[int, int, int, str]) -> None:
+def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: tuple[int, int, int, str],
+                     softmax_scale: float | None) -> None:
     """`verify_plan_agreement` unless it was last run on this CP group for this plan (an
-    equal one: `Plan.signature`), `recompute_kv` and attention shape (a batch split's
-    check, or an earlier layer's).
+    equal one: `Plan.signature`), `recompute_kv`, attention shape and softmax scale (a batch
+    split's check, or an earlier layer's).
 
     Checking whenever a rank's call differs from the last one checked, not only on a
     plan's or shape's first use, is what keeps ranks that agreed from parting silently: a
@@ -383,36 +385,48 @@ def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: t
     theirs, enters the all-reduce alone and fails at the group's timeout instead of
     exchanging messages of the right sizes for another batch (peers waiting for its
     messages fail too). A model whose layers alternate shapes checks at every change."""
-    if _LAST_CHECKED.get(id(groups.cp_group)) != (plan.signature(), bool(recompute_kv), shape):
-        verify_plan_agreement(plan, groups, recompute_kv, shape)
+    if _LAST_CHECKED.get(id(groups.cp_group)) != (plan.signature(), bool(recompute_kv), shape, softmax_scale):
+        verify_plan_agreement(plan, groups, recompute_kv, shape, softmax_scale=softmax_scale)
+
+
+def _scale_key(scale: float, head_dim: int) -> float | None:
+    """The softmax scale as the agreement check counts it: None for the default (also as
+    1 / sqrt(head_dim), Megatron's form, which can differ from head_dim ** -0.5 in the last
+    bit), else rounded to 9 significant digits (the same scale computed two ways agrees)."""
+    return None if math.isclose(scale, head_dim ** -0.5, rel_tol=1e-9) else float(f"{scale:.9g}")
 
 
 def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = False,
-                          shape: Sequence | None = None, over: dist.ProcessGroup | None = None) -> None:
+                          shape: Sequence | None = None, over: dist.ProcessGroup | None = None,
+                          softmax_scale: float | None = None) -> None:
     """Check now that every rank of the CP group planned the same batch and layout, and
     runs it with the same `recompute_kv` (which decides whether the backward exchanges K/V
-    again: ranks that differ would wait for each other) and attention `shape` ((query heads,
+    again: ranks that differ would wait for each other), attention `shape` ((query heads,
     KV heads, head dim, dtype) as `attention_shape` gives it, which size and type the
-    exchanged buffers; None: not checked here).
+    exchanged buffers; None: not checked here) and `softmax_scale` (None: the default
+    head_dim ** -0.5; ranks that scale their scores differently merge partial results that
+    do not fit together).
 
     One all-reduce of a 62-bit hash over the CP group (and one host sync), or over `over`, a
     gloo group of the same ranks (host to host, no wait for the GPU). Raises on every rank, with both
     hashes, instead of deadlocking in P2P or computing garbage. A batch splitter calls it
     once per micro-batch (with the model's shape where it knows it), which also catches a
     rank that reuses a cached plan while another plans a new batch; `sap_attention` calls
-    it when the plan, `recompute_kv` or shape differs from what was last checked on the
+    it when the plan, `recompute_kv`, shape or scale differs from what was last checked on the
     group. (Ranks may run different schedules: both exchange the same rows in the same
     order.)
     """
     recompute_kv = bool(recompute_kv)
     shape = None if shape is None else _shape_key(shape)
-    digest = hashlib.sha1(f"{plan.signature()}|{recompute_kv}|{shape}".encode()).hexdigest()
+    scale = "" if softmax_scale is None else f"|scale {float(softmax_scale)!r}"
+    digest = hashlib.sha1(f"{plan.signature()}|{recompute_kv}|{shape}{scale}".encode()).hexdigest()
     mine = int(digest[:16], 16) & ((1 << 62) - 1)
     high, low, failed = _exchange_hashes(mine, groups, over)
     described = (f"this rank (cp_rank {groups.cp_rank}) planned hash {mine:x} ({plan.total_tokens} tokens, "
                  f"{len(plan.cu_seqlens) - 1} documents, layout {plan.inner_size}x{plan.outer_size}, cost model "
                  f"{plan.cost_model.name!r}, attention shape (heads, kv heads, head dim, dtype) {shape}, "
-                 f"recompute_kv={recompute_kv})")
+                 f"recompute_kv={recompute_kv}, softmax_scale "
+                 f"{'default' if softmax_scale is None else float(softmax_scale)})")
     if failed:
         raise RuntimeError(
             f"CP rank {failed - 1} of {list(groups.cp_ranks)} (the highest that failed) could not prepare this "
@@ -420,10 +434,12 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
         )
     if high != low:
         raise RuntimeError(
-            f"CP ranks disagree on the batch, the layout, the cost model, the attention shape or recompute_kv: "
+            f"CP ranks disagree on the batch, the layout, the cost model, the attention shape, the softmax scale or "
+            f"recompute_kv: "
             f"{described}, the group has hashes from {low:x} to {high:x}"
         )
-    _LAST_CHECKED[id(groups.cp_group)] = (plan.signature(), recompute_kv, shape)
+    _LAST_CHECKED[id(groups.cp_group)] = (plan.signature(), recompute_kv, shape,
+                                          None if softmax_scale is None else float(softmax_scale))
     mark_ready(groups.cp_group if over is None else over)  # the CP group (and the outer group at U = 1), or the host group
 
 
@@ -477,7 +493,7 @@ def sap_attention(
     (`plan.schedule(outer_rank, recompute_kv)`: one for every rank, what the cost model
     times faster for all ranks together, or beyond 16 outer ranks for the plan's slowest
     rank).
-    `check_agreement`: when the plan, `recompute_kv` or attention shape differs from what
+    `check_agreement`: when the plan, `recompute_kv`, attention shape or softmax scale differs from what
     was last checked on these groups, all-reduce a hash of them (`verify_plan_agreement`)
     so that ranks that planned different batches fail together; the layers of one
     micro-batch check once (where they share a shape). A rank that keeps its plan while
@@ -510,7 +526,7 @@ def sap_attention(
         if check_finite if check_finite is not None else os.environ.get("MEGATRON_SAP_CHECK_FINITE") == "1":
             _check_finite(q, k, v, groups)
         if groups is not None and groups.world_size > 1 and check_agreement:
-            _check_agreement(plan, groups, recompute_kv, attention_shape(q, k))
+            _check_agreement(plan, groups, recompute_kv, attention_shape(q, k), _scale_key(scale, q.shape[2]))
         if outer.group is not None:
             ready_for_batched_p2p(outer.group, f"outer group (cp_rank {groups.cp_rank})")
     U = 1 if groups is None else groups.inner_size

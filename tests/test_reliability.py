@@ -42,10 +42,11 @@ def _local_inputs(plan, cp_rank: int, cu: list[int], heads: int, kv_heads: int, 
 
 def disagree_job(rank: int, world: int, inner: int, cu: list[int], other_cu: list[int], odd_rank: int,
                  odd_recompute: bool = False, odd_shape: tuple[int, int, str] | None = None,
-                 shape: tuple[int, int, str] = (4, 2, "float64")) -> str:
-    """Every rank attends with a fresh plan in `shape` (query heads, KV heads, dtype);
-    `odd_rank` plans `other_cu` (and, with `odd_recompute`, alone recomputes the K/V; with
-    `odd_shape` alone attends in that shape). Returns 'ok' or the error."""
+                 shape: tuple[int, int, str] = (4, 2, "float64"), scales: tuple = (None, None)) -> str:
+    """Every rank attends with a fresh plan in `shape` (query heads, KV heads, dtype) and
+    softmax scale `scales[0]`; `odd_rank` plans `other_cu` (and, with `odd_recompute`, alone
+    recomputes the K/V; with `odd_shape` alone attends in that shape; with its scale
+    `scales[1]`). Returns 'ok' or the error."""
     import megatron_sap as sap
     from megatron_sap.planning import PlanCache
 
@@ -55,7 +56,8 @@ def disagree_job(rank: int, world: int, inner: int, cu: list[int], other_cu: lis
     heads, kv_heads, dtype = odd_shape if odd_shape and rank == odd_rank else shape
     q, k, v, dout = (t.to(getattr(torch, dtype)) for t in _local_inputs(plan, groups.cp_rank, mine, heads, kv_heads, seed=0))
     try:
-        sap.sap_attention(q, k, v, plan, groups, recompute_kv=odd_recompute and rank == odd_rank).backward(dout)
+        sap.sap_attention(q, k, v, plan, groups, recompute_kv=odd_recompute and rank == odd_rank,
+                          softmax_scale=scales[rank == odd_rank]).backward(dout)
     except RuntimeError as exc:
         return str(exc)
     return "ok"
@@ -70,8 +72,8 @@ def test_disagreeing_rank_raises_on_every_rank(request: pytest.FixtureRequest, w
     messages = pool.run(disagree_job, inner, cu, other, odd_rank)
     hashes = []
     for rank, message in enumerate(messages):
-        found = re.search(r"CP ranks disagree on the batch, the layout, the cost model, the attention shape or "
-                          r"recompute_kv: this rank \(cp_rank (\d+)\) planned hash ([0-9a-f]+) \(64 tokens, 4 documents, "
+        found = re.search(r"CP ranks disagree on the batch, the layout, the cost model, the attention shape, the "
+                          r"softmax scale or recompute_kv: this rank \(cp_rank (\d+)\) planned hash ([0-9a-f]+) \(64 tokens, 4 documents, "
                           r"layout .*\), the group has hashes from ([0-9a-f]+) to ([0-9a-f]+)", message)
         assert found, (rank, message)
         cp_rank, mine, low, high = found.groups()
@@ -106,6 +108,23 @@ def test_rank_attending_in_another_shape_raises_on_every_rank(pool4: WorkerPool,
     heads, kv_heads, dtype = odd_shape
     assert f"(heads, kv heads, head dim, dtype) ({heads}, {kv_heads}, 8, '{dtype}')" in messages[1]
     assert f"'{shape[2]}')" in messages[0]
+
+
+@pytest.mark.parametrize("first, scales", [(11, (None, 0.5)), (12, (0.25, 0.5)), (13, (0.5, None))])
+def test_rank_scaling_its_scores_otherwise_raises_on_every_rank(pool4: WorkerPool, first, scales) -> None:
+    """Partial results scaled differently do not merge (a wrong answer, no error, before
+    the scale entered the check); the default scale (head_dim ** -0.5) and the same scale
+    given explicitly (also as 1 / sqrt(head_dim)) agree. (A batch no earlier case checked: a rank going back to the
+    key last checked skips the check, and the others wait for it until the timeout.)"""
+    cu = [0, first, 24, 40, 64]
+    messages = pool4.run(disagree_job, 2, cu, cu, 1, False, None, (4, 2, "float64"), scales)
+    assert all("disagree" in m and "softmax scale" in m for m in messages), messages
+    assert f"softmax_scale {scales[1] or 'default'})" in messages[1]
+    assert f"softmax_scale {scales[0] or 'default'})" in messages[0]
+    assert pool4.run(disagree_job, 2, cu, cu, 1, False, None, (4, 2, "float64"), (None, 8 ** -0.5)) == ["ok"] * 4
+    assert 1 / math.sqrt(8) != 8 ** -0.5  # Megatron's form of the default, one bit off
+    cu[1] += 10
+    assert pool4.run(disagree_job, 2, cu, cu, 1, False, None, (4, 2, "float64"), (None, 1 / math.sqrt(8))) == ["ok"] * 4
 
 
 def test_agreeing_ranks_in_half_precision_pass(pool4: WorkerPool) -> None:
