@@ -67,7 +67,7 @@ def _post_step(program: RankProgram, index: int, send: torch.Tensor | None, recv
         None if source is None else outer.peer(source),
         outer.group,
         tag + step.round,
-        f"{'backward ' if reverse else ''}step {index + 1} of {len(program.transfers)} (round {step.round}) "
+        f"SAP {'backward ' if reverse else ''}step {index + 1} of {len(program.transfers)} (round {step.round}) "
         f"on outer rank {outer.rank}",
     )
 

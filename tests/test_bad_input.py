@@ -182,6 +182,14 @@ def test_cost_model_rejects_unknown_calibration_fields_and_links() -> None:
         sap.CostModel().bandwidth("pcie")
 
 
+def test_a_calibration_file_nested_too_deep_is_refused_by_name(tmp_path) -> None:
+    """json's RecursionError on a pathological file is the documented ValueError too."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="cannot read the cost-model calibration file .*deep.json"):
+        sap.CostModel.from_calibration(deep)
+
+
 def test_plan_sequences_takes_a_preset_by_name() -> None:
     by_name = sap.plan_sequences([0, 5, 16], outer_size=2, cost_model="h200", cache=None)
     assert by_name.cost_model == sap.CostModel.preset("h200")

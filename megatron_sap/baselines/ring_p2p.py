@@ -141,7 +141,7 @@ class _Shift:
     def __init__(self, send: Tensor, ring: Ring, recv: Tensor | None = None, backward: bool = False) -> None:
         self.recv = torch.empty_like(send) if recv is None else recv
         to, source = (ring.prev_peer, ring.next_peer) if backward else (ring.next_peer, ring.prev_peer)
-        self.pending = post_exchange(send, to, self.recv, source, ring.group, 0, "ring step")
+        self.pending = post_exchange(send, to, self.recv, source, ring.group, 0, "p2p baseline ring step")
 
     def wait(self) -> Tensor:
         self.pending.wait()

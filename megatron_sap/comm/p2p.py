@@ -38,7 +38,7 @@ class PendingExchange:
             try:
                 work.wait()
             except Exception as exc:  # the backend's own error type varies (gloo, NCCL)
-                raise RuntimeError(f"SAP {self.description} failed: {exc}") from exc
+                raise RuntimeError(f"{self.description} failed: {exc}") from exc
 
 
 def post_exchange(
@@ -50,7 +50,8 @@ def post_exchange(
     tag: int,
     what: str,
 ) -> PendingExchange:
-    """Post a send of `send` to global rank `send_peer` and a receive into `recv` from `recv_peer`."""
+    """Post a send of `send` to global rank `send_peer` and a receive into `recv` from `recv_peer`;
+    `what` names the step in errors ("SAP step 2 of 5 ...")."""
     description = f"{what} (send to rank {send_peer}, receive from rank {recv_peer}, tag {tag})"
     if _local_depth:
         if send is not None and send.numel():
@@ -67,7 +68,7 @@ def post_exchange(
     try:
         works = dist.batch_isend_irecv(ops) if ops else []
     except Exception as exc:  # gloo raises while posting when a peer's connection is already closed
-        raise RuntimeError(f"SAP {description} failed: {exc}") from exc
+        raise RuntimeError(f"{description} failed: {exc}") from exc
     return PendingExchange(works, description, (send, recv))
 
 

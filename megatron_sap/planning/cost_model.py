@@ -123,7 +123,7 @@ class CostModel:
             try:
                 with open(source) as f:
                     source = json.load(f)
-            except (OSError, ValueError) as exc:  # missing, unreadable, or not JSON
+            except (OSError, ValueError, RecursionError) as exc:  # missing, unreadable, not JSON, nested too deep
                 raise ValueError(f"cannot read the cost-model calibration file {os.fspath(source)!r}: {exc}") from exc
         values = source.get("cost_model", source) if isinstance(source, dict) else source
         if not isinstance(values, dict):
