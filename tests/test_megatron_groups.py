@@ -128,6 +128,31 @@ def test_initialize_rejects_bad_levels(pool4) -> None:
     assert pool4.run(bad_levels_rank) == ["ok"] * 4
 
 
+def differing_levels_rank(rank: int, world_size: int) -> str:
+    """Rank 1 asks for other levels than the rest; then all ask alike."""
+    from megatron.core import parallel_state
+
+    from megatron_sap.megatron import initialize_sap_parallel
+
+    try:
+        initialize_sap_parallel(inner_size=4 if rank == 1 else 2, outer_size=1 if rank == 1 else 2)
+        first = "ok"
+    except ValueError as error:
+        first = str(error)
+    initialize_sap_parallel(inner_size=2, outer_size=2)
+    parallel_state.destroy_model_parallel()
+    return first
+
+
+def test_ranks_asking_for_other_levels_are_told_on_every_rank(pool4) -> None:
+    """Compared before Megatron makes any group: a rank asking for others made groups that
+    did not match, and every rank waited until the timeout, with a bare 'Wait timeout'."""
+    for rank, message in enumerate(pool4.run(differing_levels_rank, timeout=60)):
+        assert message.startswith("initialize_sap_parallel: the ranks asked for different groups (inner_size from 2 "
+                                  "to 4; outer_size from 1 to 2 across ranks"), message
+        assert f"rank {rank} asked for inner_size={4 if rank == 1 else 2}" in message
+
+
 def unpacked_at_cp4_rank(rank: int, world_size: int) -> str:
     """Without packed params a CP > 1 layer cannot know the token layout: it must refuse."""
     import torch

@@ -193,7 +193,7 @@ def init_sap_groups(
         if max(layout.cp_ranks) >= world_size:
             raise ValueError(f"ranks {list(layout.cp_ranks)} exceed the world of {world_size} ranks")
         layouts = [layout]
-    _check_every_rank_asks_alike(inner_size, layouts[0].outer_size, tensor_parallel_size, pipeline_parallel_size,
+    check_every_rank_asks_alike(inner_size, layouts[0].outer_size, tensor_parallel_size, pipeline_parallel_size,
                                  None if ranks is None else layouts[0].cp_ranks)
     if timeout is None:
         timeout = group_timeout(dist.group.WORLD)
@@ -237,11 +237,13 @@ def _ranks_asked(ranks: Sequence[int] | None) -> dict[str, int]:
     return {"len(ranks)": len(listed), "sum(ranks)": sum(listed), "hash of ranks": int(digest[:16], 16) & ((1 << 62) - 1)}
 
 
-def _check_every_rank_asks_alike(inner_size: int, outer_size: int, tensor_parallel_size: int,
-                                 pipeline_parallel_size: int, ranks: Sequence[int] | None) -> None:
+def check_every_rank_asks_alike(inner_size: int, outer_size: int, tensor_parallel_size: int,
+                                pipeline_parallel_size: int, ranks: Sequence[int] | None,
+                                caller: str = "init_sap_groups") -> None:
     """Compare the call's sizes (and `ranks`) over the world before any group is made: ranks
     that asked for different groups would otherwise make some groups that do not match (a
-    wrong layout on some ranks, an error on others, or a wait until the timeout)."""
+    wrong layout on some ranks, an error on others, or a wait until the timeout). `caller`
+    names the function in the errors."""
     sizes = {"inner_size": inner_size, "outer_size": outer_size, "tensor_parallel_size": tensor_parallel_size,
              "pipeline_parallel_size": pipeline_parallel_size}
     asked = {**sizes, **_ranks_asked(ranks)}
@@ -251,17 +253,17 @@ def _check_every_rank_asks_alike(inner_size: int, outer_size: int, tensor_parall
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     except Exception as exc:  # a dead or stuck rank: the backend's error type varies (gloo, NCCL)
         raise RuntimeError(
-            f"init_sap_groups: comparing the sizes every rank asked for failed on rank {dist.get_rank()}: {exc}. "
-            "Every rank of the world must call init_sap_groups alike"
+            f"{caller}: comparing the sizes every rank asked for failed on rank {dist.get_rank()}: {exc}. "
+            f"Every rank of the world must call {caller} alike"
         ) from exc
     highest, lowest = extremes[: len(values)].tolist(), [-v for v in extremes[len(values):].tolist()]
     differ = [f"{name} from {low} to {high}" for name, low, high in zip(asked, lowest, highest) if low != high]
     if differ:
         mine = ", ".join(f"{name}={value}" for name, value in sizes.items())
         raise ValueError(
-            f"init_sap_groups: the ranks asked for different groups ({'; '.join(differ)} across ranks; rank "
+            f"{caller}: the ranks asked for different groups ({'; '.join(differ)} across ranks; rank "
             f"{dist.get_rank()} asked for {mine}{'' if ranks is None else f', ranks={list(ranks)}'}). "
-            "Every rank of the world must call init_sap_groups alike (the same sizes and ranks)"
+            f"Every rank of the world must call {caller} alike (the same sizes{'' if ranks is None else ' and ranks'})"
         )
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import megatron_sap as sap
 from megatron.core import parallel_state
-from megatron_sap.comm.groups import group_timeout
+from megatron_sap.comm.groups import check_every_rank_asks_alike, group_timeout
 from megatron_sap.comm.p2p import collective_device
 
 from .options import get_sap_options
@@ -117,6 +117,9 @@ def initialize_sap_parallel(
             f"outer_size * pipeline_model_parallel_size = {tensor_model_parallel_size} * {inner_size} * "
             f"{outer_size} * {pipeline_model_parallel_size} = {model_ranks}"
         )
+    if dist.is_initialized():  # before Megatron makes groups that would not match (a bare timeout)
+        check_every_rank_asks_alike(inner_size, outer_size, tensor_model_parallel_size, pipeline_model_parallel_size,
+                                    None, caller="initialize_sap_parallel")
     hierarchical = [inner_size, outer_size] if cp_size > 1 else None
     if not parallel_state.model_parallel_is_initialized():
         # Drop hierarchical groups a previous initialization left behind (see _current_hcp).
