@@ -30,8 +30,8 @@ import torch.distributed as dist
 from .comm.groups import SAPGroups
 from .comm.p2p import PendingExchange, collective_device, mark_ready, post_exchange, ready_for_batched_p2p
 from .comm.ulysses import GatherHeads, ScatterHeads, check_heads, replicate_kv_heads
-from .kernels import (add_rows, merge_into, resolve_backend, resolve_softmax_scale, take_rows, varlen_backward,
-                      varlen_forward, write_rows)
+from .kernels import (add_rows, first_order_only, merge_into, resolve_backend, resolve_softmax_scale, take_rows,
+                      varlen_backward, varlen_forward, write_rows)
 from .planning import Plan, RankProgram
 from .planning.program import COMPUTE, FETCH, LOCAL, RETURN, check_schedule
 from .validation import check_bool, check_qkv
@@ -169,7 +169,7 @@ class _SAPOuterAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the exchanged gradients are not differentiable
+    @first_order_only  # the exchanged gradients are not differentiable
     def backward(ctx, dout):
         q, k, v, out, lse, *saved = ctx.saved_tensors
         program = ctx.plan.backward_program(ctx.outer.rank, q.device, ctx.schedule, ctx.recompute_kv)
@@ -371,6 +371,16 @@ def _shape_key(shape: Sequence) -> tuple:
 # attention shape and the softmax scale (None: the default). The signature, not the plan object: ranks holding equal plans as different
 # objects (one planned afresh, the other's from its cache) skip the check alike.
 _LAST_CHECKED: dict[int, tuple[str, bool, tuple | None, float | None]] = {}
+# id(CP group) -> the softmax scale (`_scale_key`) of the last `sap_attention` call on it.
+_LAST_SCALE: dict[int, float | None] = {}
+
+
+def last_softmax_scale(groups: SAPGroups) -> float | None:
+    """The softmax scale of the last `sap_attention` call on these groups' CP group as the
+    agreement check counts it (None: the default, or no call yet). A batch split checks
+    with it, so that the layers of a model with a scale of its own need no check of their
+    own, and ranks whose layers scale differently disagree in the split's check."""
+    return _LAST_SCALE.get(id(groups.cp_group))
 
 
 def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: tuple[int, int, int, str],
@@ -418,7 +428,10 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
     """
     recompute_kv = bool(recompute_kv)
     shape = None if shape is None else _shape_key(shape)
-    scale = "" if softmax_scale is None else f"|scale {float(softmax_scale)!r}"
+    if softmax_scale is not None:  # as `sap_attention` counts it: the default (known with the shape) is None
+        softmax_scale = (_scale_key(float(softmax_scale), shape[2]) if shape is not None
+                         else float(f"{float(softmax_scale):.9g}"))
+    scale = "" if softmax_scale is None else f"|scale {softmax_scale!r}"
     digest = hashlib.sha1(f"{plan.signature()}|{recompute_kv}|{shape}{scale}".encode()).hexdigest()
     mine = int(digest[:16], 16) & ((1 << 62) - 1)
     high, low, failed = _exchange_hashes(mine, groups, over)
@@ -426,7 +439,7 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
                  f"{len(plan.cu_seqlens) - 1} documents, layout {plan.inner_size}x{plan.outer_size}, cost model "
                  f"{plan.cost_model.name!r}, attention shape (heads, kv heads, head dim, dtype) {shape}, "
                  f"recompute_kv={recompute_kv}, softmax_scale "
-                 f"{'default' if softmax_scale is None else float(softmax_scale)})")
+                 f"{'default' if softmax_scale is None else softmax_scale})")
     if failed:
         raise RuntimeError(
             f"CP rank {failed - 1} of {list(groups.cp_ranks)} (the highest that failed) could not prepare this "
@@ -438,8 +451,7 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
             f"recompute_kv: "
             f"{described}, the group has hashes from {low:x} to {high:x}"
         )
-    _LAST_CHECKED[id(groups.cp_group)] = (plan.signature(), recompute_kv, shape,
-                                          None if softmax_scale is None else float(softmax_scale))
+    _LAST_CHECKED[id(groups.cp_group)] = (plan.signature(), recompute_kv, shape, softmax_scale)
     mark_ready(groups.cp_group if over is None else over)  # the CP group (and the outer group at U = 1), or the host group
 
 
@@ -526,7 +538,8 @@ def sap_attention(
         if check_finite if check_finite is not None else os.environ.get("MEGATRON_SAP_CHECK_FINITE") == "1":
             _check_finite(q, k, v, groups)
         if groups is not None and groups.world_size > 1 and check_agreement:
-            _check_agreement(plan, groups, recompute_kv, attention_shape(q, k), _scale_key(scale, q.shape[2]))
+            scale_key = _LAST_SCALE[id(groups.cp_group)] = _scale_key(scale, q.shape[2])
+            _check_agreement(plan, groups, recompute_kv, attention_shape(q, k), scale_key)
         if outer.group is not None:
             ready_for_batched_p2p(outer.group, f"outer group (cp_rank {groups.cp_rank})")
     U = 1 if groups is None else groups.inner_size

@@ -287,14 +287,16 @@ def test_outer_group_runs_a_collective_before_its_first_exchange(pool4, inner):
 
 def test_double_backward_is_refused():
     """The gradients exchanged in backward are not differentiable: asking for second-order
-    gradients raises instead of returning wrong ones."""
+    gradients raises instead of returning wrong ones, also from a loss linear in the output
+    (where dq came back a constant, and a gradient penalty lost its term silently)."""
     cu = [0, 5, 16]
     plan = sap.plan_sequences(cu, cache=None)
     q, k, v, dout = (t.requires_grad_() if i < 3 else t for i, t in enumerate(make_inputs(cu, 4, 2, 8, 0)))
-    out = sap.sap_attention(q, k, v, plan, None)
-    (dq,) = torch.autograd.grad(out, q, dout, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
-        torch.autograd.grad(dq.pow(2).sum(), q)
+    for loss in (lambda out: out.pow(2).sum(), lambda out: (out * dout).sum()):  # the latter: dout needs no grad
+        out = sap.sap_attention(q, k, v, plan, None)
+        (dq,) = torch.autograd.grad(loss(out), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            (q.pow(2).sum() + dq.pow(2).sum()).backward()  # a gradient penalty
 
 
 @pytest.mark.parametrize("schedule", ["pipelined", "gathered"])

@@ -898,11 +898,15 @@ def test_flash_backends_take_stacked_kv_views_without_copies(monkeypatch):
 
 def test_double_backward_through_the_kernel_interface_is_refused():
     """`varlen_forward`'s backward is `varlen_backward`, which is not differentiable itself:
-    second-order gradients raise (they ran and came out wrong, by up to 2.5x the largest)."""
+    second-order gradients raise (they ran and came out wrong, by up to 2.5x the largest),
+    also from a loss linear in the output (where once_differentiable alone returns dq as a
+    constant and a gradient penalty lost its term without an error)."""
     cu = torch.tensor([0, 5, 20, 33], dtype=torch.int32)
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(33, 2, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(3))
-    out, _ = varlen_forward(q, k, v, cu, cu, 15, 15, causal=True, backend="torch")
-    (dq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
-        dq.pow(2).sum().backward()
+    weights = torch.randn(33, 2, 8, generator=gen, dtype=torch.float64)
+    for loss in (lambda out: out.pow(2).sum(), lambda out: (out * weights).sum()):  # the latter: dout needs no grad
+        out, _ = varlen_forward(q, k, v, cu, cu, 15, 15, causal=True, backend="torch")
+        (dq,) = torch.autograd.grad(loss(out), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            (q.pow(2).sum() + dq.pow(2).sum()).backward()  # a gradient penalty

@@ -346,9 +346,10 @@ def test_ranks_holding_equal_plans_as_other_objects_skip_the_check_alike(pool2: 
     assert all(error < 1e-10 and calls == 0 for error, calls in results), results
 
 
-def split_agreement_job(rank: int, world: int, model_shape, attention_dtype=None) -> list[int]:
+def split_agreement_job(rank: int, world: int, model_shape, attention_dtype=None, softmax_scale=None) -> list[int]:
     """all_reduce calls of a batch split and a layer's forward, two micro-batches, with the
-    model's shape and attention dtype known to the options or not."""
+    model's shape and attention dtype known to the options or not, the layer attending
+    with `softmax_scale`."""
     pytest.importorskip("megatron.core")
     import torch.distributed as dist
 
@@ -359,8 +360,11 @@ def split_agreement_job(rank: int, world: int, model_shape, attention_dtype=None
 
     from megatron_sap.planning.plan import DEFAULT_CACHE
 
+    from megatron_sap import attention
+
     groups = groups_for(1, world)
     DEFAULT_CACHE.clear()  # the split plans afresh, as for rows it has not seen
+    attention._LAST_SCALE.clear()  # as in a fresh process: no layer has attended
     set_sap_options(model_shape=model_shape, attention_dtype=attention_dtype)
     calls, real = 0, dist.all_reduce
 
@@ -377,7 +381,7 @@ def split_agreement_job(rank: int, world: int, model_shape, attention_dtype=None
             _, params = sap_split_batch({"tokens": torch.arange(32)[None]}, cu, groups)
             plan = plan_for(params.cu_seqlens_q, groups)  # the split's plan, as the layers get it
             q, k, v, _ = _local_inputs(plan, groups.cp_rank, cu, 2, 1, seed=1)
-            sap.sap_attention(q, k, v, plan, groups)
+            sap.sap_attention(q, k, v, plan, groups, softmax_scale=softmax_scale)
             counts.append(calls - before)
     finally:
         dist.all_reduce = real
@@ -394,6 +398,10 @@ def test_a_split_that_knows_the_model_shape_covers_the_layers(pool2: WorkerPool)
     assert pool2.run(split_agreement_job, None) == [[2, 2]] * 2
     assert pool2.run(split_agreement_job, (2, 1, 8, 8)) == [[2, 2]] * 2
     assert pool2.run(split_agreement_job, (2, 1, 8, 8), "float32") == [[2, 2]] * 2
+    # a scale of the model's own: the layer checks in the first micro-batch only, the split
+    # then checks with the scale the layers use (Megatron's 1 / sqrt(d) is the default)
+    assert pool2.run(split_agreement_job, (2, 1, 8, 8), "float64", 0.3) == [[2, 1]] * 2
+    assert pool2.run(split_agreement_job, (2, 1, 8, 8), "float64", 1 / math.sqrt(8)) == [[1, 1]] * 2
 
 
 def unchecked_disagreement_job(rank: int, world: int) -> float:

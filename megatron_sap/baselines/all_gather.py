@@ -32,7 +32,7 @@ from megatron_sap.baselines.common import (
 )
 from megatron_sap.comm.groups import group_ranks
 from megatron_sap.comm.traffic import record_send
-from megatron_sap.kernels import varlen_backward, varlen_forward
+from megatron_sap.kernels import first_order_only, varlen_backward, varlen_forward
 from megatron_sap.planning.cost_model import CostModel
 
 NAME = "all_gather"
@@ -107,7 +107,7 @@ class AllGatherAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the exchanged gradients are not differentiable
+    @first_order_only  # the exchanged gradients are not differentiable
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         seg, group, ranks = ctx.segments, ctx.group, ctx.ranks

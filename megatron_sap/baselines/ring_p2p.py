@@ -43,8 +43,8 @@ from megatron_sap.baselines.common import (
 )
 from megatron_sap.comm.groups import group_ranks
 from megatron_sap.comm.p2p import post_exchange
-from megatron_sap.kernels import (merge_into, merge_partials, resolve_backend, resolve_softmax_scale, varlen_backward,
-                                  varlen_forward)
+from megatron_sap.kernels import (first_order_only, merge_into, merge_partials, resolve_backend, resolve_softmax_scale,
+                                  varlen_backward, varlen_forward)
 from megatron_sap.planning.cost_model import CostModel
 
 NAME = "p2p"
@@ -208,7 +208,7 @@ class ZigzagRingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the exchanged gradients are not differentiable
+    @first_order_only  # the exchanged gradients are not differentiable
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, last_kv = ctx.saved_tensors
         shape, ring, kw = ctx.shape, ctx.ring, ctx.kw

@@ -32,7 +32,7 @@ from megatron_sap.baselines.common import (
 )
 from megatron_sap.comm import ulysses
 from megatron_sap.comm.ulysses import GatherHeads, ScatterHeads
-from megatron_sap.kernels import varlen_backward, varlen_forward
+from megatron_sap.kernels import first_order_only, varlen_backward, varlen_forward
 from megatron_sap.planning.cost_model import CostModel
 
 NAME = "a2a"
@@ -80,7 +80,7 @@ class VarlenAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the kernels' backward is not differentiable itself
+    @first_order_only  # the kernels' backward is not differentiable itself
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, cu = ctx.saved_tensors
         dq, dk, dv = varlen_backward(dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len,

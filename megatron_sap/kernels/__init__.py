@@ -29,6 +29,7 @@ import importlib
 import math
 import numbers
 import re
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -41,6 +42,7 @@ from .torch_backend import check_cu_seqlens
 __all__ = [
     "add_rows",
     "available_backends",
+    "first_order_only",
     "merge_into",
     "merge_partials",
     "resolve_backend",
@@ -252,6 +254,25 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k
     )
 
 
+def first_order_only(backward: Callable) -> Callable:
+    """`once_differentiable` for an attention backward, also where the incoming gradient
+    does not require grad (a loss linear in the output): there `once_differentiable`
+    returns the gradients as constants, though dq, dk and dv depend on q, k and v, and a
+    gradient penalty would lose that term without an error. Under `create_graph` (grad
+    mode on in the backward) the gradients are always marked, so differentiating them
+    raises."""
+    once = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def run(ctx: Any, *grads: Any) -> Any:
+        if torch.is_grad_enabled():
+            grads = tuple(g.detach().requires_grad_() if isinstance(g, Tensor) and g.is_floating_point()
+                          and not g.requires_grad else g for g in grads)
+        return once(ctx, *grads)
+
+    return run
+
+
 class _VarlenAttention(torch.autograd.Function):
     """`varlen_forward` for inputs that require grad: out's gradient by `varlen_backward`."""
 
@@ -264,7 +285,7 @@ class _VarlenAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the kernels' backward is not differentiable itself
+    @first_order_only  # the kernels' backward is not differentiable itself
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         max_seqlen_q, max_seqlen_k, causal, scale, name = ctx.call

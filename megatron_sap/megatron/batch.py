@@ -19,7 +19,7 @@ import megatron_sap as sap
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_sap.attention import announce_failure, verify_plan_agreement
+from megatron_sap.attention import announce_failure, last_softmax_scale, verify_plan_agreement
 from megatron_sap.validation import cu_seqlens_to_list
 
 from .groups import _sap_groups, host_twin, sap_groups_from_parallel_state
@@ -184,7 +184,8 @@ def _failures_told_to_peers(groups: Optional["sap.SAPGroups"]) -> Iterator[None]
             try:
                 announce_failure(groups, over=host_twin(groups.cp_group))
             except Exception as told:  # the peers are gone: this rank's own error is the one to see
-                error.add_note(f"(telling the other CP ranks failed too: {told})")
+                if hasattr(error, "add_note"):  # Python 3.11 on
+                    error.add_note(f"(telling the other CP ranks failed too: {told})")
         raise
 
 
@@ -215,7 +216,10 @@ def _use_plan(plan: "sap.Plan", cu: Tensor, values: list[int], groups: Optional[
         # attention shape and dtype where the flags gave them, the layers need no check of their own
         shape = options.model_shape
         shape = None if shape is None or options.attention_dtype is None else (*shape[:3], options.attention_dtype)
-        verify_plan_agreement(plan, groups, options.recompute_kv, shape, over=host_twin(groups.cp_group))
+        # the layers' softmax scale as last seen (the default before any): a model with a scale
+        # of its own then adds no check after the first micro-batch
+        verify_plan_agreement(plan, groups, options.recompute_kv, shape, over=host_twin(groups.cp_group),
+                              softmax_scale=last_softmax_scale(groups))
     cp_rank = 0 if groups is None else groups.cp_rank
     indices = plan.local_indices(cp_rank).to(device, non_blocking=True)
     positions = plan.position_ids(cp_rank).to(device, non_blocking=True)
