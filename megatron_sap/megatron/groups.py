@@ -99,11 +99,16 @@ def initialize_sap_parallel(
     For scripts that call Megatron-Core directly. Wraps `parallel_state.initialize_model_parallel`
     (extra keywords pass through) with `context_parallel_size=U*R` and, at CP > 1,
     `hierarchical_context_parallel_sizes=[U, R]` so the SAP levels are Megatron's own groups (a level
-    of size 1 included). Returns the groups (None at CP 1).
+    of size 1 included). Returns the groups (None at CP 1). Every rank's sizes are compared
+    first (one all-reduce over the world, on the current GPU under NCCL: set the device
+    before, as Megatron-LM does), so ranks that ask for different ones all raise.
     """
     for name, size in (("inner_size", inner_size), ("outer_size", outer_size)):
         if isinstance(size, bool) or not isinstance(size, numbers.Integral):
             raise TypeError(f"{name} must be an integer, got {size!r}")
+    if dist.is_initialized():  # first, so that ranks whose sizes differ hear it rather than wait for each other
+        check_every_rank_asks_alike(inner_size, outer_size, tensor_model_parallel_size, pipeline_model_parallel_size,
+                                    None, caller="initialize_sap_parallel")
     if inner_size < 1 or outer_size < 1:
         raise ValueError(f"inner_size and outer_size must be >= 1, got {inner_size} and {outer_size}")
     for name in ("context_parallel_size", "hierarchical_context_parallel_sizes"):
@@ -117,9 +122,6 @@ def initialize_sap_parallel(
             f"outer_size * pipeline_model_parallel_size = {tensor_model_parallel_size} * {inner_size} * "
             f"{outer_size} * {pipeline_model_parallel_size} = {model_ranks}"
         )
-    if dist.is_initialized():  # before Megatron makes groups that would not match (a bare timeout)
-        check_every_rank_asks_alike(inner_size, outer_size, tensor_model_parallel_size, pipeline_model_parallel_size,
-                                    None, caller="initialize_sap_parallel")
     hierarchical = [inner_size, outer_size] if cp_size > 1 else None
     if not parallel_state.model_parallel_is_initialized():
         # Drop hierarchical groups a previous initialization left behind (see _current_hcp).
