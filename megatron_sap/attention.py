@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import math
 import os
+import weakref
 from typing import Sequence
 
 import torch
@@ -367,12 +368,14 @@ def _shape_key(shape: Sequence) -> tuple:
     return (*(int(x) for x in sizes), dtype_name(kind) if isinstance(kind, (str, torch.dtype)) else int(kind))
 
 
-# id(CP group) -> what was last checked on it: the plan's signature, `recompute_kv`, the
-# attention shape and the softmax scale (None: the default). The signature, not the plan object: ranks holding equal plans as different
-# objects (one planned afresh, the other's from its cache) skip the check alike.
-_LAST_CHECKED: dict[int, tuple[str, bool, tuple | None, float | None]] = {}
-# id(CP group) -> the softmax scale (`_scale_key`) of the last `sap_attention` call on it.
-_LAST_SCALE: dict[int, float | None] = {}
+# CP group (weakly: a destroyed group leaves) -> what was last checked on it: the plan's
+# signature, `recompute_kv`, the attention shape and the softmax scale (None: the default).
+# The signature, not the plan object: ranks holding equal plans as different objects (one
+# planned afresh, the other's from its cache) skip the check alike.
+_LAST_CHECKED: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[str, bool, tuple | None, float | None]] = (
+    weakref.WeakKeyDictionary())
+# CP group -> the softmax scale (`_scale_key`) of the last `sap_attention` call on it.
+_LAST_SCALE: weakref.WeakKeyDictionary[dist.ProcessGroup, float | None] = weakref.WeakKeyDictionary()
 
 
 def last_softmax_scale(groups: SAPGroups) -> float | None:
@@ -380,7 +383,7 @@ def last_softmax_scale(groups: SAPGroups) -> float | None:
     agreement check counts it (None: the default, or no call yet). A batch split checks
     with it, so that the layers of a model with a scale of its own need no check of their
     own, and ranks whose layers scale differently disagree in the split's check."""
-    return _LAST_SCALE.get(id(groups.cp_group))
+    return _LAST_SCALE.get(groups.cp_group)
 
 
 def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: tuple[int, int, int, str],
@@ -395,7 +398,7 @@ def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: t
     theirs, enters the all-reduce alone and fails at the group's timeout instead of
     exchanging messages of the right sizes for another batch (peers waiting for its
     messages fail too). A model whose layers alternate shapes checks at every change."""
-    if _LAST_CHECKED.get(id(groups.cp_group)) != (plan.signature(), bool(recompute_kv), shape, softmax_scale):
+    if _LAST_CHECKED.get(groups.cp_group) != (plan.signature(), bool(recompute_kv), shape, softmax_scale):
         verify_plan_agreement(plan, groups, recompute_kv, shape, softmax_scale=softmax_scale)
 
 
@@ -451,7 +454,7 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
             f"recompute_kv: "
             f"{described}, the group has hashes from {low:x} to {high:x}"
         )
-    _LAST_CHECKED[id(groups.cp_group)] = (plan.signature(), recompute_kv, shape, softmax_scale)
+    _LAST_CHECKED[groups.cp_group] = (plan.signature(), recompute_kv, shape, softmax_scale)
     mark_ready(groups.cp_group if over is None else over)  # the CP group (and the outer group at U = 1), or the host group
 
 
@@ -538,7 +541,7 @@ def sap_attention(
         if check_finite if check_finite is not None else os.environ.get("MEGATRON_SAP_CHECK_FINITE") == "1":
             _check_finite(q, k, v, groups)
         if groups is not None and groups.world_size > 1 and check_agreement:
-            scale_key = _LAST_SCALE[id(groups.cp_group)] = _scale_key(scale, q.shape[2])
+            scale_key = _LAST_SCALE[groups.cp_group] = _scale_key(scale, q.shape[2])
             _check_agreement(plan, groups, recompute_kv, attention_shape(q, k), scale_key)
         if outer.group is not None:
             ready_for_batched_p2p(outer.group, f"outer group (cp_rank {groups.cp_rank})")

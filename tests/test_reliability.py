@@ -569,6 +569,39 @@ def stale_plan_job(rank: int, world: int) -> str:
     return "ok"
 
 
+def released_groups_job(rank: int, world: int, inner: int) -> list[bool]:
+    """SAP groups that attended (the agreement check, the outer group's first collective)
+    then destroyed: whether each CP group object was freed."""
+    import gc
+    import weakref
+
+    import megatron_sap as sap
+
+    freed = []
+    for cycle in range(3):
+        groups = sap.init_sap_groups(inner_size=inner, outer_size=world // inner)
+        cu = [0, 10 + cycle, 100, 128]
+        plan = sap.plan_sequences(cu, outer_size=world // inner, inner_size=inner, cache=None)
+        q, k, v, dout = _local_inputs(plan, groups.cp_rank, cu, 2, 2, seed=cycle)
+        sap.sap_attention(q, k, v, plan, groups).backward(dout)
+        ref = weakref.ref(groups.cp_group)
+        made = {id(g): g for g in (groups.cp_group, groups.inner_group, groups.outer_group) if g is not None}
+        for group in made.values():
+            dist.destroy_process_group(group)
+        del groups, group, made
+        gc.collect()
+        freed.append(ref() is None)
+    return freed
+
+
+@pytest.mark.parametrize("inner", [1, 2])
+def test_destroyed_groups_are_let_go(pool2: WorkerPool, inner: int) -> None:
+    """The state kept per CP group (the first-collective mark, the last agreement check, the
+    layers' scale) holds it weakly: groups destroyed and made again (an in-process restart)
+    kept every old group, its connections and threads, alive."""
+    assert pool2.run(released_groups_job, inner) == [[True] * 3] * 2
+
+
 def test_batch_splitter_catches_a_stale_cached_plan(pool2: WorkerPool) -> None:
     messages = pool2.run(stale_plan_job)
     assert all("CP ranks disagree" in m for m in messages), messages

@@ -16,6 +16,7 @@ single device.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -73,7 +74,8 @@ def post_exchange(
 
 
 _local_depth = 0
-_ready_groups: dict[int, dist.ProcessGroup] = {}  # by id; the group kept, so that its id is not reused
+# Weakly: a group destroyed (and collected) leaves, with its connections and threads.
+_ready_groups: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -87,7 +89,7 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
 
 def mark_ready(group: dist.ProcessGroup) -> None:
     """Record that `group` has run a collective (see `ready_for_batched_p2p`)."""
-    _ready_groups[id(group)] = group
+    _ready_groups.add(group)
 
 
 def ready_for_batched_p2p(group: dist.ProcessGroup | None, what: str) -> None:
@@ -98,7 +100,7 @@ def ready_for_batched_p2p(group: dist.ProcessGroup | None, what: str) -> None:
     an outer rank whose program moves nothing would otherwise leave the others waiting
     in their first exchange. Every rank of the group calls this (they run the same layer).
     """
-    if group is None or _local_depth or _ready_groups.get(id(group)) is group:
+    if group is None or _local_depth or group in _ready_groups:
         return
     try:
         dist.all_reduce(torch.zeros(1, device=collective_device(group)), group=group)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
@@ -137,7 +138,8 @@ def initialize_sap_parallel(
     return sap_groups_from_parallel_state()
 
 
-_HOST_TWINS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # id(group) -> (group, its gloo twin)
+# group -> its gloo twin; weakly, so a group destroyed and collected takes its twin along.
+_HOST_TWINS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
 # Whether this torch makes a group with its members only (the others need not call new_group).
 _LOCAL_GROUPS = "use_local_synchronization" in inspect.signature(dist.new_group).parameters
 
@@ -152,12 +154,11 @@ def host_twin(group: dist.ProcessGroup) -> dist.ProcessGroup:
     `prepare_pipeline_host_group`)."""
     if collective_device(group).type == "cpu" or not _LOCAL_GROUPS:
         return group
-    entry = _HOST_TWINS.get(id(group))
-    if entry is None or entry[0] is not group:
-        twin = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", timeout=group_timeout(group),
-                              use_local_synchronization=True)
-        entry = _HOST_TWINS[id(group)] = (group, twin)
-    return entry[1]
+    twin = _HOST_TWINS.get(group)
+    if twin is None:
+        twin = _HOST_TWINS[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                                   timeout=group_timeout(group), use_local_synchronization=True)
+    return twin
 
 
 def tensor_parallel_host_group() -> Optional[tuple[dist.ProcessGroup, int]]:
@@ -169,7 +170,8 @@ def tensor_parallel_host_group() -> Optional[tuple[dist.ProcessGroup, int]]:
     return host_twin(parallel_state.get_tensor_model_parallel_group()), parallel_state.get_tensor_model_parallel_src_rank()
 
 
-_PIPELINE_TWINS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # id(PP group) -> (it, its host group)
+# PP group -> its host group (weakly, as `_HOST_TWINS`).
+_PIPELINE_TWINS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
 
 
 def _pipeline_ranks() -> tuple[dist.ProcessGroup, int, list[int]]:
@@ -205,14 +207,14 @@ def pipeline_host_group() -> Optional[tuple[dist.ProcessGroup, int, list[int]]]:
     if not documents_cross_stages():
         return None
     group, first, receivers = _pipeline_ranks()
-    entry = _PIPELINE_TWINS.get(id(group))
-    if entry is None or entry[0] is not group:
+    twin = _PIPELINE_TWINS.get(group)
+    if twin is None:
         raise RuntimeError(
             "SAP's pipeline host group was not made after initialize_model_parallel: call "
             "megatron_sap.megatron.groups.prepare_pipeline_host_group() on every rank right after it (the launcher, "
             "the fork patch and initialize_sap_parallel do)"
         )
-    return entry[1], first, receivers
+    return twin, first, receivers
 
 
 def prepare_pipeline_host_group() -> None:
@@ -225,8 +227,7 @@ def prepare_pipeline_host_group() -> None:
     if not documents_cross_stages():
         return
     group, first, receivers = _pipeline_ranks()
-    made = _PIPELINE_TWINS.get(id(group))
-    if made is not None and made[0] is group:  # on every rank alike: all were made in one call
+    if group in _PIPELINE_TWINS:  # on every rank alike: all were made in one call
         return
     mine = tuple(sorted([first, *receivers]))
     pipelines: list[Optional[tuple[int, ...]]] = [None] * dist.get_world_size()
@@ -234,4 +235,4 @@ def prepare_pipeline_host_group() -> None:
     for members in sorted(set(pipelines)):
         twin = dist.new_group(list(members), backend="gloo", timeout=group_timeout(group))
         if members == mine:
-            _PIPELINE_TWINS[id(group)] = (group, twin)
+            _PIPELINE_TWINS[group] = twin
