@@ -382,7 +382,7 @@ def last_softmax_scale(groups: SAPGroups) -> float | None:
     """The softmax scale of the last `sap_attention` call on these groups' CP group as the
     agreement check counts it (None: the default, or no call yet). A batch split checks
     with it, so that the layers of a model with a scale of its own need no check of their
-    own, and ranks whose layers scale differently disagree in the split's check."""
+    own after the first micro-batch."""
     return _LAST_SCALE.get(groups.cp_group)
 
 
@@ -402,11 +402,14 @@ def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: t
         verify_plan_agreement(plan, groups, recompute_kv, shape, softmax_scale=softmax_scale)
 
 
-def _scale_key(scale: float, head_dim: int) -> float | None:
-    """The softmax scale as the agreement check counts it: None for the default (also as
-    1 / sqrt(head_dim), Megatron's form, which can differ from head_dim ** -0.5 in the last
-    bit), else rounded to 9 significant digits (the same scale computed two ways agrees)."""
-    return None if math.isclose(scale, head_dim ** -0.5, rel_tol=1e-9) else float(f"{scale:.9g}")
+def _scale_key(scale: float, head_dim: int | None) -> float | None:
+    """The softmax scale as the agreement check counts it: None for the default where the
+    head dim is known (also as 1 / sqrt(head_dim), Megatron's form, which can differ from
+    head_dim ** -0.5 in the last bit), else rounded to 9 significant digits (the same scale
+    computed two ways agrees)."""
+    if head_dim is not None and math.isclose(scale, head_dim ** -0.5, rel_tol=1e-9):
+        return None
+    return float(f"{scale:.9g}")
 
 
 def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = False,
@@ -431,9 +434,8 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
     """
     recompute_kv = bool(recompute_kv)
     shape = None if shape is None else _shape_key(shape)
-    if softmax_scale is not None:  # as `sap_attention` counts it: the default (known with the shape) is None
-        softmax_scale = (_scale_key(float(softmax_scale), shape[2]) if shape is not None
-                         else float(f"{float(softmax_scale):.9g}"))
+    if softmax_scale is not None:  # as `sap_attention` counts it
+        softmax_scale = _scale_key(float(softmax_scale), None if shape is None else shape[2])
     scale = "" if softmax_scale is None else f"|scale {softmax_scale!r}"
     digest = hashlib.sha1(f"{plan.signature()}|{recompute_kv}|{shape}{scale}".encode()).hexdigest()
     mine = int(digest[:16], 16) & ((1 << 62) - 1)
@@ -451,8 +453,7 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
     if high != low:
         raise RuntimeError(
             f"CP ranks disagree on the batch, the layout, the cost model, the attention shape, the softmax scale or "
-            f"recompute_kv: "
-            f"{described}, the group has hashes from {low:x} to {high:x}"
+            f"recompute_kv: {described}, the group has hashes from {low:x} to {high:x}"
         )
     _LAST_CHECKED[groups.cp_group] = (plan.signature(), recompute_kv, shape, softmax_scale)
     mark_ready(groups.cp_group if over is None else over)  # the CP group (and the outer group at U = 1), or the host group

@@ -472,9 +472,10 @@ class Plan:
         `cost_model` (or a preset name) to count for a different shape. Inner ranks each move
         their own head slice (1/U of the outer traffic) with the same inner rank of
         the other outer groups, counted intra- or inter-node by those two CP ranks' nodes,
-        and add the Ulysses all-to-all (by each inner peer's node). `pairs_per_rank` counts the causal (q, k) pairs over all heads, as a
-        share of heads: every inner rank of an outer group computes that group's `work` on
-        1/U of the heads, so its entry is the work's pairs / U (possibly fractional).
+        and add the Ulysses all-to-all (by each inner peer's node). `pairs_per_rank` counts
+        the causal (q, k) pairs over all heads, as a share of heads: every inner rank of an
+        outer group computes that group's `work` on 1/U of the heads, so its entry is the
+        work's pairs / U (possibly fractional).
         """
         if cost_model is not None:
             cost_model = _cost_model(cost_model)
