@@ -31,6 +31,7 @@ from megatron_sap.baselines.common import (
     zero_padding_rows,
 )
 from megatron_sap.comm.groups import group_ranks
+from megatron_sap.comm.p2p import failure_named
 from megatron_sap.comm.traffic import record_send
 from megatron_sap.kernels import first_order_only, varlen_backward, varlen_forward
 from megatron_sap.planning.cost_model import CostModel
@@ -79,16 +80,9 @@ def _gather_kv(k: Tensor, v: Tensor, group: dist.ProcessGroup | None, ranks: lis
         if j != me:
             record_send(local, peer, "allgather")
     gathered = local.new_empty((len(ranks) * local.shape[0], *local.shape[1:]))
-    _named(all_gather_single, "K/V all-gather", gathered, local, group)
+    with failure_named(f"all_gather baseline K/V all-gather over ranks {ranks}"):
+        all_gather_single(gathered, local, group=group)
     return gathered
-
-
-def _named(collective, what: str, out: Tensor, tensor: Tensor, group: dist.ProcessGroup | None) -> None:
-    """Run `collective(out, tensor, group=group)`; a dead or stuck rank's error names the step."""
-    try:
-        collective(out, tensor, group=group)
-    except Exception as exc:  # the backend's error type varies (gloo, NCCL)
-        raise RuntimeError(f"all_gather baseline {what} over ranks {group_ranks(group)} failed: {exc}") from exc
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -122,7 +116,8 @@ class AllGatherAttention(torch.autograd.Function):
             if j != me:
                 record_send(dkv_all[j * rows:(j + 1) * rows], peer, "reduce_scatter")
         dkv = dkv_all.new_empty((rows, *dkv_all.shape[1:]))
-        _named(reduce_scatter_single, "dK/dV reduce-scatter (backward)", dkv, dkv_all, group)
+        with failure_named(f"all_gather baseline dK/dV reduce-scatter (backward) over ranks {ranks}"):
+            reduce_scatter_single(dkv, dkv_all, group=group)
         return dq, dkv[:, 0], dkv[:, 1], None, None, None, None, None
 
 

@@ -26,6 +26,16 @@ import torch.distributed as dist
 from .traffic import record_send
 
 
+@contextlib.contextmanager
+def failure_named(description: str) -> Iterator[None]:
+    """A communication call's failure in the block (a dead or stuck peer; the backend's
+    error type varies: gloo, NCCL) raised as a RuntimeError "<description> failed: ..."."""
+    try:
+        yield
+    except Exception as exc:
+        raise RuntimeError(f"{description} failed: {exc}") from exc
+
+
 @dataclass
 class PendingExchange:
     """Handles of one posted step."""
@@ -36,10 +46,8 @@ class PendingExchange:
 
     def wait(self) -> None:
         for work in self.works:
-            try:
+            with failure_named(self.description):
                 work.wait()
-            except Exception as exc:  # the backend's own error type varies (gloo, NCCL)
-                raise RuntimeError(f"{self.description} failed: {exc}") from exc
 
 
 def post_exchange(
@@ -66,10 +74,8 @@ def post_exchange(
         ops.append(dist.P2POp(dist.isend, send, send_peer, group=group, tag=tag))
     if recv is not None and recv.numel():
         ops.append(dist.P2POp(dist.irecv, recv, recv_peer, group=group, tag=tag))
-    try:
+    with failure_named(description):  # gloo raises while posting when a peer's connection is already closed
         works = dist.batch_isend_irecv(ops) if ops else []
-    except Exception as exc:  # gloo raises while posting when a peer's connection is already closed
-        raise RuntimeError(f"{description} failed: {exc}") from exc
     return PendingExchange(works, description, (send, recv))
 
 
@@ -102,10 +108,8 @@ def ready_for_batched_p2p(group: dist.ProcessGroup | None, what: str) -> None:
     """
     if group is None or _local_depth or group in _ready_groups:
         return
-    try:
+    with failure_named(f"SAP first collective on the {what}"):
         dist.all_reduce(torch.zeros(1, device=collective_device(group)), group=group)
-    except Exception as exc:  # a dead or stuck rank: the backend's error type varies (gloo, NCCL)
-        raise RuntimeError(f"SAP first collective on the {what} failed: {exc}") from exc
     mark_ready(group)
 
 

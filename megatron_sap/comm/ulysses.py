@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import group_ranks
+from .p2p import failure_named
 from .traffic import record_send
 
 
@@ -28,10 +29,8 @@ def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup | None, step: str) 
         if j != me:
             record_send(send[j], peer, "a2a")
     recv = torch.empty_like(send)
-    try:
+    with failure_named(f"{step} over group ranks {ranks}, from group rank {me},"):
         dist.all_to_all_single(recv, send, group=group)
-    except Exception as exc:  # the backend's own error type varies (gloo, NCCL)
-        raise RuntimeError(f"{step} over group ranks {ranks}, from group rank {me}, failed: {exc}") from exc
     return recv
 
 
