@@ -31,8 +31,8 @@ import torch.distributed as dist
 from .comm.groups import SAPGroups
 from .comm.p2p import PendingExchange, collective_device, mark_ready, post_exchange, ready_for_batched_p2p
 from .comm.ulysses import GatherHeads, ScatterHeads, check_heads, replicate_kv_heads
-from .kernels import (add_rows, first_order_only, merge_into, resolve_backend, resolve_softmax_scale, take_rows,
-                      varlen_backward, varlen_forward, write_rows)
+from .kernels import (accumulation_dtype, add_rows, first_order_only, merge_into, resolve_backend, resolve_softmax_scale,
+                      take_rows, varlen_backward, varlen_forward, write_rows)
 from .planning import Plan, RankProgram
 from .planning.program import COMPUTE, FETCH, LOCAL, RETURN, check_schedule
 from .validation import check_bool, check_qkv
@@ -40,10 +40,6 @@ from .validation import check_bool, check_qkv
 _BACKWARD_TAG = 1 << 20
 _REFETCH_TAG = 2 << 20
 INNER_STEP = "SAP inner all-to-all"  # names the collective when a peer fails
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class _Outer:
@@ -104,7 +100,7 @@ def _local_forward(program: RankProgram, q, kv, scale, backend) -> tuple[torch.T
     """The local calls' merged (out, lse), in the accumulation dtype. The first call (the causal
     diagonal of every local row) starts the accumulators: a copy, where a merge into zeros would
     take two passes over them."""
-    acc_dtype = _accumulation_dtype(q.dtype)
+    acc_dtype = accumulation_dtype(q)
     calls = program.local_calls
     if calls and calls[0].q_rows is None:
         out, lse = _run_forward_call(calls[0], q, kv, scale, backend)
@@ -208,7 +204,7 @@ def _gathered_forward(program: RankProgram, q, k, v, outer: _Outer, scale, backe
     source, slices = _gathered_source(program, k, v)
     kv = source[: len(k)]
     out = torch.empty_like(q)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=_accumulation_dtype(q.dtype), device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=accumulation_dtype(q), device=q.device)
     posted: dict[int, PendingExchange] = {}
     for kind, i in program.forward_events():
         if kind == FETCH:
@@ -228,7 +224,7 @@ def _backward(ctx, program: RankProgram, dout, q, k, v, out, lse, saved) -> tupl
     step's, the saved source's. A return sends those gradients back to their owner and
     receives those of the rows the step sent, which its collect adds into dK/dV."""
     outer, scale, backend = ctx.outer, ctx.scale, ctx.backend
-    acc_dtype = _accumulation_dtype(q.dtype)
+    acc_dtype = accumulation_dtype(q)
     gathered = program.schedule == "gathered"
     # Gathered, every query row's dQ comes from the one call that has the row (as its
     # output did in forward): written there, in q's dtype, nothing to start from or add.

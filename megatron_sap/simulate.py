@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import _accumulation_dtype, _backward_calls, _forward_calls, _local_forward, _write_forward
-from .kernels import add_rows, resolve_softmax_scale, take_rows
+from .attention import _backward_calls, _forward_calls, _local_forward, _write_forward
+from .kernels import accumulation_dtype, add_rows, resolve_softmax_scale, take_rows
 from .planning import Plan
 from .validation import check_qkv
 
@@ -91,7 +91,7 @@ def simulate_plan(
             raise ValueError(f"{name} must be the whole batch [T={plan.total_tokens}, heads, head_dim], "
                              f"got shape {tuple(t.shape)}")
     scale = resolve_softmax_scale(q.shape[2], softmax_scale, q.dtype)
-    acc_dtype = _accumulation_dtype(q.dtype)
+    acc_dtype = accumulation_dtype(q)
     device = q.device
     R = plan.outer_size
     start, stop = _timer(device)

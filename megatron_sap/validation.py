@@ -72,10 +72,15 @@ def _integer(value: object, name: str) -> int:
         raise ValueError(f"{name} must hold integers, got {value!r} ({type(value).__name__})") from None
 
 
+def is_positive_int(value: object) -> bool:
+    """Whether `value` is a positive integer (numpy's too; no bools or floats, which would
+    read as 1 or truncate)."""
+    return not isinstance(value, (bool, np.bool_)) and isinstance(value, numbers.Integral) and value >= 1
+
+
 def positive_int(value: object, name: str) -> int:
-    """`value` as an int, checked to be a positive integer (numpy's too; no bools or floats,
-    which would read as 1 or truncate)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
+    """`value` as an int, checked by `is_positive_int`."""
+    if not is_positive_int(value):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 

@@ -171,7 +171,7 @@ def ulysses_error(rank: int, world_size: int, heads_q: int, heads_kv: int) -> st
 
 
 @pytest.mark.parametrize("dist_pool", [4], indirect=True)
-@pytest.mark.parametrize("heads_q,heads_kv,match", [(6, 6, "query heads"), (12, 6, "KV heads"), (12, 3, "KV heads")])
+@pytest.mark.parametrize("heads_q,heads_kv,match", [(6, 6, "query heads"), (12, 6, "key/value heads"), (12, 3, "key/value heads")])
 def test_ulysses_head_errors(dist_pool, heads_q, heads_kv, match):
     assert all(match in message for message in dist_pool.run(ulysses_error, heads_q, heads_kv))
 
@@ -298,8 +298,12 @@ def test_kv_heads_per_rank():
     assert kv_heads_per_rank(8, 4, 2) == 2  # sharded
     assert kv_heads_per_rank(8, 2, 4) == 1  # replicated twice
     assert kv_heads_per_rank(8, 1, 8) == 1  # replicated to every rank
-    with pytest.raises(ValueError, match="divide by the group size"):
+    with pytest.raises(ValueError, match=r"query heads \(6\) must be divisible by the inner \(Ulysses\) size \(4\)"):
         kv_heads_per_rank(6, 2, 4)
+    with pytest.raises(ValueError, match=r"key/value heads \(6\) must be divisible by the inner size \(4\)"):
+        kv_heads_per_rank(12, 6, 4)
+    with pytest.raises(ValueError, match=r"must be a multiple of KV heads"):
+        kv_heads_per_rank(8, 3, 2)
     with pytest.raises(ValueError):
         get("a2a").model_stats(_cu([10]), 4, CostModel().with_shape(12, 6, 64))
 

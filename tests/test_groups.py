@@ -304,6 +304,11 @@ def test_ranks_compared_tell_apart_sets_of_equal_sums() -> None:
     (dict(inner_size=1, outer_size=2), dict(inner_size=2, outer_size=1), "inner_size from 1 to 2; outer_size from 1 to 2"),
     (dict(inner_size=2, outer_size=2), dict(inner_size=1, outer_size=4), "inner_size from 1 to 2; outer_size from 2 to 4"),
     (dict(inner_size=2, ranks=[0, 1]), dict(inner_size=2, ranks=[2, 3]), "sum(ranks) from 1 to 5"),
+    # Arguments only rank 0 gets wrong: its own checks would raise there alone, the others wait.
+    (dict(inner_size=2.0, outer_size=2), dict(inner_size=2, outer_size=2), "inner_size from a non-integer to 2"),
+    (dict(inner_size=2, outer_size=None), dict(inner_size=2, outer_size=2), "outer_size from None to 2"),
+    (dict(inner_size=2, ranks=[0, "1"]), dict(inner_size=2, ranks=[0, 1]), "len(ranks) from a non-integer to 2"),
+    (dict(inner_size=3), dict(inner_size=2), "inner_size from 2 to 3"),
 ])
 def test_ranks_that_ask_for_different_groups_all_fail_before_any_is_made(
     dist_pool: WorkerPool, mine: dict[str, Any], others: dict[str, Any], differ: str

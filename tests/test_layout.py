@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from megatron_sap.comm.layout import CPGroupLayout, link_class, sap_group_layout, spans_nodes
+from megatron_sap.comm.layout import CPGroupLayout, sap_group_layout, spans_nodes
 
 parallel_state = pytest.importorskip("megatron.core.parallel_state")
 
@@ -136,14 +136,14 @@ def test_inner_groups_spanning_nodes_names_the_offenders() -> None:
     assert layout.inner_groups_spanning_nodes(6) == ()
 
 
-def test_link_class_and_spans_nodes() -> None:
-    assert link_class(0, 7, gpus_per_node=8) == "intra"
-    assert link_class(7, 8, gpus_per_node=8) == "inter"
-    assert link_class(9, 9, gpus_per_node=1) == "intra"
+def test_spans_nodes() -> None:
+    assert not spans_nodes((0, 7), gpus_per_node=8)
+    assert spans_nodes((7, 8), gpus_per_node=8)
+    assert not spans_nodes((9, 9), gpus_per_node=1)
     assert not spans_nodes((8, 12, 15), gpus_per_node=8)
     assert spans_nodes((0, 8), gpus_per_node=8)
     with pytest.raises(ValueError, match="gpus_per_node"):
-        link_class(0, 1, gpus_per_node=0)
+        spans_nodes((0, 1), gpus_per_node=0)
 
 
 @pytest.mark.parametrize(

@@ -128,14 +128,14 @@ def test_initialize_rejects_bad_levels(pool4) -> None:
     assert pool4.run(bad_levels_rank) == ["ok"] * 4
 
 
-def differing_levels_rank(rank: int, world_size: int) -> str:
-    """Rank 1 asks for other levels than the rest; then all ask alike."""
+def differing_levels_rank(rank: int, world_size: int, inner_size: object, outer_size: object) -> str:
+    """Rank 1 asks for `inner_size` and `outer_size`, the rest for 2 and 2; then all ask alike."""
     from megatron.core import parallel_state
 
     from megatron_sap.megatron import initialize_sap_parallel
 
     try:
-        initialize_sap_parallel(inner_size=4 if rank == 1 else 2, outer_size=1 if rank == 1 else 2)
+        initialize_sap_parallel(inner_size=inner_size if rank == 1 else 2, outer_size=outer_size if rank == 1 else 2)
         first = "ok"
     except ValueError as error:
         first = str(error)
@@ -144,13 +144,19 @@ def differing_levels_rank(rank: int, world_size: int) -> str:
     return first
 
 
-def test_ranks_asking_for_other_levels_are_told_on_every_rank(pool4) -> None:
+@pytest.mark.parametrize(("inner_size", "outer_size", "differ"), [
+    (4, 1, "inner_size from 2 to 4; outer_size from 1 to 2"),
+    # A size only rank 1 gets wrong: its own checks would raise there alone, the others wait.
+    (2.0, 2, "inner_size from a non-integer to 2"),
+    (2, 0, "outer_size from 0 to 2"),
+])
+def test_ranks_asking_for_other_levels_are_told_on_every_rank(pool4, inner_size, outer_size, differ) -> None:
     """Compared before Megatron makes any group: a rank asking for others made groups that
     did not match, and every rank waited until the timeout, with a bare 'Wait timeout'."""
-    for rank, message in enumerate(pool4.run(differing_levels_rank, timeout=60)):
-        assert message.startswith("initialize_sap_parallel: the ranks asked for different groups (inner_size from 2 "
-                                  "to 4; outer_size from 1 to 2 across ranks"), message
-        assert f"rank {rank} asked for inner_size={4 if rank == 1 else 2}" in message
+    for rank, message in enumerate(pool4.run(differing_levels_rank, inner_size, outer_size, timeout=60)):
+        assert message.startswith("initialize_sap_parallel: the ranks asked for different groups "
+                                  f"({differ} across ranks"), message
+        assert f"rank {rank} asked for inner_size={inner_size if rank == 1 else 2!r}" in message
 
 
 def unpacked_at_cp4_rank(rank: int, world_size: int) -> str:

@@ -31,7 +31,7 @@ from megatron_sap.planning.layouts import (BALANCED, DEALT, REFINED, ZigzagBuild
 from megatron_sap.planning.placement import build_all
 from megatron_sap.planning.tally import Tally
 from megatron_sap.planning.plan import (DEFAULT_SLACKS, STEP_CHOICE_RANKS, TIME_RESOLUTION_S, TIME_TOLERANCE, TIMELINE_BAND,
-                                        TIMELINE_CANDIDATES, at_bound, step_level_seconds)
+                                        TIMELINE_CANDIDATES, at_bound, step_seconds)
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MAX_TOKENS = 768  # keeps the dense T x T coverage matrices small
@@ -1243,7 +1243,10 @@ def pruned_count(seed: int, outer: int, inner: int) -> int:
         # fewer bytes), the one the step-level models end soonest; then the fewest bytes.
         front = [(p, ev) for p, ev in near
                  if not any(o.makespan_s <= ev.makespan_s and o.traffic_total < ev.traffic_total for _, o in near)]
-        steps = (lambda p, ev: step_level_seconds(p, ev, model, inner)) if outer <= STEP_CHOICE_RANKS else (lambda p, ev: 0.0)
+        def steps(p, ev):
+            if outer > STEP_CHOICE_RANKS:
+                return 0.0
+            return step_seconds(p, ev, model, inner).level_seconds(ev.traffic_tokens, model, inner)
         chosen = min(front, key=lambda pe: (steps(*pe), pe[1].traffic_total, pe[1].makespan_s))[0]
         assert plan.placement.ranks == chosen.ranks
     return len(plan.pruned)
@@ -1293,12 +1296,13 @@ def test_step_level_choice_keeps_ranks_from_waiting_for_each_other():
     assert plan.strategy in near and plan.strategy != by_bytes
     placements = {p.strategy: p for p in candidates_of(cu, outer, inner)}
     other = sap.Plan(tuple(cu), outer, inner, model, placements[by_bytes], near[by_bytes], {})
-    assert step_level_seconds(plan.placement, plan.evaluation, model, inner) < step_level_seconds(
-        other.placement, other.evaluation, model, inner)
+    level = lambda p: step_seconds(p.placement, p.evaluation, model, inner).level_seconds(  # noqa: E731
+        p.evaluation.traffic_tokens, model, inner)
+    assert level(plan) < level(other)
     assert plan.stats()["modelled_time_s"] < 0.9 * other.stats()["modelled_time_s"]
     stepped = plan.stats()["candidates_step_level_s"]  # the near candidates weighed, the chosen one the soonest
     assert set(stepped) == set(near) and min(stepped, key=stepped.get) == plan.strategy
-    assert stepped[plan.strategy] == step_level_seconds(plan.placement, plan.evaluation, model, inner)
+    assert stepped[plan.strategy] == level(plan)
     assert "(step-level" in describe(plan)
     # Read once and let go; a plan that works them out itself chooses alike.
     again = sap.Plan(tuple(cu), outer, inner, model, plan.placement, plan.evaluation, {})

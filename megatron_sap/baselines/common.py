@@ -151,11 +151,6 @@ def zero_padding_rows(out: Tensor, layout: BaselineLayout, rank: int) -> Tensor:
     return torch.where(real[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def accumulation_dtype(x: Tensor) -> torch.dtype:
-    """Dtype partial results are merged and summed in: float64 stays, anything else float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def cu_tensor(lengths: Sequence[int] | Tensor, device: torch.device) -> Tensor:
     """int32 cumulative boundaries of segment lengths, as the varlen kernels take them."""
     lengths = torch.as_tensor(lengths, dtype=torch.int64)

@@ -32,7 +32,6 @@ from torch import Tensor
 
 from megatron_sap.baselines.common import (
     BaselineLayout,
-    accumulation_dtype,
     as_cu_seqlens,
     causal_pairs,
     check_layout,
@@ -43,8 +42,8 @@ from megatron_sap.baselines.common import (
 )
 from megatron_sap.comm.groups import group_ranks
 from megatron_sap.comm.p2p import post_exchange
-from megatron_sap.kernels import (first_order_only, merge_into, merge_partials, resolve_backend, resolve_softmax_scale,
-                                  varlen_backward, varlen_forward)
+from megatron_sap.kernels import (accumulation_dtype, first_order_only, merge_into, merge_partials, resolve_backend,
+                                  resolve_softmax_scale, varlen_backward, varlen_forward)
 from megatron_sap.planning.cost_model import CostModel
 
 NAME = "p2p"

@@ -45,19 +45,12 @@ def layout(cu_seqlens: Tensor | Sequence[int], world_size: int) -> BaselineLayou
 
 
 def kv_heads_per_rank(num_heads: int, num_kv_heads: int, size: int) -> int:
-    """KV heads each rank receives when `size` ranks split the heads; ValueError if they cannot."""
+    """KV heads each rank receives when `size` ranks split the heads (replicated when fewer
+    than the ranks, `comm.ulysses.check_heads`); ValueError if they cannot."""
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
-    if num_heads % size:
-        raise ValueError(f"Ulysses needs the query heads ({num_heads}) to divide by the group size ({size})")
-    if num_kv_heads % size == 0:
-        return num_kv_heads // size
-    if size % num_kv_heads == 0:
-        return 1
-    raise ValueError(
-        f"Ulysses cannot split {num_kv_heads} KV heads over {size} ranks: "
-        f"KV heads must be a multiple of the group size or divide it"
-    )
+    ulysses.check_heads(num_heads, num_kv_heads, size)
+    return max(num_kv_heads // size, 1)
 
 
 def replicate_kv_heads(k: Tensor, v: Tensor, num_heads: int, size: int) -> tuple[Tensor, Tensor]:

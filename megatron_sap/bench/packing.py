@@ -43,8 +43,3 @@ def pack(lengths: np.ndarray, T: int, num_batches: int, seed: int = 0) -> list[l
             cu.append(filled)
         batches.append(cu)
     return batches
-
-
-def segment_lengths(cu_seqlens: list[int]) -> np.ndarray:
-    """Lengths of the segments of one packed row."""
-    return np.diff(np.asarray(cu_seqlens, dtype=np.int64))

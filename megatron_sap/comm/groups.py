@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import numbers
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import overload
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -159,6 +161,7 @@ def init_sap_groups(
     """
     if not dist.is_initialized():
         raise RuntimeError("init_sap_groups needs torch.distributed to be initialised first")
+    check_every_rank_asks_alike(inner_size, outer_size, tensor_parallel_size, pipeline_parallel_size, ranks)
     world_size = dist.get_world_size()
     check_positive_sizes(inner_size=inner_size, tensor_parallel_size=tensor_parallel_size,
                          pipeline_parallel_size=pipeline_parallel_size,
@@ -193,8 +196,6 @@ def init_sap_groups(
         if max(layout.cp_ranks) >= world_size:
             raise ValueError(f"ranks {list(layout.cp_ranks)} exceed the world of {world_size} ranks")
         layouts = [layout]
-    check_every_rank_asks_alike(inner_size, layouts[0].outer_size, tensor_parallel_size, pipeline_parallel_size,
-                                 None if ranks is None else layouts[0].cp_ranks)
     if timeout is None:
         timeout = group_timeout(dist.group.WORLD)
 
@@ -228,25 +229,53 @@ def init_sap_groups(
     return mine
 
 
-def _ranks_asked(ranks: Sequence[int] | None) -> dict[str, int]:
+# How the ranks compare what they asked for (`check_every_rank_asks_alike`): an integer as
+# itself, None (outer_size derived) and anything not an integer as values no size takes.
+_ASKED_NONE = -(1 << 61)
+_NOT_AN_INTEGER = -(1 << 62)
+
+
+def _asked(value: object) -> int:
+    if value is None:
+        return _ASKED_NONE
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or abs(int(value)) >= 1 << 60:
+        return _NOT_AN_INTEGER
+    return int(value)
+
+
+def _shown(value: int) -> str:
+    return {_ASKED_NONE: "None", _NOT_AN_INTEGER: "a non-integer"}.get(value, str(value))
+
+
+def _ranks_asked(ranks: object) -> dict[str, int]:
     """What the ranks compare of a `ranks` list (its set: the group is made from it sorted):
     its length and sum, for the message, and a 62-bit hash of it, since sums (and sums of
-    squares) of different sets can agree: [0, 3, 5, 6] and [1, 2, 4, 7]."""
-    listed = sorted(int(r) for r in ranks) if ranks is not None else []
+    squares) of different sets can agree: [0, 3, 5, 6] and [1, 2, 4, 7]. A `ranks` that is
+    not a list of integers is compared by its text."""
+    try:
+        listed = sorted(_asked(r) for r in ranks) if ranks is not None else []
+    except TypeError:  # not iterable
+        listed = None
+    if listed is None or _NOT_AN_INTEGER in listed:
+        digest = hashlib.sha1(repr(ranks).encode()).hexdigest()
+        return {"len(ranks)": _NOT_AN_INTEGER, "sum(ranks)": _NOT_AN_INTEGER,
+                "hash of ranks": int(digest[:16], 16) & ((1 << 62) - 1)}
     digest = hashlib.sha1(repr(listed).encode()).hexdigest()
     return {"len(ranks)": len(listed), "sum(ranks)": sum(listed), "hash of ranks": int(digest[:16], 16) & ((1 << 62) - 1)}
 
 
-def check_every_rank_asks_alike(inner_size: int, outer_size: int, tensor_parallel_size: int,
-                                pipeline_parallel_size: int, ranks: Sequence[int] | None,
+def check_every_rank_asks_alike(inner_size: object, outer_size: object, tensor_parallel_size: object,
+                                pipeline_parallel_size: object, ranks: object,
                                 caller: str = "init_sap_groups") -> None:
-    """Compare the call's sizes (and `ranks`) over the world before any group is made: ranks
-    that asked for different groups would otherwise make some groups that do not match (a
-    wrong layout on some ranks, an error on others, or a wait until the timeout). `caller`
-    names the function in the errors."""
+    """Compare the call's arguments (sizes, `ranks`) over the world before anything checks
+    or makes a group: ranks that asked for different groups would otherwise make groups that
+    do not match (a wrong layout on some ranks, an error on others, or a wait until the
+    timeout), and a rank whose arguments are invalid would raise alone while the others
+    wait. Once they agree, every rank's checks raise alike. `caller` names the function in
+    the errors."""
     sizes = {"inner_size": inner_size, "outer_size": outer_size, "tensor_parallel_size": tensor_parallel_size,
              "pipeline_parallel_size": pipeline_parallel_size}
-    asked = {**sizes, **_ranks_asked(ranks)}
+    asked = {**{name: _asked(value) for name, value in sizes.items()}, **_ranks_asked(ranks)}
     values = list(asked.values())
     extremes = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=collective_device(None))
     try:
@@ -257,12 +286,13 @@ def check_every_rank_asks_alike(inner_size: int, outer_size: int, tensor_paralle
             f"Every rank of the world must call {caller} alike"
         ) from exc
     highest, lowest = extremes[: len(values)].tolist(), [-v for v in extremes[len(values):].tolist()]
-    differ = [f"{name} from {low} to {high}" for name, low, high in zip(asked, lowest, highest) if low != high]
+    differ = [f"{name} from {_shown(low)} to {_shown(high)}" for name, low, high in zip(asked, lowest, highest)
+              if low != high]
     if differ:
-        mine = ", ".join(f"{name}={value}" for name, value in sizes.items())
+        mine = ", ".join(f"{name}={value!r}" for name, value in sizes.items())
         raise ValueError(
             f"{caller}: the ranks asked for different groups ({'; '.join(differ)} across ranks; rank "
-            f"{dist.get_rank()} asked for {mine}{'' if ranks is None else f', ranks={list(ranks)}'}). "
+            f"{dist.get_rank()} asked for {mine}{'' if ranks is None else f', ranks={ranks!r}'}). "
             f"Every rank of the world must call {caller} alike (the same sizes{'' if ranks is None else ' and ranks'})"
         )
 

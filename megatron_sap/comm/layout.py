@@ -18,13 +18,11 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import Literal
+
+from megatron_sap.validation import is_positive_int
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
-
-LinkClass = Literal["intra", "inter"]
-
 
 @dataclass(frozen=True)
 class CPGroupLayout:
@@ -133,11 +131,6 @@ def spans_nodes(ranks: Sequence[int], gpus_per_node: int) -> bool:
     return len({rank // gpus_per_node for rank in ranks}) > 1
 
 
-def link_class(global_rank_a: int, global_rank_b: int, gpus_per_node: int) -> LinkClass:
-    """"intra" when two global ranks share a node (NVLink-class links), else "inter" (network)."""
-    return "inter" if spans_nodes((global_rank_a, global_rank_b), gpus_per_node) else "intra"
-
-
 def _parse_order(order: str, sizes: dict[str, int]) -> list[str]:
     """The dimensions of a Megatron order string, innermost first; omitted ones must have size 1."""
     tokens = order.lower().split("-")
@@ -154,7 +147,6 @@ def _parse_order(order: str, sizes: dict[str, int]) -> list[str]:
 
 def check_positive_sizes(**values: int) -> None:
     """ValueError naming every argument that is not a positive integer."""
-    bad = {name: value for name, value in values.items()
-           if isinstance(value, bool) or not (isinstance(value, numbers.Integral) and value >= 1)}
+    bad = {name: value for name, value in values.items() if not is_positive_int(value)}
     if bad:
         raise ValueError(f"sizes must be positive integers, got {bad}")

@@ -36,10 +36,11 @@ from torch import Tensor
 
 from ..validation import check_bool, check_has_data
 from . import aten_flash, torch_backend  # aten_flash imports only torch; flash_attn_backend stays lazy
-from .merge import add_rows, merge_into, merge_partials, take_rows, write_rows
+from .merge import accumulation_dtype, add_rows, merge_into, merge_partials, take_rows, write_rows
 from .torch_backend import check_cu_seqlens
 
 __all__ = [
+    "accumulation_dtype",
     "add_rows",
     "available_backends",
     "first_order_only",

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 
-def _accumulation_dtype(*tensors: Tensor) -> torch.dtype:
+def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
+    """Dtype partial results are merged and summed in: float64 where any input is, else float32."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
@@ -56,7 +57,7 @@ def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -
             f"merge_partials: lse must be [H, T] = {(out_a.shape[1], out_a.shape[0])} for out "
             f"{tuple(out_a.shape)}, got {tuple(lse_a.shape)}"
         )
-    out, lse = _merge(out_a, lse_a, out_b, lse_b, _accumulation_dtype(out_a, lse_a, out_b, lse_b))
+    out, lse = _merge(out_a, lse_a, out_b, lse_b, accumulation_dtype(out_a, lse_a, out_b, lse_b))
     return out.to(out_a.dtype), lse
 
 

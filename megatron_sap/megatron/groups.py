@@ -104,12 +104,12 @@ def initialize_sap_parallel(
     first (one all-reduce over the world, on the current GPU under NCCL: set the device
     before, as Megatron-LM does), so ranks that ask for different ones all raise.
     """
-    for name, size in (("inner_size", inner_size), ("outer_size", outer_size)):
-        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
-            raise TypeError(f"{name} must be an integer, got {size!r}")
     if dist.is_initialized():  # first, so that ranks whose sizes differ hear it rather than wait for each other
         check_every_rank_asks_alike(inner_size, outer_size, tensor_model_parallel_size, pipeline_model_parallel_size,
                                     None, caller="initialize_sap_parallel")
+    for name, size in (("inner_size", inner_size), ("outer_size", outer_size)):
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(f"{name} must be an integer, got {size!r}")
     if inner_size < 1 or outer_size < 1:
         raise ValueError(f"inner_size and outer_size must be >= 1, got {inner_size} and {outer_size}")
     for name in ("context_parallel_size", "hierarchical_context_parallel_sizes"):

@@ -412,7 +412,7 @@ def wrap_get_batch_on_this_tp_rank(get_batch: Callable, get_args: Callable[[], A
     which get the batch by broadcast on the GPU, receive both from the source over a host group
     (`host_group`: a gloo twin of the TP group and the source's rank, None at TP 1). The plan
     goes to the plan cache (`loader.adopt_loader_plan`); the split then plans, or finds the
-    plan, without waiting for the device. With `pack` (core_v0.16,
+    plan, without waiting for the device. With `pack` (core_v0.16 and v0.17,
     whose `get_batch` has a packed path) every batch gets `cu_seqlens` (`pack_unpacked_batch`)
     so that `get_batch` takes that path. A function wrapped already is returned as it is (a
     patched `pretrain_gpt.py` run through the launcher)."""

@@ -536,7 +536,7 @@ class Plan:
             "candidates_pruned_floor_s": dict(self.pruned),
             "candidates_timeline_s": dict(self.timed),  # choose_by="timeline": the timed candidates' modelled_time_s
             # up to STEP_CHOICE_RANKS outer ranks, the near candidates weighed on the step-level models
-            # (`step_level_seconds`, all-to-alls left out), where more than one was
+            # (`_StepSeconds.level_seconds`, all-to-alls left out), where more than one was
             "candidates_step_level_s": dict(self.stepped),
         }
 
@@ -728,13 +728,6 @@ def step_seconds(placement: Placement, ev: Evaluation, model: CostModel, inner_s
     return _StepSeconds(exchange_seconds(ev.traffic_tokens, model, inner_size), (pairs * forward).tolist(),
                         (ev.tile_pairs * forward - (pairs * forward).sum(1)).tolist(), pairs * backward,
                         (ev.tile_pairs * backward).tolist())
-
-
-def step_level_seconds(placement: Placement, ev: Evaluation, model: CostModel, inner_size: int) -> float:
-    """The pipelined layer of `placement`, all ranks together, under the step-level models
-    (`_StepSeconds.level_seconds`): what the candidates near the fastest estimate compete on
-    (`_estimate_choice`)."""
-    return step_seconds(placement, ev, model, inner_size).level_seconds(ev.traffic_tokens, model, inner_size)
 
 
 def _outmoved(build: Build, floor_s: float, evaluated: list[tuple[int, Placement, Evaluation]]) -> bool:
@@ -949,7 +942,7 @@ def _estimate_choice(evaluated: list[tuple[int, Placement, Evaluation]], fastest
     it, the one that moves the fewest bytes (less contention with other traffic for the
     same modelled time), then the faster, then the earlier candidate. With `steps_of`, of
     those near candidates that no other is at least as fast as and moves fewer bytes than,
-    the one the step-level models end sooner (`step_level_seconds`, which sees ranks wait for
+    the one the step-level models end sooner (`_StepSeconds.level_seconds`, which sees ranks wait for
     each other) comes first. A candidate another near one outmoves that way is out either
     way (`_outmoved` gives it up unfinished)."""
     near = [(i, p, ev) for i, p, ev in evaluated if ev.makespan_s <= fastest * (1 + TIME_TOLERANCE)]

@@ -279,10 +279,12 @@ class RankProgram:
 
     @property
     def sent_tokens(self) -> int:
+        """K/V tokens this rank sends in the forward, over all its steps."""
         return sum(t.send_tokens for t in self.transfers)
 
     @property
     def recv_tokens(self) -> int:
+        """K/V tokens this rank receives in the forward, over all its steps."""
         return sum(t.recv_tokens for t in self.transfers)
 
 
@@ -578,7 +580,7 @@ def _prefix_calls(layout: _Layout, rank: int,
 
 def compile_all(placement: Placement, schedule: str = "pipelined",
                 order: Mapping[tuple[int, int], int] | None = None) -> list[RankProgram]:
-    """Programs of every outer rank (tests and statistics), exchanges in `order` (default: by round)."""
+    """Programs of every outer rank, exchanges in `order` (default: by round)."""
     layout = _Layout(placement)
     levels = None if order is None else exchange_levels(order)
     return [compile_program(placement, r, layout, schedule, order, levels) for r in range(placement.num_ranks)]
