@@ -540,6 +540,33 @@ def test_layers_after_the_first_read_no_tensor_values_in_sbhd_rows_and_copied_bo
     assert calls == []
 
 
+def test_inference_tensors_are_checked_on_every_call() -> None:
+    """Tensors made in inference mode have no version counter, so the checks that remember
+    an input they passed (a plain causal mask, a cu_seqlens_kv equal to cu_seqlens_q) check
+    them on every call: they crashed there, and an in-place change must still be seen."""
+    s = 8
+    rows = [t.unsqueeze(1) for t in _qkv(s, seed=4)]
+    packed = _qkv(CU[-1], seed=5)
+    cu = torch.tensor(CU, dtype=torch.int32)
+    layer = _attention()
+    with torch.no_grad():
+        expected_rows = layer(*rows, torch.ones(1, 1, s, s, dtype=torch.bool).triu(1))
+        expected_packed = layer(*packed, None, packed_seq_params=_params(CU, cu_seqlens_q=cu, cu_seqlens_kv=cu.clone()))
+    with torch.inference_mode():
+        mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+        cu_q, cu_kv = cu.clone(), cu.clone()
+        params = _params(CU, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+        for _ in range(2):
+            assert torch.equal(layer(*rows, mask), expected_rows)
+            assert torch.equal(layer(*packed, None, packed_seq_params=params), expected_packed)
+        mask[0, 0, 5, 2] = True
+        with pytest.raises(ValueError, match="hides earlier tokens"):
+            layer(*rows, mask)
+        cu_kv[1] += 1
+        with pytest.raises(ValueError, match="cu_seqlens_kv"):
+            layer(*packed, None, packed_seq_params=params)
+
+
 def test_layers_run_the_schedule_of_the_options(monkeypatch) -> None:
     """`--sap-schedule` reaches `sap_attention` through the options."""
     import megatron_sap

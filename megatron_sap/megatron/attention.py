@@ -229,17 +229,28 @@ def refuse_unsupported_attention(settings: Any) -> None:
                              f"(--{flag.replace('_', '-')}) needs: drop it")
 
 
+def _versions(tensors: tuple[Tensor, ...]) -> tuple[int, ...] | None:
+    """The tensors' version counters; None where one has none (an inference tensor, which
+    inference mode may change in place unseen)."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple(t._version for t in tensors)
+
+
 def _passed_before(check: str, *tensors: Tensor) -> bool:
     """Whether `check` last passed these very tensors, unchanged since (weak references: a
     tensor freed and another made in its place is not taken for it)."""
-    known = _PASSED.get(check)
-    return (known is not None and all(ref() is t for ref, t in zip(known[0], tensors))
-            and known[1] == tuple(t._version for t in tensors))
+    known, versions = _PASSED.get(check), _versions(tensors)
+    return (known is not None and versions is not None and known[1] == versions
+            and all(ref() is t for ref, t in zip(known[0], tensors)))
 
 
 def _passed(check: str, *tensors: Tensor) -> None:
-    """Remember that `check` passed these tensors as they are now."""
-    _PASSED[check] = (tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors))
+    """Remember that `check` passed these tensors as they are now (not inference tensors,
+    whose changes nothing counts: they are checked every time)."""
+    versions = _versions(tensors)
+    if versions is not None:
+        _PASSED[check] = (tuple(weakref.ref(t) for t in tensors), versions)
 
 
 def _same_boundaries(other: Tensor, cu: Tensor) -> bool:
