@@ -182,6 +182,23 @@ def test_every_candidate_compiles_correctly(seed):
         assert [p.rank for p in compile_all(placement)] == list(range(outer))
 
 
+def test_a_rank_s_consecutive_pieces_of_one_document_are_one_local_segment():
+    """The zigzag layout gives each rank a head and a tail chunk of every document, side by
+    side: one causal segment over both computes their local pairs (each chunk's diagonal,
+    the tail over the head) with one tile rounding, as the ring's diagonal step does, where
+    three segments (two diagonals and a full block) each rounded to tiles."""
+    model = CostModel.preset("h100")
+    cu = [0, 80, 240, 512]  # zigzag over 4 ranks: 8 chunks of 10, 20 and 34 tokens, two of each on a rank
+    placement = build_all(candidates(cu[:-1], np.diff(cu).tolist(), 4, 128, model, DEFAULT_SLACKS))["zigzag"]
+    plan = sap.Plan(tuple(cu), 4, 1, model, placement, evaluate(placement, 1, model), {})
+    check_programs(plan)
+    for r in range(4):
+        program = plan.program(r, schedule="pipelined")
+        (local,) = program.local_calls  # no full blocks among a rank's own pieces
+        assert local.causal and local.q_ranges is None and local.k_ranges is None
+        assert [q for q, _ in local.seqlens] == [2 * (n // 8) for n in np.diff(cu)]
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_fill_candidates_compile_correctly(seed):
     """The fill passes' placements (weighed from FILL_MIN_RANKS outer ranks), whose last

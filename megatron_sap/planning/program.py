@@ -5,7 +5,8 @@ batch signature, so the hot loop makes no host-device sync and no Python loop ov
 documents. Structure, for outer rank r:
 
 - `local_calls`: kernel calls whose keys are local (every piece's causal diagonal,
-  then full blocks against the rank's own earlier pieces of the same document);
+  consecutive pieces of one document in one segment, then full blocks against the rank's
+  own earlier pieces of the same document in other segments);
 - `transfers`: one step per peer that r exchanges anything with. Outer ranks r and p
   meet in round s = (r + p) mod R (a matching of the ranks: p's partner in round s is
   r; the round tags the step's messages) and exchange in one batched P2P call: r sends
@@ -434,15 +435,35 @@ def _call(segments: list[tuple[list[range], list[range]]], causal: bool, num_q: 
     )
 
 
-def _full_calls(layout: _Layout, rank: int, keys: list[tuple[Piece, range]]) -> tuple[KernelCall, ...]:
+def _document_runs(pieces: tuple[Piece, ...]) -> list[list[Piece]]:
+    """A rank's pieces (in its local order, so consecutive pieces are consecutive rows) in
+    runs of consecutive pieces of one document in position order. One causal segment over a
+    run computes exactly its pairs: each piece's own causal block and every later piece's
+    full block over the earlier ones (the keys between them, on other ranks, come apart);
+    as one segment they are tile-rounded once, not per piece and per block."""
+    runs: list[list[Piece]] = []
+    for p in pieces:
+        if runs and runs[-1][-1].doc == p.doc and runs[-1][-1].end <= p.start:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
+def _full_calls(layout: _Layout, rank: int, keys: list[tuple[Piece, range]],
+                run_of: Mapping[Piece, int] | None = None) -> tuple[KernelCall, ...]:
     """Kernel calls for full blocks: `keys` are key pieces with their rows in the source buffer.
 
     Key pieces attended by the same set of query pieces form one segment; segments go
-    into as few calls as keep every query row unique within a call.
+    into as few calls as keep every query row unique within a call. A query piece in the
+    key's own run (`run_of`: local keys, `_document_runs`) has that block in the run's
+    causal segment already.
     """
     segments: dict[tuple[Piece, ...], list[range]] = {}
     for key, rows in keys:
         queries = layout.queries_of(rank, key)
+        if run_of is not None:
+            queries = tuple(q for q in queries if run_of[q] != run_of[key])
         if queries:
             segments.setdefault(queries, []).append(rows)
     calls: list[list[tuple[list[range], list[range]]]] = []
@@ -514,9 +535,12 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
     if schedule == "pipelined":
         local_calls: list[KernelCall] = []
         if pieces:
-            diagonal = [([layout.rows(p)], [layout.rows(p)]) for p in pieces]
+            runs = _document_runs(pieces)
+            diagonal = [([rows], [rows]) for run in runs
+                        for rows in [range(layout.rows(run[0]).start, layout.rows(run[-1]).stop)]]
             local_calls.append(_call(diagonal, causal=True, num_q=placement.capacity, num_k=placement.capacity))
-            local_calls.extend(_full_calls(layout, rank, [(p, layout.rows(p)) for p in pieces]))
+            run_of = {p: i for i, run in enumerate(runs) for p in run}
+            local_calls.extend(_full_calls(layout, rank, [(p, layout.rows(p)) for p in pieces], run_of))
         step_calls = []
         for _, _, _, recv in exchanges:
             offsets = accumulate((p.length for p in recv), initial=0)
