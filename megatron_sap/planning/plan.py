@@ -51,6 +51,13 @@ TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on the ste
 # candidate at 8 outer ranks), then on the bytes they move; beyond, on bytes (at 16 outer ranks
 # the models gained nothing on average, docs/planner.md "Choice").
 STEP_CHOICE_RANKS = 8
+# Up to this many CP ranks (and STEP_CHOICE_RANKS outer ranks) the choice is timed on the
+# step-level models too (0.3-0.9 ms at 8 outer ranks), and where they time it over
+# RECHECK_MARGIN beyond the fastest estimate, the candidate they end soonest is timed
+# against it with every rank's program, all ranks together (see `_fresh_plan`). Beyond 16
+# CP ranks the baselines are far slower than any candidate.
+RECHECK_RANKS = 16
+RECHECK_MARGIN = 0.05
 TIME_RESOLUTION_S = 10e-6  # a candidate this close to the lower bound ends the search (see `at_bound`)
 # How `plan_sequences` chooses among the candidates: by the planner's own estimate
 # (`evaluate`), or by the executor's schedule of their compiled programs, all ranks
@@ -769,7 +776,10 @@ def plan_sequences(
     last rooms in a chain) are evaluated with the cost model; the one
     with the lowest modelled forward+backward layer time wins (within 1%, the one that
     moves fewer bytes; up to STEP_CHOICE_RANKS outer ranks, of those no other is as fast
-    with fewer bytes, the one the step-level models of all ranks together end soonest).
+    with fewer bytes, the one the step-level models of all ranks together end soonest;
+    up to RECHECK_RANKS CP ranks, where those models time the choice over RECHECK_MARGIN
+    beyond its estimate, the candidate they end soonest is timed against it with every
+    rank's program, all ranks together, and the sooner wins).
     The search stops at the first candidate within 1% or 10 us of
     the lower bound (every document computed whole, spread evenly, no communication but
     the Ulysses all-to-alls), which no other candidate could beat by more than that; a
@@ -897,43 +907,84 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
     # up there. Once the lowest floor is out of reach, so are all the others.
     by_timeline = choose_by == "timeline"
     band = TIMELINE_BAND if by_timeline else TIME_TOLERANCE
-    queue = [] if done else [(b.floor_s, b.index, b) for b in builds if b.placement is None]
+    queue = [(b.floor_s, b.index, b) for b in builds if b.placement is None]
     heapq.heapify(queue)
-    while queue:
-        floor_s, _, build = queue[0]
-        if floor_s + a2a_s > fastest * (1 + band):
-            pruned.update((name, f + a2a_s) for f, _, b in queue for name in b.names)
-            break
-        if (not by_timeline and build.placement is None and floor_s + a2a_s >= fastest
-                and _outmoved(build, floor_s + a2a_s, evaluated)):
-            heapq.heappop(queue)
-            pruned.update((name, floor_s + a2a_s) for name in build.names)
-            continue
-        if build.placement is None:
-            following = build.step()
-            if len(following) == 1:
-                heapq.heapreplace(queue, (following[0].floor_s, following[0].index, following[0]))
+
+    def search(limit_s: Callable[[], float], outmove: bool, stop_at_bound: bool) -> None:
+        """Build the queued candidates, the lowest floor first, until that floor is over
+        `limit_s()` (the rest are pruned there, kept in the queue) or, with
+        `stop_at_bound`, one finished candidate is at the bound."""
+        while queue:
+            floor_s, _, build = queue[0]
+            if floor_s + a2a_s > limit_s():
+                pruned.update((name, f + a2a_s) for f, _, b in queue for name in b.names)
+                return
+            if (outmove and build.placement is None and floor_s + a2a_s >= fastest
+                    and _outmoved(build, floor_s + a2a_s, evaluated)):
+                heapq.heappop(queue)
+                pruned.update((name, floor_s + a2a_s) for name in build.names)
+                continue
+            if build.placement is None:
+                following = build.step()
+                if len(following) == 1:
+                    heapq.heapreplace(queue, (following[0].floor_s, following[0].index, following[0]))
+                    continue
+                heapq.heappop(queue)
+                for b in following:
+                    heapq.heappush(queue, (b.floor_s, b.index, b))
                 continue
             heapq.heappop(queue)
-            for b in following:
-                heapq.heappush(queue, (b.floor_s, b.index, b))
-            continue
-        heapq.heappop(queue)
-        if weigh(build):
-            break
+            if weigh(build) and stop_at_bound:
+                return
+
+    if not done:
+        search(lambda: fastest * (1 + band), outmove=not by_timeline, stop_at_bound=True)
     if by_timeline:
         return _timed_choice(cu, outer_size, inner_size, model, slacks, evaluated, fastest, considered, pruned)
     stepped: dict[str, float] = {}
     steps: dict[str, _StepSeconds] = {}
 
     def steps_of(placement: Placement, ev: Evaluation) -> float:
-        steps[placement.strategy] = step_seconds(placement, ev, model, inner_size)
-        stepped[placement.strategy] = steps[placement.strategy].level_seconds(ev.traffic_tokens, model, inner_size)
+        if placement.strategy not in stepped:
+            steps[placement.strategy] = step_seconds(placement, ev, model, inner_size)
+            stepped[placement.strategy] = steps[placement.strategy].level_seconds(ev.traffic_tokens, model, inner_size)
         return stepped[placement.strategy]
 
+    def finished(chosen: Plan) -> Plan:
+        """`chosen` with the step-level times of the candidates they chose among, where they did."""
+        chosen.stepped = stepped if len(stepped) > 1 else {}
+        return chosen
+
     _, placement, ev = _estimate_choice(evaluated, fastest, steps_of if outer_size <= STEP_CHOICE_RANKS else None)
-    return Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks, stepped=stepped,
+    plan = Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks,
                 _steps=steps.get(placement.strategy))
+    if outer_size > STEP_CHOICE_RANKS or world > RECHECK_RANKS:
+        return finished(plan)
+    # Where the step-level models see the choice's ranks wait for each other well beyond
+    # its estimate (RECHECK_MARGIN, and TIME_RESOLUTION_S), the estimate misjudged it: the
+    # candidates up to that time (at most TIMELINE_BAND over the fastest estimate) are
+    # built, and the one the step-level models end soonest is timed against the choice
+    # with every rank's program, all ranks together; the sooner is the plan
+    # (docs/planner.md, "Choice").
+    level_s = min(steps_of(placement, ev), fastest * (1 + TIMELINE_BAND))
+    if level_s <= fastest + max(fastest * RECHECK_MARGIN, TIME_RESOLUTION_S):
+        return finished(plan)
+    search(lambda: level_s, outmove=False, stop_at_bound=False)
+    for name in considered:
+        pruned.pop(name, None)
+    others = [(i, p, e) for i, p, e in evaluated if e.makespan_s <= level_s and p is not placement]
+    if not others:
+        return finished(plan)
+    _, other, other_ev = min(others, key=lambda ipe: (steps_of(ipe[1], ipe[2]), ipe[2].traffic_total,
+                                                      ipe[2].makespan_s, ipe[0]))
+    if stepped[other.strategy] >= stepped[placement.strategy]:
+        return finished(plan)
+    rival = Plan(tuple(cu), outer_size, inner_size, model, other, other_ev, considered, pruned, slacks,
+                 _steps=steps[other.strategy])
+    joint = [max(rank.total_s for rank in p._default_schedule_times(model)) for p in (plan, rival)]
+    chosen = rival if joint[1] < joint[0] else plan
+    chosen._programs.clear()  # compiled to time them; a rank needs its own only
+    return finished(chosen)
 
 
 def _estimate_choice(evaluated: list[tuple[int, Placement, Evaluation]], fastest: float,
