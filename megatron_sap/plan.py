@@ -267,7 +267,8 @@ def describe(plan: Plan) -> str:
     lines += ["", "KV in/out: forward tokens received/sent by the outer rank; MB per inner rank (its head slice).", ""]
     lines.append("candidates (the planner's estimate of the forward+backward layer time"
                  + ("; timed: the executor's schedule, which chose" if plan.timed else "")
-                 + ("; step-level: all ranks together, which chose among the near ones" if plan.stepped else "") + "):")
+                 + ("; step-level: all ranks together, which chose among the near ones or rechecked the choice"
+                    if plan.stepped else "") + "):")
     for name, seconds in sorted(plan.considered.items(), key=lambda kv: kv[1]):
         mark = "  <- chosen" if name == plan.strategy else ""
         timed = f"  (timed {plan.timed[name] * 1e3:.3f} ms)" if name in plan.timed else ""

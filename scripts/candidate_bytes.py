@@ -31,7 +31,8 @@ from megatron_sap.planning.plan import DEFAULT_SLACKS  # noqa: E402
 
 
 def candidate_shares(cu: list[int], outer: int, inner: int, model: CostModel, bands: list[float]) -> dict:
-    """Forward K/V tokens moved over the ring's `(P - 1) T`: by the chosen plan ("chosen"), by
+    """Forward K/V tokens moved over the ring's `(P - 1) T`: by the chosen plan ("chosen"; "rechecked":
+    whether its choice was timed against another candidate, `RECHECK_MARGIN`), by
     the candidate that moves the fewest ("least", and "least_time", its modelled time over
     the fastest candidate's) and by the fewest-moving candidate within each band of the
     fastest time ("bands"), every candidate built to the end."""
@@ -45,6 +46,7 @@ def candidate_shares(cu: list[int], outer: int, inner: int, model: CostModel, ba
     least = min(evaluations, key=lambda ev: (ev.traffic_total, ev.makespan_s))
     return {
         "chosen": chosen.evaluation.traffic_total / ring,
+        "rechecked": bool(chosen.timed),
         "least": least.traffic_total / ring,
         "least_time": least.makespan_s / fastest,
         "bands": {band: min(ev.traffic_total for ev in evaluations if ev.makespan_s <= fastest * (1 + band)) / ring

@@ -82,6 +82,11 @@ def init_and_summarize(rank: int, world_size: int, kwargs: dict[str, Any]) -> di
         destroy(groups.cp_group, groups.inner_group, groups.outer_group)
 
 
+def init_from_iterated_ranks(rank: int, world_size: int, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """`init_and_summarize` with `ranks` given as an iterator (read once)."""
+    return init_and_summarize(rank, world_size, {**kwargs, "ranks": iter(kwargs["ranks"])})
+
+
 def round_trip(rank: int, world_size: int, inner_size: int, outer_size: int) -> bool:
     groups = init_sap_groups(inner_size, outer_size, gpus_per_node=4)
     try:
@@ -223,6 +228,7 @@ def test_explicit_ranks(dist_pool: WorkerPool) -> None:
     layout = CPGroupLayout.from_cp_ranks([1, 3, 5, 7], inner_size=2)
     for rank, result in enumerate(results):
         assert result == (expected_summary(layout, rank, timeout) if rank % 2 else None)
+    assert dist_pool.run(init_from_iterated_ranks, dict(inner_size=2, ranks=[7, 3, 5, 1], timeout=timeout)) == results
 
 
 @pytest.mark.parametrize(("dist_pool", "sizes"), [(4, (2, 2)), (8, (2, 4)), (8, (8, 1))], indirect=["dist_pool"])

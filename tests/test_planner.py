@@ -1115,16 +1115,25 @@ def test_short_documents_over_many_ranks_take_a_balanced_contiguous_layout():
     assert plan.evaluation.makespan_s < 0.9 * times["contiguous"]
 
 
-def test_a_dealt_layout_at_the_bound_ends_the_search_before_the_greedy():
+def test_a_dealt_layout_at_the_bound_ends_the_search_before_the_greedy(monkeypatch):
     """Hundreds of documents of 1-64 tokens (each a tile of pairs): dealt back and forth,
     every slice gets as many of each size; at the lower bound on its starting floor it is
-    finished first (`Build.eager`) and ends the search with nothing else built."""
+    finished first (`Build.eager`) and ends the search with nothing else built. Its one
+    cut document's exchanges cost message latencies the estimate hides under the kernels:
+    the step-level models time it 9% over, so it is rechecked against the layout they end
+    soonest, which moves nothing and runs 7% sooner, all ranks together."""
     cu = uniform_row(1, 64, 16384)
     model = CostModel.preset("h100")
-    plan = sap.plan_sequences(cu, outer_size=4, inner_size=4, cache=None)
     bound = whole_documents_s(np.diff(cu).tolist(), 16, model) + ulysses_cost(model, cu[-1] // 4, 4, 4)[1]
+    from megatron_sap.planning import plan as plan_module
+
+    rechecked = sap.plan_sequences(cu, outer_size=4, inner_size=4, cache=None)
+    monkeypatch.setattr(plan_module, "RECHECK_RANKS", 0)
+    plan = sap.plan_sequences(cu, outer_size=4, inner_size=4, cache=None)
     assert plan.strategy == DEALT and set(plan.considered) == {DEALT} and not plan.pruned
     assert plan.evaluation.makespan_s <= bound * (1 + TIME_TOLERANCE)
+    assert set(rechecked.timed) == {DEALT, rechecked.strategy} and rechecked.evaluation.traffic_total == 0
+    assert rechecked.timed[rechecked.strategy] < 0.95 * rechecked.timed[DEALT]
 
 
 def test_a_layout_within_the_models_resolution_of_the_bound_ends_the_search():
@@ -1373,15 +1382,16 @@ def test_pruning_skips_most_candidates_on_one_node():
 @pytest.mark.parametrize("outer, inner", [(8, 1), (4, 2)])
 def test_candidate_bytes_script_sees_the_choice(outer, inner, load_script):
     """scripts/candidate_bytes.py builds every candidate: within TIME_TOLERANCE of the fastest,
-    the fewest-moving one moves what the plan moves; wider bands move no more, and the
-    fewest-moving candidate overall is no faster than the fastest."""
+    the fewest-moving one moves what the plan moves (unless the plan's choice was rechecked,
+    timed against another); wider bands move no more, and the fewest-moving candidate
+    overall is no faster than the fastest."""
     script = load_script("candidate_bytes")
     model = CostModel.preset("h100")
     for seed in range(3):
         cu = realistic_cu_seqlens(16384, seed)
         shares = script.candidate_shares(cu, outer, inner, model, [TIME_TOLERANCE, 0.03, 0.10])
         bands = shares["bands"]
-        assert bands[TIME_TOLERANCE] == shares["chosen"]
+        assert shares["rechecked"] or bands[TIME_TOLERANCE] == shares["chosen"]
         assert shares["least"] <= bands[0.10] <= bands[0.03] <= bands[TIME_TOLERANCE] <= 1.0
         assert shares["least_time"] >= 1.0
 
@@ -1661,7 +1671,8 @@ def test_cli_prints_layout_and_writes_png(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "T=8192 tokens, 5 documents" in out and "R=4 x inner U=2" in out
     plan = sap.plan_sequences([0, 3000, 3100, 3101, 5000, 8192], outer_size=4, inner_size=2, cache=None)
-    assert f"chosen: {plan.strategy}" in out and f"{plan.strategy}  <- chosen" in out
+    assert f"chosen: {plan.strategy}" in out
+    assert any(f"ms  {plan.strategy}  " in line and line.endswith("<- chosen") for line in out.splitlines())
     assert all(name in out for name in plan.considered) and all(name in out for name in plan.pruned)
     assert "d2(1)" in out  # a whole one-token document
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,7 +11,7 @@ import datetime
 import hashlib
 import numbers
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import overload
 
@@ -161,6 +161,8 @@ def init_sap_groups(
     """
     if not dist.is_initialized():
         raise RuntimeError("init_sap_groups needs torch.distributed to be initialised first")
+    if isinstance(ranks, Iterable):
+        ranks = list(ranks)  # read once: compared, then made into the group
     check_every_rank_asks_alike(inner_size, outer_size, tensor_parallel_size, pipeline_parallel_size, ranks)
     world_size = dist.get_world_size()
     check_positive_sizes(inner_size=inner_size, tensor_parallel_size=tensor_parallel_size,
@@ -261,7 +263,9 @@ def _ranks_asked(ranks: object) -> dict[str, int]:
         return {"len(ranks)": _NOT_AN_INTEGER, "sum(ranks)": _NOT_AN_INTEGER,
                 "hash of ranks": int(digest[:16], 16) & ((1 << 62) - 1)}
     digest = hashlib.sha1(repr(listed).encode()).hexdigest()
-    return {"len(ranks)": len(listed), "sum(ranks)": sum(listed), "hash of ranks": int(digest[:16], 16) & ((1 << 62) - 1)}
+    total = sum(listed)
+    return {"len(ranks)": len(listed), "sum(ranks)": total if abs(total) < 1 << 60 else _NOT_AN_INTEGER,
+            "hash of ranks": int(digest[:16], 16) & ((1 << 62) - 1)}
 
 
 def check_every_rank_asks_alike(inner_size: object, outer_size: object, tensor_parallel_size: object,

@@ -24,6 +24,7 @@ from megatron_sap.validation import is_positive_int
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
 
+
 @dataclass(frozen=True)
 class CPGroupLayout:
     """One CP group and its split into inner and outer groups, all as global ranks.

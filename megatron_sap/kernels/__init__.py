@@ -183,7 +183,7 @@ def resolve_softmax_scale(head_dim: int, softmax_scale: float | None, dtype: tor
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
-    score_dtype = _lse_dtype(dtype)
+    score_dtype = accumulation_dtype(dtype)
     if abs(scale) > torch.finfo(score_dtype).max:
         raise ValueError(f"softmax_scale {softmax_scale!r} overflows {score_dtype}, the dtype the scores of {dtype} "
                          "inputs are computed in")
@@ -194,10 +194,6 @@ def _call_scale(q: Tensor, causal: bool, softmax_scale: float | None) -> float:
     """`resolve_softmax_scale` for a kernel call, with `causal` checked a bool."""
     check_bool(causal, "causal")
     return resolve_softmax_scale(q.shape[2], softmax_scale, q.dtype)
-
-
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _flash_module(backend: str):
@@ -246,7 +242,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k
              max_seqlen_k: int, causal: bool, scale: float, name: str) -> tuple[Tensor, Tensor]:
     """`varlen_forward` on checked inputs, with the backend resolved."""
     if q.shape[0] == 0 or k.shape[0] == 0:
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_lse_dtype(q.dtype), device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=accumulation_dtype(q), device=q.device)
         return torch.zeros_like(q), lse
     if name == "torch":
         return torch_backend.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=scale)

@@ -20,9 +20,11 @@ import torch
 from torch import Tensor
 
 
-def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
-    """Dtype partial results are merged and summed in: float64 where any input is, else float32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+def accumulation_dtype(*values: Tensor | torch.dtype) -> torch.dtype:
+    """Dtype scores, lse and partial results are computed, merged and summed in: float64
+    where any input (a tensor or a dtype) is, else float32."""
+    dtypes = (v if isinstance(v, torch.dtype) else v.dtype for v in values)
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def _weights(lse_a: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:

@@ -62,6 +62,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .merge import accumulation_dtype
+
 MIN_BLOCK, MAX_BLOCK = 16, 128
 BLOCK_CHOICES = (32, 64)  # smaller equal tile sizes weighed beside the typical-segment ones (`_choose_blocks`)
 # What a kept tile pair costs beyond its scores, in scores: fitted on this backend on the CPU (one
@@ -365,10 +367,6 @@ def _masked_scores(plan: _TilePlan, start: int, end: int, q_c: Tensor, k_c: Tens
     return scores.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _any_nonfinite(dtype: torch.dtype, *tensors: Tensor) -> Tensor:
     """0-dim bool: whether the tensors hold a NaN or Inf, from their sums (a finite total may
     overflow only if the values are huge; the exact path then runs needlessly, still correct)."""
@@ -452,7 +450,7 @@ def forward(
     """Varlen attention forward; returns (out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] in the compute dtype)."""
     total_q, heads_q, _ = q.shape
     heads_kv = k.shape[1]
-    dtype = _compute_dtype(q.dtype)
+    dtype = accumulation_dtype(q)
     plan = _plan(cu_seqlens_q, cu_seqlens_k, causal, total_q, k.shape[0], q.device)
     exact = bool(_any_nonfinite(dtype, q, k, v))
 
@@ -502,7 +500,7 @@ def backward(
     """Varlen attention backward against the given (possibly merged) out and lse; returns dq, dk, dv."""
     total_q, heads_q, _ = q.shape
     total_k, heads_kv, _ = k.shape
-    dtype = _compute_dtype(q.dtype)
+    dtype = accumulation_dtype(q)
     plan = _plan(cu_seqlens_q, cu_seqlens_k, causal, total_q, total_k, q.device)
 
     delta = (dout.to(dtype) * out.to(dtype)).sum(-1)  # not finite wherever dout or out is not

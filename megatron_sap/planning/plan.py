@@ -135,8 +135,10 @@ class Plan:
     pruned: dict[str, float] = field(default_factory=dict)  # floor on the modelled makespan of the others
     slacks: tuple[float, ...] = DEFAULT_SLACKS  # the greedy passes' load slacks it was planned with
     choose_by: str = "estimate"  # how it was chosen among the candidates (CHOOSE_BY)
-    timed: dict[str, float] = field(default_factory=dict)  # choose_by="timeline": the timed candidates' makespans
-    stepped: dict[str, float] = field(default_factory=dict)  # the near candidates' step-level seconds, where weighed
+    # the candidates timed with their compiled programs, all ranks together (choose_by="timeline", or a recheck)
+    timed: dict[str, float] = field(default_factory=dict)
+    # the step-level seconds of the candidates those models chose among (near ones, or a recheck's), where they did
+    stepped: dict[str, float] = field(default_factory=dict)
     _layout: _Layout | None = field(default=None, repr=False)
     _order: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
     _levels: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
@@ -541,8 +543,9 @@ class Plan:
             "ideal_time_s": ev.ideal_s,
             "candidates_modelled_time_s": dict(self.considered),
             "candidates_pruned_floor_s": dict(self.pruned),
-            "candidates_timeline_s": dict(self.timed),  # choose_by="timeline": the timed candidates' modelled_time_s
-            # up to STEP_CHOICE_RANKS outer ranks, the near candidates weighed on the step-level models
+            # choose_by="timeline", or a recheck (RECHECK_MARGIN): the timed candidates' modelled_time_s
+            "candidates_timeline_s": dict(self.timed),
+            # up to STEP_CHOICE_RANKS outer ranks, the near candidates (or a recheck's) weighed on the step-level models
             # (`_StepSeconds.level_seconds`, all-to-alls left out), where more than one was
             "candidates_step_level_s": dict(self.stepped),
         }
@@ -966,7 +969,8 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
     # built, and the one the step-level models end soonest is timed against the choice
     # with every rank's program, all ranks together; the sooner is the plan
     # (docs/planner.md, "Choice").
-    level_s = min(steps_of(placement, ev), fastest * (1 + TIMELINE_BAND))
+    level_s = min(steps_of(placement, ev) + a2a_s, fastest * (1 + TIMELINE_BAND))  # the models leave the all-to-alls out
+    plan._steps = steps[placement.strategy]
     if level_s <= fastest + max(fastest * RECHECK_MARGIN, TIME_RESOLUTION_S):
         return finished(plan)
     search(lambda: level_s, outmove=False, stop_at_bound=False)
@@ -981,9 +985,9 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
         return finished(plan)
     rival = Plan(tuple(cu), outer_size, inner_size, model, other, other_ev, considered, pruned, slacks,
                  _steps=steps[other.strategy])
-    joint = [max(rank.total_s for rank in p._default_schedule_times(model)) for p in (plan, rival)]
-    chosen = rival if joint[1] < joint[0] else plan
-    chosen._programs.clear()  # compiled to time them; a rank needs its own only
+    timed = {p.strategy: max(rank.total_s for rank in p._default_schedule_times(model)) for p in (plan, rival)}
+    chosen = rival if timed[other.strategy] < timed[placement.strategy] else plan
+    chosen.timed = timed
     return finished(chosen)
 
 
