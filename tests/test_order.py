@@ -51,7 +51,7 @@ def layer_times(plan: sap.Plan, model: CostModel) -> dict[str, float]:
     order and in exchange rounds."""
     times = {}
     for name, order in (("planned", plan.exchange_order()), ("rounds", None)):
-        programs = compile_all(plan.placement, "pipelined", order)
+        programs = compile_all(plan.placement, "pipelined", order, tile=model.tile)
         times[name] = max(r.total_s for r in joint_schedule(programs, plan.inner_size, plan.capacity, model))
     return times
 
@@ -68,7 +68,8 @@ def test_thousands_of_pairs_are_ordered_too():
     placement = greedy(cu[:-1], np.diff(cu).tolist(), outer, cu[-1] // outer, model, 0.25, inner, split="zigzag")
     order = exchange_order(evaluate(placement, inner, model).traffic_tokens, model, inner)
     assert 4096 < len(order) <= MAX_ORDERED_PAIRS  # over the limit this row once fell back at
-    times = {name: max(r.total_s for r in joint_schedule(compile_all(placement, "pipelined", o), inner, placement.capacity, model))
+    times = {name: max(r.total_s for r in joint_schedule(compile_all(placement, "pipelined", o, tile=model.tile), inner,
+                                                         placement.capacity, model))
              for name, o in (("planned", order), ("rounds", None))}
     assert times["planned"] < 0.6 * times["rounds"]
 
@@ -162,8 +163,8 @@ def test_paced_forward_is_the_timelines_pipelined_forward(corpus):
         for outer, inner in ((8, 1), (4, 2), (16, 1)):
             plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cost_model=model, cache=None)
             link = exchange_order(plan.evaluation.traffic_tokens, model, inner)
-            programs = [compile_program(plan.placement, r, None, "pipelined", link, exchange_levels(link))
-                        for r in range(outer)]
+            programs = [compile_program(plan.placement, r, None, "pipelined", link, exchange_levels(link),
+                                        tile=model.tile) for r in range(outer)]
             exchange_s, step_s, local_s = {}, [[0.0] * outer for _ in range(outer)], []
             for r, program in enumerate(programs):
                 exchanges, kernels, local = timeline._step_costs(program, inner, model)
@@ -176,8 +177,8 @@ def test_paced_forward_is_the_timelines_pipelined_forward(corpus):
             paced = paced_exchange_order(exchange_s, step_s, local_s)
             differ += paced != link
             for order in (link, paced):
-                programs = [compile_program(plan.placement, r, None, "pipelined", order, exchange_levels(order))
-                            for r in range(outer)]
+                programs = [compile_program(plan.placement, r, None, "pipelined", order, exchange_levels(order),
+                                            tile=model.tile) for r in range(outer)]
                 ends = timeline._run(programs, [p.forward_events() for p in programs], False, inner, model, alone=False)
                 assert paced_forward(exchange_s, step_s, local_s, order)[1] == pytest.approx(ends, rel=1e-12)
     assert differ >= 4  # of the 6 plans

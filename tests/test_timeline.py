@@ -184,8 +184,8 @@ def together_s(plan, order, schedule):
     `order` (the backward's order and the levels as the plan derives them) in `schedule`,
     all run together."""
     order, levels, _, backward_levels = plan._orders_of(dict(order), plan._step_seconds())
-    programs = [compile_program(plan.placement, r, None, schedule, order, levels, backward_levels)
-                for r in range(plan.outer_size)]
+    programs = [compile_program(plan.placement, r, None, schedule, order, levels, backward_levels,
+                                tile=plan.cost_model.tile) for r in range(plan.outer_size)]
     return max(t.total_s for t in joint_schedule(programs, plan.inner_size, plan.capacity, plan.cost_model))
 
 
@@ -263,8 +263,9 @@ def test_beyond_joint_schedule_ranks_the_slowest_rank_chooses_the_schedule_and_t
     orders, _ = order_options(plan)
     link, levels, _, backward_levels = plan._orders_of(orders["link"], plan._step_seconds())
     slowest = int(np.argmax(plan.evaluation.rank_time_s))
-    alone_s = {s: rank_schedule(compile_program(plan.placement, slowest, None, s, link, levels, backward_levels), 1,
-                                plan.capacity, model).total_s for s in ("pipelined", "gathered")}
+    alone_s = {s: rank_schedule(compile_program(plan.placement, slowest, None, s, link, levels, backward_levels,
+                                                tile=model.tile), 1, plan.capacity, model).total_s
+               for s in ("pipelined", "gathered")}
     expected = ("gathered" if alone_s["gathered"] <= alone_s["pipelined"] * (1 + plan_module.GATHERED_PREFERENCE)
                 else "pipelined")
     assert [plan.schedule(r) for r in range(32)] == [expected] * 32

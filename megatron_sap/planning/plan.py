@@ -300,7 +300,7 @@ class Plan:
         """An outer rank's program in `schedule`, compiled on the CPU (not cached)."""
         with _gc_paused():
             return compile_program(self.placement, outer_rank, self._get_layout(), schedule, self.exchange_order(),
-                                   self._exchange_levels(), self._backward_exchange_levels())
+                                   self._exchange_levels(), self._backward_exchange_levels(), tile=self.cost_model.tile)
 
     def _get_layout(self) -> _Layout:
         if self._layout is None:
@@ -372,7 +372,7 @@ class Plan:
         slowest = int(np.argmax(self.evaluation.rank_time_s))
         with _gc_paused():
             programs = {s: compile_program(self.placement, slowest, self._get_layout(), s, order, levels,
-                                           backward_levels) for s in SCHEDULES}
+                                           backward_levels, tile=self.cost_model.tile) for s in SCHEDULES}
         alone = {s: rank_schedule(p, self.inner_size, self.capacity, self.cost_model).total_s
                  for s, p in programs.items()}
         schedule = "gathered" if alone["gathered"] <= alone["pipelined"] * (1 + GATHERED_PREFERENCE) else "pipelined"
@@ -403,7 +403,7 @@ class Plan:
             order, levels, _, backward_levels = ordered[name]
             with _gc_paused():
                 programs = [compile_program(self.placement, r, self._get_layout(), schedule, order, levels,
-                                            backward_levels) for r in range(self.outer_size)]
+                                            backward_levels, tile=self.cost_model.tile) for r in range(self.outer_size)]
             times = joint_schedule(programs, self.inner_size, self.capacity, self.cost_model)
             if best is None or max(t.total_s for t in times) < max(t.total_s for t in best[2]):
                 best = (ordered[name], schedule, times, programs)
@@ -988,6 +988,7 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
     timed = {p.strategy: max(rank.total_s for rank in p._default_schedule_times(model)) for p in (plan, rival)}
     chosen = rival if timed[other.strategy] < timed[placement.strategy] else plan
     chosen.timed = timed
+    chosen._programs.clear()  # beyond JOINT_SCHEDULE_RANKS, every rank's, compiled to time them
     return finished(chosen)
 
 

@@ -435,18 +435,29 @@ def _call(segments: list[tuple[list[range], list[range]]], causal: bool, num_q: 
     )
 
 
-def _document_runs(pieces: tuple[Piece, ...]) -> list[list[Piece]]:
+def _document_runs(pieces: tuple[Piece, ...], tile: int) -> list[list[Piece]]:
     """A rank's pieces (in its local order, so consecutive pieces are consecutive rows) in
-    runs of consecutive pieces of one document in position order. One causal segment over a
-    run computes exactly its pairs: each piece's own causal block and every later piece's
-    full block over the earlier ones (the keys between them, on other ranks, come apart);
-    as one segment they are tile-rounded once, not per piece and per block."""
+    runs of consecutive pieces of one document in position order, where one segment is
+    cheaper in tiles of `tile` tokens. One causal segment over a run computes exactly its
+    pairs: each piece's own causal block and every later piece's full block over the earlier
+    ones (the keys between them, on other ranks, come apart); as one segment they are
+    tile-rounded once, not per piece and per block (the zigzag layout's head and tail chunks
+    shorter than a tile: up to two thirds fewer tiles)."""
+    def causal(n: int) -> int:
+        q = -(-n // tile)
+        return q * (q + 1) // 2
+
     runs: list[list[Piece]] = []
+    run_rows = 0
     for p in pieces:
-        if runs and runs[-1][-1].doc == p.doc and runs[-1][-1].end <= p.start:
+        n = p.end - p.start
+        if (runs and runs[-1][-1].doc == p.doc and runs[-1][-1].end <= p.start
+                and causal(run_rows + n) < causal(run_rows) + causal(n) + -(-n // tile) * -(-run_rows // tile)):
             runs[-1].append(p)
+            run_rows += n
         else:
             runs.append([p])
+            run_rows = n
     return runs
 
 
@@ -513,13 +524,13 @@ def exchange_levels(order: Mapping[tuple[int, int], int]) -> dict[tuple[int, int
 def compile_program(placement: Placement, rank: int, layout: _Layout | None = None,
                     schedule: str = "pipelined", order: Mapping[tuple[int, int], int] | None = None,
                     levels: Mapping[tuple[int, int], int] | None = None,
-                    backward_levels: Mapping[tuple[int, int], int] | None = None) -> RankProgram:
+                    backward_levels: Mapping[tuple[int, int], int] | None = None, tile: int = 1) -> RankProgram:
     """The program of outer rank `rank` for `placement`, in `schedule` (see `SCHEDULES`),
     its exchanges in `order` (the position of each pair (a, b), a < b, that exchanges
     anything: `order.exchange_order`; default: by exchange round), each at its level
     (`exchange_levels(order)`, given or computed; by round: the round), and backward at
     its level in `backward_levels` (`exchange_levels` of the backward's order; default:
-    the same as forward)."""
+    the same as forward). `tile`: the kernels' tile, in tokens (`_document_runs`)."""
     check_schedule(schedule)
     layout = layout or _Layout(placement)
     R = placement.num_ranks
@@ -535,7 +546,7 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
     if schedule == "pipelined":
         local_calls: list[KernelCall] = []
         if pieces:
-            runs = _document_runs(pieces)
+            runs = _document_runs(pieces, tile)
             diagonal = [([rows], [rows]) for run in runs
                         for rows in [range(layout.rows(run[0]).start, layout.rows(run[-1]).stop)]]
             local_calls.append(_call(diagonal, causal=True, num_q=placement.capacity, num_k=placement.capacity))
@@ -603,8 +614,8 @@ def _prefix_calls(layout: _Layout, rank: int,
 
 
 def compile_all(placement: Placement, schedule: str = "pipelined",
-                order: Mapping[tuple[int, int], int] | None = None) -> list[RankProgram]:
+                order: Mapping[tuple[int, int], int] | None = None, tile: int = 1) -> list[RankProgram]:
     """Programs of every outer rank, exchanges in `order` (default: by round)."""
     layout = _Layout(placement)
     levels = None if order is None else exchange_levels(order)
-    return [compile_program(placement, r, layout, schedule, order, levels) for r in range(placement.num_ranks)]
+    return [compile_program(placement, r, layout, schedule, order, levels, tile=tile) for r in range(placement.num_ranks)]
