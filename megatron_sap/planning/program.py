@@ -59,6 +59,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from .cuts import tile_pairs
 from .placement import Piece, Placement
 
 
@@ -443,16 +444,14 @@ def _document_runs(pieces: tuple[Piece, ...], tile: int) -> list[list[Piece]]:
     ones (the keys between them, on other ranks, come apart); as one segment they are
     tile-rounded once, not per piece and per block (the zigzag layout's head and tail chunks
     shorter than a tile: up to two thirds fewer tiles)."""
-    def causal(n: int) -> int:
-        q = -(-n // tile)
-        return q * (q + 1) // 2
-
     runs: list[list[Piece]] = []
     run_rows = 0
     for p in pieces:
         n = p.end - p.start
+        # One segment over the run and `p`, against the run's and `p` (its diagonal and its
+        # full block over the run's rows: `tile_pairs` at that offset) apart.
         if (runs and runs[-1][-1].doc == p.doc and runs[-1][-1].end <= p.start
-                and causal(run_rows + n) < causal(run_rows) + causal(n) + -(-n // tile) * -(-run_rows // tile)):
+                and tile_pairs(tile, 0, run_rows + n) < tile_pairs(tile, 0, run_rows) + tile_pairs(tile, run_rows, n)):
             runs[-1].append(p)
             run_rows += n
         else:
