@@ -124,7 +124,8 @@ def run_rank(
         result["p2p_bytes"] = log.total_bytes("p2p")
         result["a2a_bytes"] = log.total_bytes("a2a")
         result["bytes_by_peer"] = log.bytes_by_peer()
-        result["stats"] = plan.stats(plan.cost_model.with_shape(heads, kv_heads, dim, ql.element_size()))
+        result["stats"] = plan.stats(plan.cost_model.with_shape(heads, kv_heads, dim, ql.element_size()),
+                                     recompute_kv=recompute_kv)
     return result
 
 

@@ -230,19 +230,26 @@ def test_no_contamination(pool4, schedule):
         assert not torch.equal(base[name][inside], moved[name][inside]), name
 
 
-@pytest.mark.parametrize("inner, kv, schedule", [(1, 2, "pipelined"), (2, 2, "pipelined"), (4, 2, "pipelined"),
-                                                (4, 1, "pipelined"), (1, 2, "gathered"), (2, 2, "gathered")])
-def test_bytes_sent_match_plan(pool4, inner, kv, schedule):
+@pytest.mark.parametrize("inner, kv, schedule, recompute_kv", [
+    (1, 2, "pipelined", False), (2, 2, "pipelined", False), (4, 2, "pipelined", False), (4, 1, "pipelined", False),
+    (1, 2, "gathered", False), (2, 2, "gathered", False), (1, 2, "auto", True), (2, 2, "auto", True)])
+def test_bytes_sent_match_plan(pool4, inner, kv, schedule, recompute_kv):
+    """Each rank's bytes counted at its sends are the plan's `stats` (with `recompute_kv`,
+    the backward's second K/V exchange: every rank sends its K/V twice)."""
     rng = random.Random(13)
     cu = random_cu_seqlens(rng, 4 * 100, "long")
     heads, dim = 4, 8
-    results = pool4.run(run_rank, cu, inner, heads, kv, dim, "float64", 1, count_bytes=True, schedule=schedule)
+    results = pool4.run(run_rank, cu, inner, heads, kv, dim, "float64", 1, count_bytes=True, schedule=schedule,
+                        recompute_kv=recompute_kv)
     stats = results[0]["stats"]
     per_token = 2 * max(kv, inner) * dim * 8 / inner  # K and V rows of this rank's heads (replicated), float64
+    fetches = 2 if recompute_kv else 1
     for r in results:
         outer_rank = r["cp_rank"] // inner
-        expected = (stats["sent_tokens_per_outer_rank"][outer_rank] + stats["recv_tokens_per_outer_rank"][outer_rank]) * per_token
+        expected = (fetches * stats["sent_tokens_per_outer_rank"][outer_rank]
+                    + stats["recv_tokens_per_outer_rank"][outer_rank]) * per_token
         assert r["p2p_bytes"] == expected
+        assert sum(stats["sent_bytes_per_rank"]) == pytest.approx(sum(stats["recv_bytes_per_rank"]))
         # the inner all-to-all and the P2P steps together: what the plan reports per rank
         assert r["p2p_bytes"] + r["a2a_bytes"] == pytest.approx(stats["sent_bytes_per_rank"][r["cp_rank"]])
     assert any(r["p2p_bytes"] for r in results) == (inner < 4)

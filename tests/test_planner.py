@@ -1396,6 +1396,28 @@ def test_candidate_bytes_script_sees_the_choice(outer, inner, load_script):
         assert shares["least_time"] >= 1.0
 
 
+def test_stats_with_recompute_kv_count_the_second_exchange():
+    """`stats(recompute_kv=True)` describes the ranks running with it: each sends its K/V
+    once more in backward (and receives the K/V it needs once more), runs the pipelined
+    schedule, keeps no received K/V between the passes and waits for the refetches."""
+    cu = realistic_cu_seqlens(16384, 3)
+    plan = sap.plan_sequences(cu, outer_size=4, inner_size=2, cache=None)
+    kept, again = plan.stats(), plan.stats(recompute_kv=True)
+    kv = plan.cost_model.inner_kv_bytes_per_token(2)
+    sent = np.repeat(np.array(kept["sent_tokens_per_outer_rank"]), 2) * kv
+    received = np.repeat(np.array(kept["recv_tokens_per_outer_rank"]), 2) * kv
+    assert sum(sent) > 0
+    assert np.allclose(np.array(again["sent_bytes_per_rank"]) - kept["sent_bytes_per_rank"], sent)
+    assert np.allclose(np.array(again["recv_bytes_per_rank"]) - kept["recv_bytes_per_rank"], received)
+    assert np.allclose(np.array(again["sent_bytes_intra_per_rank"]) + again["sent_bytes_inter_per_rank"],
+                       again["sent_bytes_per_rank"])
+    assert again["schedule_per_outer_rank"] == ["pipelined"] * 4
+    assert again["modelled_time_s"] > kept["modelled_time_s"]
+    assert max(again["peak_extra_bytes_per_rank"]) < max(kept["peak_extra_bytes_per_rank"])
+    with pytest.raises(TypeError, match="recompute_kv"):
+        plan.stats(recompute_kv=1)
+
+
 def test_signature_tells_apart_plans_that_place_pieces_differently():
     """Ranks with different cost models can choose the same strategy with other pieces; the
     agreement check hashes the signature, so it must see the pieces (and the cost model,

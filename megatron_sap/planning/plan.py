@@ -474,7 +474,7 @@ class Plan:
         return plan_schedule(self, model=model)
 
     # ---- statistics ---------------------------------------------------------------
-    def stats(self, cost_model: CostModel | str | None = None) -> dict[str, Any]:
+    def stats(self, cost_model: CostModel | str | None = None, recompute_kv: bool = False) -> dict[str, Any]:
         """Per-CP-rank tokens, pairs, bytes (forward + backward) and modelled times.
 
         Bytes use the cost model's shape (heads, head dim, element size); pass another
@@ -484,8 +484,10 @@ class Plan:
         and add the Ulysses all-to-all (by each inner peer's node). `pairs_per_rank` counts
         the causal (q, k) pairs over all heads, as a share of heads: every inner rank of an
         outer group computes that group's `work` on 1/U of the heads, so its entry is the
-        work's pairs / U (possibly fractional).
+        work's pairs / U (possibly fractional). With `recompute_kv`, as the ranks run it: the
+        backward's second K/V exchange in the bytes, its schedule in the times, its memory.
         """
+        check_bool(recompute_kv, "recompute_kv")
         if cost_model is not None:
             cost_model = _cost_model(cost_model)
         m = cost_model or self.cost_model
@@ -493,8 +495,11 @@ class Plan:
         U = self.inner_size
         traffic = ev.traffic_tokens
         kv = m.inner_kv_bytes_per_token(U)
-        # forward sends KV it owns; backward sends dK/dV of what it received
-        sent = (traffic.sum(1) + traffic.sum(0)) * kv
+        # forward sends KV it owns (and, with recompute_kv, the backward again); backward
+        # sends dK/dV of what it received
+        fetches = 2 if recompute_kv else 1
+        sent = (fetches * traffic.sum(1) + traffic.sum(0)) * kv
+        received = (fetches * traffic.sum(0) + traffic.sum(1)) * kv
         # Inner rank i of an outer group exchanges with inner rank i of the others: by the
         # links of those CP ranks (where U neither divides nor is a multiple of a node's GPUs,
         # inner ranks of one outer pair can sit on one node or on two).
@@ -502,7 +507,7 @@ class Plan:
         for i in range(U):
             node = np.array([m.node_of(r * U + i) for r in range(self.outer_size)])
             same = node[:, None] == node[None, :]
-            sent_intra[:, i] = ((traffic * same).sum(1) + (traffic * same).sum(0)) * kv
+            sent_intra[:, i] = (fetches * (traffic * same).sum(1) + (traffic * same).sum(0)) * kv
         sent_inter = sent[:, None] - sent_intra
         expand = lambda a: [float(x) for x in np.repeat(np.asarray(a, dtype=np.float64), U)]  # noqa: E731
         # Each inner rank's all-to-all bytes, an equal share per peer, by the peer's link.
@@ -510,8 +515,8 @@ class Plan:
         a2a_by_link = [[ev.a2a_bytes * peers[i] / max(U - 1, 1) for peers in links] for i in (0, 1)]
         pairs = expand(ev.exact_pairs / U)
         mean = float(np.mean(pairs)) if pairs else 0.0
-        memory = [self.memory_bytes(r, m) for r in range(self.outer_size)]
-        schedule = self._default_schedule_times(m)
+        memory = [self.memory_bytes(r, m, recompute_kv=recompute_kv) for r in range(self.outer_size)]
+        schedule = plan_schedule(self, True, m) if recompute_kv else self._default_schedule_times(m)
         return {
             "method": "sap",
             "candidate": self.placement.strategy,
@@ -527,8 +532,8 @@ class Plan:
             "sent_tokens_per_outer_rank": [int(x) for x in traffic.sum(1)],
             "recv_tokens_per_outer_rank": [int(x) for x in traffic.sum(0)],
             "sent_bytes_per_rank": [x + ev.a2a_bytes for x in expand(sent)],
-            # every rank receives what it sends: its forward K/V in-traffic is its backward dK/dV out-traffic
-            "recv_bytes_per_rank": [x + ev.a2a_bytes for x in expand(sent)],
+            # without recompute_kv, what it sends: its forward K/V in-traffic is its backward dK/dV out-traffic
+            "recv_bytes_per_rank": [x + ev.a2a_bytes for x in expand(received)],
             "sent_bytes_intra_per_rank": [float(x) + a2a for x, a2a in zip(sent_intra.ravel(), a2a_by_link[0])],
             "sent_bytes_inter_per_rank": [float(x) + a2a for x, a2a in zip(sent_inter.ravel(), a2a_by_link[1])],
             "peak_extra_bytes_per_rank": expand([max(x["forward"], x["backward"]) for x in memory]),
@@ -538,7 +543,7 @@ class Plan:
             # candidates (neither bounds the other).
             "modelled_time_s": max(r.total_s for r in schedule),
             "outer_rank_time_s": [r.total_s for r in schedule],
-            "schedule_per_outer_rank": [self.schedule(r) for r in range(self.outer_size)],
+            "schedule_per_outer_rank": [self.schedule(r, recompute_kv) for r in range(self.outer_size)],
             "planner_estimate_s": ev.makespan_s,
             "ideal_time_s": ev.ideal_s,
             "candidates_modelled_time_s": dict(self.considered),
