@@ -30,11 +30,13 @@ import torch.distributed as dist
 
 from .comm.groups import SAPGroups
 from .comm.p2p import PendingExchange, collective_device, mark_ready, post_exchange, ready_for_batched_p2p
-from .comm.ulysses import GatherHeads, ScatterHeads, check_heads, replicate_kv_heads
+from .comm.ulysses import (GatherHeads, PendingAllToAll, ScatterHeads, check_heads, from_gather_part, from_scatter_part,
+                           gather_part, replicate_kv_heads, scatter_part)
 from .kernels import (accumulation_dtype, add_rows, first_order_only, merge_into, resolve_backend, resolve_softmax_scale,
                       take_rows, varlen_backward, varlen_forward, write_rows)
 from .planning import Plan, RankProgram
-from .planning.program import COMPUTE, FETCH, LOCAL, RETURN, check_schedule
+from .planning.program import (ALL_HEADS, COMPUTE, FETCH, LOCAL, NO_CHUNK, POST, RETURN, check_schedule,
+                               head_chunks)
 from .validation import check_bool, check_qkv
 
 _BACKWARD_TAG = 1 << 20
@@ -152,6 +154,100 @@ def _backward_calls(calls, dout, q, out, lse, kv_source, dq, dkv, scale, backend
         add_rows(dkv[:, 1], call.k_rows, g_v)
 
 
+class _HeadChunks:
+    """A pass's head chunks (`RankProgram.chunked`): the inputs that arrive by chunk (queries
+    forward, output gradients backward) and each chunk's slice of the KV heads. One chunk
+    (no inner pipe): the tensors as they are."""
+
+    def __init__(self, inputs: list[torch.Tensor | None], kv_heads: Sequence[slice], pipe: _InnerPipe | None = None):
+        self.inputs, self.kv_heads, self.pipe = inputs, kv_heads, pipe
+
+    @classmethod
+    def single(cls, inputs: torch.Tensor) -> "_HeadChunks":
+        return cls([inputs], [slice(None)])
+
+    @property
+    def count(self) -> int:
+        return len(self.inputs)
+
+    def each(self, chunk: int) -> range:
+        """The chunks a unit runs: its own, or every one (ALL_HEADS)."""
+        return range(self.count) if chunk == ALL_HEADS else range(chunk, chunk + 1)
+
+    def input(self, chunk: int) -> torch.Tensor:
+        """Chunk `chunk`'s inputs, waiting for the all-to-all that brings them."""
+        if self.inputs[chunk] is None:
+            self.pipe.arrive(chunk)
+        return self.inputs[chunk]
+
+    def kv(self, rows: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Chunk `chunk`'s KV heads of stacked [n, 2, Hkv, D] rows (a view)."""
+        heads = self.kv_heads[chunk]
+        return rows if heads == slice(None) else rows[:, :, heads]
+
+
+class _InnerPipe:
+    """The inner all-to-alls of one pass in head chunks (`RankProgram.chunked`): each brings
+    a chunk's inputs (sequence-sharded, `source`) as head-sharded rows into
+    `chunks.inputs`, takes a chunk's outputs (head-sharded, `output(c)`) to the token
+    owners, or both; `finish` places every chunk's outputs, sequence-sharded, into one
+    [n, H, D] tensor."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int, heads: Sequence[slice], source: torch.Tensor,
+                 output, step: str):
+        self.group, self.size, self.heads, self.source, self.output, self.step = group, size, heads, source, output, step
+        self.pending: list[tuple[PendingAllToAll, int, int]] = []  # (all-to-all, brings, takes)
+        self.chunks: _HeadChunks | None = None
+        self.result = source.new_empty(source.shape)
+        self.extras: list[torch.Tensor] = []
+
+    def _input_part(self, chunk: int) -> torch.Tensor:
+        return self.source.unflatten(1, (self.size, -1))[:, :, self.heads[chunk]].transpose(0, 1)
+
+    def _post(self, brings: int, takes: int, extras: Sequence[torch.Tensor] = ()) -> None:
+        parts = [self._input_part(brings)] if brings != NO_CHUNK else []
+        if takes != NO_CHUNK:
+            parts.append(gather_part(self.output(takes), self.size))
+        parts += list(extras)
+        self.pending.append((PendingAllToAll(parts, self.group, self.step), brings, takes))
+
+    def _wait_next(self) -> None:
+        pending, brings, takes = self.pending.pop(0)
+        parts = pending.wait()
+        if brings != NO_CHUNK:  # a copy where the buffer holds outputs too: the inputs may be kept for backward
+            part = from_scatter_part(parts.pop(0))
+            self.chunks.inputs[brings] = part.contiguous() if takes != NO_CHUNK else part
+        if takes != NO_CHUNK:
+            self.result.unflatten(1, (self.size, -1))[:, :, self.heads[takes]] = parts.pop(0).transpose(0, 1)
+        self.extras = parts
+
+    def start(self, chunks: _HeadChunks, extras: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+        """The first all-to-all: chunk 0's inputs and `extras` (scatter parts), waited for;
+        returns the extras received (head-sharded)."""
+        self.chunks = chunks
+        self._post(0, NO_CHUNK, [scatter_part(t, self.size) for t in extras])
+        self._wait_next()
+        return [from_scatter_part(part) for part in self.extras]
+
+    def post(self, brings: int, takes: int) -> None:
+        """A POST unit: bring chunk `brings`'s inputs, take chunk `takes`'s outputs."""
+        self._post(brings, takes)
+
+    def arrive(self, chunk: int) -> None:
+        """Wait for the all-to-alls up to the one that brings chunk `chunk`'s inputs."""
+        while self.chunks.inputs[chunk] is None:
+            self._wait_next()
+
+    def finish(self, extras: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The last all-to-all (the last chunk's outputs and `extras`, head-sharded), then
+        every all-to-all still in flight waited for: (the outputs [n, H, D], the extras
+        sequence-sharded)."""
+        self._post(NO_CHUNK, len(self.heads) - 1, [gather_part(t, self.size) for t in extras])
+        while self.pending:
+            self._wait_next()
+        return self.result, [from_gather_part(part) for part in self.extras]
+
+
 class _SAPOuterAttention(torch.autograd.Function):
     """The outer-level program as one autograd op on [T/R, H, D] tensors."""
 
@@ -161,7 +257,8 @@ class _SAPOuterAttention(torch.autograd.Function):
         ctx.plan, ctx.outer, ctx.scale, ctx.backend, ctx.recompute_kv = plan, outer, scale, backend, recompute_kv
         ctx.schedule = program.schedule
         run = _gathered_forward if program.schedule == "gathered" else _pipelined_forward
-        out, lse, kept = run(program, q, k, v, outer, scale, backend, recompute_kv)
+        units = program.chunked(program.forward_events(), 1)
+        (out,), (lse,), kept = run(program, units, _HeadChunks.single(q), k, v, outer, scale, backend, recompute_kv)
         ctx.save_for_backward(q, k, v, out, lse, *([] if recompute_kv else kept))
         return out
 
@@ -170,87 +267,171 @@ class _SAPOuterAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, *saved = ctx.saved_tensors
         program = ctx.plan.backward_program(ctx.outer.rank, q.device, ctx.schedule, ctx.recompute_kv)
-        dq, dkv = _backward(ctx, program, dout.contiguous(), q, k, v, out, lse, saved)
+        units = program.chunked(program.backward_events(ctx.recompute_kv), 1)
+        (dq,), dkv = _backward(ctx, program, units, _HeadChunks.single(dout.contiguous()), [q], k, v, [out], [lse],
+                               saved)
         return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None, None, None
 
 
-def _pipelined_forward(program: RankProgram, q, k, v, outer: _Outer, scale, backend, recompute_kv: bool):
-    """The pipelined schedule's forward (`RankProgram.forward_events`): (out, lse, the
-    received rows of every step). Each step's calls merge into fp32 accumulators; a step's
-    send copy goes once its exchange is done, its received rows once used unless kept."""
+class _SAPChunkedAttention(torch.autograd.Function):
+    """The inner and outer levels as one autograd op on sequence-sharded [T/P, H, D]
+    tensors (K/V heads as `replicate_kv_heads` gives them), with the Ulysses all-to-alls
+    in head chunks under the kernels (`RankProgram.chunked`, `Plan.inner_chunks`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: Plan, groups: SAPGroups, outer: _Outer, scale: float, backend: str,
+                schedule: str, heads: tuple[tuple[slice, slice], ...]):
+        program = plan.program(outer.rank, q.device, schedule)
+        ctx.plan, ctx.groups, ctx.outer, ctx.scale, ctx.backend, ctx.heads = plan, groups, outer, scale, backend, heads
+        ctx.schedule, ctx.recompute_kv = program.schedule, False
+        U, C = groups.inner_size, len(heads)
+        acc: dict[int, torch.Tensor] = {}  # a finished chunk's output, in q's dtype
+        pipe = _InnerPipe(groups.inner_group, U, [h for h, _ in heads], q, acc.__getitem__, INNER_STEP)
+        chunks = _HeadChunks([None] * C, [kv for _, kv in heads], pipe)
+        k_h, v_h = pipe.start(chunks, (k, v))
+        run = _gathered_forward if program.schedule == "gathered" else _pipelined_forward
+        units = program.chunked(program.forward_events(), C)
+        outs, lses, kept = run(program, units, chunks, k_h, v_h, outer, scale, backend, False, acc)
+        out, _ = pipe.finish()
+        ctx.save_for_backward(k_h, v_h, *chunks.inputs, *outs, *lses, *kept)
+        return out
+
+    @staticmethod
+    @first_order_only  # the exchanged gradients are not differentiable
+    def backward(ctx, dout):
+        k_h, v_h, *saved = ctx.saved_tensors
+        C, U = len(ctx.heads), ctx.groups.inner_size
+        q, out, lse, kept = saved[:C], saved[C:2 * C], saved[2 * C:3 * C], saved[3 * C:]
+        program = ctx.plan.backward_program(ctx.outer.rank, k_h.device, ctx.schedule)
+        finished: dict[int, torch.Tensor] = {}  # a finished chunk's dQ, in q's dtype
+        pipe = _InnerPipe(ctx.groups.inner_group, U, [h for h, _ in ctx.heads], dout.contiguous(),
+                          finished.__getitem__, f"{INNER_STEP} (backward)")
+        chunks = _HeadChunks([None] * C, [kv for _, kv in ctx.heads], pipe)
+        pipe.start(chunks)
+        units = program.chunked(program.backward_events(), C)
+        dq, dkv = _backward(ctx, program, units, chunks, q, k_h, v_h, out, lse, kept, finished)
+        dq, (dk, dv) = pipe.finish((dkv[:, 0].to(k_h.dtype), dkv[:, 1].to(v_h.dtype)))
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _pipelined_forward(program: RankProgram, units, chunks: _HeadChunks, k, v, outer: _Outer, scale, backend,
+                       recompute_kv: bool, finished: dict[int, torch.Tensor] | None = None):
+    """The pipelined schedule's forward (`RankProgram.chunked` `units` of its forward
+    events): (each chunk's out, its lse, the received rows of every step). Each step's calls
+    merge into fp32 accumulators; a step's send copy goes once its exchange is done, its
+    received rows once used unless kept. A chunk's output goes into `finished` (in the
+    queries' dtype) before the all-to-all that takes it."""
     kv = torch.stack([k, v], 1)  # [T/R, 2, Hkv, D]: one message per step
+    acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * chunks.count
     posted: dict[int, tuple[PendingExchange, torch.Tensor]] = {}
-    received: list[torch.Tensor] = []
-    for kind, i in program.forward_events():
-        if kind == FETCH:
+    received: dict[int, torch.Tensor] = {}
+    for kind, i, chunk in units:
+        if kind == POST:
+            if chunk != NO_CHUNK:  # its output is whole: taken in the inputs' dtype, the fp32 accumulator let go
+                out, lse = acc[chunk]
+                finished[chunk], acc[chunk] = out.to(chunks.inputs[chunk].dtype), (None, lse)
+                del out
+            chunks.pipe.post(i, chunk)
+        elif kind == FETCH:
             posted[i] = _post_kv(program, i, kv, outer, 0)
         elif kind == LOCAL:
-            acc_out, acc_lse = _local_forward(program, q, kv, scale, backend)
+            for c in chunks.each(chunk):
+                acc[c] = _local_forward(program, chunks.input(c), chunks.kv(kv, c), scale, backend)
         else:  # COMPUTE
-            handle, recv = posted.pop(i)
-            handle.wait()
-            del handle
-            _forward_calls(program.transfers[i].calls, q, recv, acc_out, acc_lse, scale, backend)
-            if not recompute_kv:
-                received.append(recv)
+            if i in posted:
+                handle, received[i] = posted.pop(i)
+                handle.wait()
+                del handle
+            recv = received.pop(i) if recompute_kv else received[i]
+            for c in chunks.each(chunk) if program.transfers[i].calls else ():  # none: no inputs needed
+                _forward_calls(program.transfers[i].calls, chunks.input(c), chunks.kv(recv, c), *acc[c], scale, backend)
             del recv
-    return acc_out.to(q.dtype), acc_lse, received
+    outs = [a.to(chunks.inputs[c].dtype) if a is not None else finished[c] for c, (a, _) in enumerate(acc)]
+    if finished is not None:
+        finished[chunks.count - 1] = outs[-1]
+    return outs, [lse for _, lse in acc], [received[i] for i in sorted(received)]
 
 
-def _gathered_forward(program: RankProgram, q, k, v, outer: _Outer, scale, backend, recompute_kv: bool):
-    """The gathered schedule's forward: (out, lse, [source]). Every step is received into its
-    slice of the source buffer; each call runs once the step that brings its last keys is
-    in, and writes its rows of the output (nothing is merged)."""
+def _gathered_forward(program: RankProgram, units, chunks: _HeadChunks, k, v, outer: _Outer, scale, backend,
+                      recompute_kv: bool, finished: dict[int, torch.Tensor] | None = None):
+    """The gathered schedule's forward: (each chunk's out, its lse, [source]). Every step is
+    received into its slice of the source buffer; each call runs once the step that brings
+    its last keys is in, and writes its rows of the output (nothing is merged)."""
     source, slices = _gathered_source(program, k, v)
     kv = source[: len(k)]
-    out = torch.empty_like(q)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=accumulation_dtype(q), device=q.device)
+    outs: list[torch.Tensor | None] = [None] * chunks.count
+    lses: list[torch.Tensor | None] = [None] * chunks.count
     posted: dict[int, PendingExchange] = {}
-    for kind, i in program.forward_events():
-        if kind == FETCH:
+    for kind, i, chunk in units:
+        if kind == POST:
+            if chunk != NO_CHUNK:
+                finished[chunk] = outs[chunk]
+            chunks.pipe.post(i, chunk)
+        elif kind == FETCH:
             posted[i] = _post_kv(program, i, kv, outer, 0, slices[i])[0]
         elif kind == LOCAL:
-            _write_forward(program.local_calls, q, kv, out, lse, scale, backend)
+            for c in chunks.each(chunk):
+                q = chunks.input(c)
+                outs[c] = torch.empty_like(q)
+                lses[c] = torch.empty((q.shape[1], q.shape[0]), dtype=accumulation_dtype(q), device=q.device)
+                _write_forward(program.local_calls, q, chunks.kv(kv, c), outs[c], lses[c], scale, backend)
         else:  # COMPUTE
-            posted.pop(i).wait()
-            _write_forward(program.transfers[i].calls, q, source, out, lse, scale, backend)
-    return out, lse, [source]
+            if i in posted:
+                posted.pop(i).wait()
+            for c in chunks.each(chunk) if program.transfers[i].calls else ():  # none: no inputs needed
+                _write_forward(program.transfers[i].calls, chunks.input(c), chunks.kv(source, c), outs[c], lses[c],
+                               scale, backend)
+    if finished is not None:
+        finished[chunks.count - 1] = outs[-1]
+    return outs, lses, [source]
 
 
-def _backward(ctx, program: RankProgram, dout, q, k, v, out, lse, saved) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dq, dK/dV stacked), accumulated, running `RankProgram.backward_events`. Pipelined,
-    each step's calls add into an fp32 gradient of its received rows (the K/V saved in
-    forward, or fetched again with `recompute_kv`); gathered, into one buffer of every
-    step's, the saved source's. A return sends those gradients back to their owner and
-    receives those of the rows the step sent, which its collect adds into dK/dV."""
+def _backward(ctx, program: RankProgram, units, chunks: _HeadChunks, q, k, v, out, lse, saved,
+              finished: dict[int, torch.Tensor] | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(each chunk's dq, dK/dV stacked), accumulated, running the `RankProgram.chunked`
+    `units` of `backward_events` (`chunks`' inputs: the output gradients; q, out, lse: each
+    chunk's). Pipelined, each step's calls add into an fp32 gradient of its received rows
+    (the K/V saved in forward, or fetched again with `recompute_kv`); gathered, into one
+    buffer of every step's, the saved source's. A return sends those gradients back to their
+    owner and receives those of the rows the step sent, which its collect adds into dK/dV.
+    A chunk's dQ goes into `finished` (in q's dtype) before the all-to-all that takes it."""
     outer, scale, backend = ctx.outer, ctx.scale, ctx.backend
-    acc_dtype = accumulation_dtype(q)
+    acc_dtype = accumulation_dtype(q[0])
     gathered = program.schedule == "gathered"
     # Gathered, every query row's dQ comes from the one call that has the row (as its
     # output did in forward): written there, in q's dtype, nothing to start from or add.
-    dq = torch.empty_like(q) if gathered else torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dq = [torch.empty_like(x) if gathered else torch.zeros(x.shape, dtype=acc_dtype, device=x.device) for x in q]
     steps = program.transfers
     if gathered:
         (source,) = saved
         kv = source[: len(k)]
-        grad_source = torch.zeros(source.shape, dtype=acc_dtype, device=q.device)
+        grad_source = torch.zeros(source.shape, dtype=acc_dtype, device=source.device)
         dkv = grad_source[: len(k)]
         grads = dict(enumerate(torch.split(grad_source[len(k):], [step.recv_tokens for step in steps])))
     else:
         kv = torch.stack([k, v], 1)
-        dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
         grads = {}
     fetched: dict[int, tuple[PendingExchange, torch.Tensor]] = {}
     returns: dict[int, tuple[PendingExchange, torch.Tensor | None]] = {}
-    for kind, i in program.backward_events(ctx.recompute_kv):
+    for kind, i, chunk in units:
+        if kind == POST:
+            if chunk != NO_CHUNK:
+                finished[chunk] = dq[chunk].to(q[chunk].dtype)
+            chunks.pipe.post(i, chunk)
+            continue
         if kind == LOCAL:
-            _backward_calls(program.local_calls, dout, q, out, lse, kv, dq, dkv, scale, backend, gathered)
+            for c in chunks.each(chunk) if program.local_calls else ():
+                _backward_calls(program.local_calls, chunks.input(c), q[c], out[c], lse[c], chunks.kv(kv, c), dq[c],
+                                chunks.kv(dkv, c), scale, backend, gathered)
             continue
         step = steps[i]
         if kind == FETCH:
             fetched[i] = _post_kv(program, i, kv, outer, _REFETCH_TAG)
         elif kind == COMPUTE and gathered:
-            _backward_calls(step.calls, dout, q, out, lse, source, dq, grad_source, scale, backend, True)
+            for c in chunks.each(chunk) if step.calls else ():  # a unit without calls needs no inputs
+                _backward_calls(step.calls, chunks.input(c), q[c], out[c], lse[c], chunks.kv(source, c), dq[c],
+                                chunks.kv(grad_source, c), scale, backend, True)
         elif kind == COMPUTE:
             if ctx.recompute_kv:
                 handle, recv = fetched.pop(i)
@@ -258,8 +439,11 @@ def _backward(ctx, program: RankProgram, dout, q, k, v, out, lse, saved) -> tupl
                 del handle
             else:
                 recv = saved[i]
-            grads[i] = torch.zeros(recv.shape, dtype=acc_dtype, device=q.device)
-            _backward_calls(step.calls, dout, q, out, lse, recv, dq, grads[i], scale, backend)
+            if i not in grads:
+                grads[i] = torch.zeros(recv.shape, dtype=acc_dtype, device=recv.device)
+            for c in chunks.each(chunk) if step.calls else ():
+                _backward_calls(step.calls, chunks.input(c), q[c], out[c], lse[c], chunks.kv(recv, c), dq[c],
+                                chunks.kv(grads[i], c), scale, backend)
             del recv
         elif kind == RETURN:
             returns[i] = _post_gradients(program, i, grads.pop(i), kv, outer)
@@ -268,6 +452,8 @@ def _backward(ctx, program: RankProgram, dout, q, k, v, out, lse, saved) -> tupl
             handle.wait()
             if grad_in is not None:
                 add_rows(dkv, step.send_rows, grad_in)
+    if finished is not None:
+        finished[chunks.count - 1] = dq[-1].to(q[-1].dtype)
     return dq, dkv
 
 
@@ -368,7 +554,7 @@ def _shape_key(shape: Sequence) -> tuple:
 # signature, `recompute_kv`, the attention shape and the softmax scale (None: the default).
 # The signature, not the plan object: ranks holding equal plans as different objects (one
 # planned afresh, the other's from its cache) skip the check alike.
-_LAST_CHECKED: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[str, bool, tuple | None, float | None]] = (
+_LAST_CHECKED: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[str, bool, tuple | None, float | None, int | None]] = (
     weakref.WeakKeyDictionary())
 # CP group -> the softmax scale (`_scale_key`) of the last `sap_attention` call on it.
 _LAST_SCALE: weakref.WeakKeyDictionary[dist.ProcessGroup, float | None] = weakref.WeakKeyDictionary()
@@ -383,7 +569,7 @@ def last_softmax_scale(groups: SAPGroups) -> float | None:
 
 
 def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: tuple[int, int, int, str],
-                     softmax_scale: float | None) -> None:
+                     softmax_scale: float | None, inner_chunks: int | None = None) -> None:
     """`verify_plan_agreement` unless it was last run on this CP group for this plan (an
     equal one: `Plan.signature`), `recompute_kv`, attention shape and softmax scale (a batch
     split's check, or an earlier layer's).
@@ -394,8 +580,8 @@ def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: t
     theirs, enters the all-reduce alone and fails at the group's timeout instead of
     exchanging messages of the right sizes for another batch (peers waiting for its
     messages fail too). A model whose layers alternate shapes checks at every change."""
-    if _LAST_CHECKED.get(groups.cp_group) != (plan.signature(), bool(recompute_kv), shape, softmax_scale):
-        verify_plan_agreement(plan, groups, recompute_kv, shape, softmax_scale=softmax_scale)
+    if _LAST_CHECKED.get(groups.cp_group) != (plan.signature(), bool(recompute_kv), shape, softmax_scale, inner_chunks):
+        verify_plan_agreement(plan, groups, recompute_kv, shape, softmax_scale=softmax_scale, inner_chunks=inner_chunks)
 
 
 def _scale_key(scale: float, head_dim: int | None) -> float | None:
@@ -410,14 +596,15 @@ def _scale_key(scale: float, head_dim: int | None) -> float | None:
 
 def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = False,
                           shape: Sequence | None = None, over: dist.ProcessGroup | None = None,
-                          softmax_scale: float | None = None) -> None:
+                          softmax_scale: float | None = None, inner_chunks: int | None = None) -> None:
     """Check now that every rank of the CP group planned the same batch and layout, and
     runs it with the same `recompute_kv` (which decides whether the backward exchanges K/V
     again: ranks that differ would wait for each other), attention `shape` ((query heads,
     KV heads, head dim, dtype) as `attention_shape` gives it, which size and type the
     exchanged buffers; None: not checked here) and `softmax_scale` (None: the default
     head_dim ** -0.5; ranks that scale their scores differently merge partial results that
-    do not fit together).
+    do not fit together) and `inner_chunks` (a count `sap_attention` runs that is not its
+    "auto" one; None: that one, which the plan and shape decide alike on every rank).
 
     One all-reduce of a 62-bit hash over the CP group (and one host sync), or over `over`, a
     gloo group of the same ranks (host to host, no wait for the GPU). Raises on every rank, with both
@@ -433,14 +620,16 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
     if softmax_scale is not None:  # as `sap_attention` counts it
         softmax_scale = _scale_key(float(softmax_scale), None if shape is None else shape[2])
     scale = "" if softmax_scale is None else f"|scale {softmax_scale!r}"
-    digest = hashlib.sha1(f"{plan.signature()}|{recompute_kv}|{shape}{scale}".encode()).hexdigest()
+    chunks = "" if inner_chunks is None else f"|inner chunks {int(inner_chunks)}"
+    digest = hashlib.sha1(f"{plan.signature()}|{recompute_kv}|{shape}{scale}{chunks}".encode()).hexdigest()
     mine = int(digest[:16], 16) & ((1 << 62) - 1)
     high, low, failed = _exchange_hashes(mine, groups, over)
     described = (f"this rank (cp_rank {groups.cp_rank}) planned hash {mine:x} ({plan.total_tokens} tokens, "
                  f"{len(plan.cu_seqlens) - 1} documents, layout {plan.inner_size}x{plan.outer_size}, cost model "
                  f"{plan.cost_model.name!r}, attention shape (heads, kv heads, head dim, dtype) {shape}, "
                  f"recompute_kv={recompute_kv}, softmax_scale "
-                 f"{'default' if softmax_scale is None else softmax_scale})")
+                 f"{'default' if softmax_scale is None else softmax_scale}"
+                 f"{'' if inner_chunks is None else f', inner_chunks {inner_chunks}'})")
     if failed:
         raise RuntimeError(
             f"CP rank {failed - 1} of {list(groups.cp_ranks)} (the highest that failed) could not prepare this "
@@ -451,7 +640,8 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
             f"CP ranks disagree on the batch, the layout, the cost model, the attention shape, the softmax scale or "
             f"recompute_kv: {described}, the group has hashes from {low:x} to {high:x}"
         )
-    _LAST_CHECKED[groups.cp_group] = (plan.signature(), recompute_kv, shape, softmax_scale)
+    _LAST_CHECKED[groups.cp_group] = (plan.signature(), recompute_kv, shape, softmax_scale,
+                                      None if inner_chunks is None else int(inner_chunks))
     mark_ready(groups.cp_group if over is None else over)  # the CP group (and the outer group at U = 1), or the host group
 
 
@@ -480,6 +670,31 @@ def _exchange_hashes(mine: int | None, groups: SAPGroups, over: dist.ProcessGrou
     return int(values[0]), -int(values[1]), int(values[2])
 
 
+def _head_chunks(inner_chunks: int | str, plan: Plan, outer_rank: int, inner_size: int, num_heads: int,
+                 num_kv_heads: int, recompute_kv: bool) -> tuple[tuple[slice, slice], ...]:
+    """The head chunks `sap_attention` runs the all-to-alls in (`inner_chunks`, checked)."""
+    if inner_chunks == "auto":
+        count = plan.inner_chunks(outer_rank, recompute_kv) if inner_size > 1 else 1
+        return head_chunks(num_heads, num_kv_heads, inner_size, count) or head_chunks(num_heads, num_kv_heads,
+                                                                                       inner_size, 1)
+    if isinstance(inner_chunks, bool) or not isinstance(inner_chunks, int) or inner_chunks < 1:
+        raise ValueError(f"inner_chunks must be 'auto' or a positive int, got {inner_chunks!r}")
+    if inner_chunks > 1 and inner_size == 1:
+        raise ValueError(f"inner_chunks={inner_chunks} chunks the Ulysses all-to-alls, which an inner size of 1 "
+                         f"does not have")
+    if inner_chunks > 1 and recompute_kv:
+        raise ValueError(f"inner_chunks={inner_chunks} needs recompute_kv=False (every chunk would fetch the K/V again)")
+    heads = head_chunks(num_heads, num_kv_heads, inner_size, inner_chunks)
+    if heads is None:
+        raise ValueError(
+            f"inner_chunks={inner_chunks} does not split the heads: each of the {inner_size} inner ranks holds "
+            f"{num_heads // inner_size} query heads and {max(num_kv_heads, inner_size) // inner_size} KV heads; the "
+            f"query heads must divide into the chunks, and each chunk must read whole groups of query heads per KV "
+            f"head or lie within one"
+        )
+    return heads
+
+
 def sap_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -494,6 +709,7 @@ def sap_attention(
     schedule: str = "auto",
     check_agreement: bool = True,
     check_finite: bool | None = None,
+    inner_chunks: int | str = "auto",
 ) -> torch.Tensor:
     """Causal attention of this rank's tokens over the packed batch described by `plan`.
 
@@ -518,6 +734,11 @@ def sap_attention(
     `check_finite` (default: the MEGATRON_SAP_CHECK_FINITE variable, "1" for on): raise on
     every rank when q, k or v of any rank holds NaN or Inf (one all-reduce and a host sync;
     on alike on every rank).
+    `inner_chunks` (U > 1): the Ulysses all-to-alls in that many head chunks, run under the
+    kernels (`RankProgram.chunked`); "auto": `plan.inner_chunks(recompute_kv)` where these
+    heads split so, else 1. More than 1 needs `recompute_kv=False` and heads that split
+    (`planning.program.head_chunks`); ranks that ask for different counts fail the
+    agreement check.
     """
     if not check_bool(causal, "causal"):
         raise ValueError("sap_attention computes causal attention only (causal=False is not supported)")
@@ -527,11 +748,16 @@ def sap_attention(
     check_bool(check_agreement, "check_agreement")
     if check_finite is not None and not isinstance(check_finite, bool):
         raise TypeError(f"check_finite must be True, False or None (MEGATRON_SAP_CHECK_FINITE), got {check_finite!r}")
+    U = 1 if groups is None else groups.inner_size
+    outer = _Outer(groups)
+    heads = _head_chunks(inner_chunks, plan, outer.rank, U, q.shape[1], k.shape[1], recompute_kv)
+    # checked as a count only where it is not what "auto" gives (which the plan and shape decide alike)
+    auto = inner_chunks == "auto" or len(heads) == len(
+        _head_chunks("auto", plan, outer.rank, U, q.shape[1], k.shape[1], recompute_kv))
     scale = resolve_softmax_scale(q.shape[2], softmax_scale, q.dtype)
     # The backend and dtype are checked here, before any exchange is posted: an error
     # raised between posting and waiting would leave the peers' transfers pending.
     backend = resolve_backend(backend, q.device, q.dtype, q.shape[2])
-    outer = _Outer(groups)
     # The checks' collectives go where q is (NCCL's on the current GPU: `collective_device`),
     # not to another GPU that happens to be current.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
@@ -539,13 +765,14 @@ def sap_attention(
             _check_finite(q, k, v, groups)
         if groups is not None and groups.world_size > 1 and check_agreement:
             scale_key = _LAST_SCALE[groups.cp_group] = _scale_key(scale, q.shape[2])
-            _check_agreement(plan, groups, recompute_kv, attention_shape(q, k), scale_key)
+            _check_agreement(plan, groups, recompute_kv, attention_shape(q, k), scale_key, None if auto else len(heads))
         if outer.group is not None:
             ready_for_batched_p2p(outer.group, f"outer group (cp_rank {groups.cp_rank})")
-    U = 1 if groups is None else groups.inner_size
     if U == 1:
         return _SAPOuterAttention.apply(q, k, v, plan, outer, scale, backend, recompute_kv, schedule)
     k, v = replicate_kv_heads(k, v, U)  # heads checked by _check_inputs
+    if len(heads) > 1:
+        return _SAPChunkedAttention.apply(q, k, v, plan, groups, outer, scale, backend, schedule, heads)
     q_h, k_h, v_h = ScatterHeads.apply(groups.inner_group, INNER_STEP, q, k, v)
     out_h = _SAPOuterAttention.apply(q_h, k_h, v_h, plan, outer, scale, backend, recompute_kv, schedule)
     (out,) = GatherHeads.apply(groups.inner_group, INNER_STEP, out_h)

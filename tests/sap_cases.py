@@ -80,12 +80,15 @@ def run_rank(
     tile: int | None = None,
     schedule: str = "pipelined",
     gpus_per_node: int | None = None,
+    inner_chunks: int | str = "auto",
+    cost_overrides: dict | None = None,
 ) -> dict:
     """One rank's forward and backward of sap_attention; returns its slices and gradients.
     `schedule`: sap_attention's, or "mixed" (pipelined on even outer ranks, gathered on odd).
     `tile`: plan with that kernel tile instead of the default model's (small tiles split
     the short documents of these tests into whole-tile chunks); `gpus_per_node`: plan
-    with nodes of that many ranks."""
+    with nodes of that many ranks; `cost_overrides`: other fields of the planning cost
+    model; `inner_chunks`: sap_attention's (the count run is in the result)."""
     from dataclasses import replace
 
     import megatron_sap as sap
@@ -95,7 +98,8 @@ def run_rank(
     outer = world // inner
     groups = groups_for(inner, outer)
     model = CostModel.preset("h100")
-    model = replace(model, tile=tile or model.tile, gpus_per_node=gpus_per_node or model.gpus_per_node)
+    model = replace(model, tile=tile or model.tile, gpus_per_node=gpus_per_node or model.gpus_per_node,
+                    **(cost_overrides or {}))
     plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cost_model=model,
                               cache=PlanCache() if fresh_plan else sap.planning.DEFAULT_CACHE)
     q, k, v, dout = make_inputs(cu, heads, kv_heads, dim, seed)
@@ -110,7 +114,7 @@ def run_rank(
         schedule = ("pipelined", "gathered")[groups.outer_rank % 2]
     with count_traffic() as log:
         out = sap.sap_attention(ql, kl, vl, plan, groups, softmax_scale=scale, recompute_kv=recompute_kv,
-                              schedule=schedule)
+                                schedule=schedule, inner_chunks=inner_chunks)
         out.backward(dout[idx].to(cast))
     result = {
         "cp_rank": groups.cp_rank,
@@ -119,6 +123,7 @@ def run_rank(
         "dq": ql.grad,
         "dk": kl.grad,
         "dv": vl.grad,
+        "plan_inner_chunks": plan.inner_chunks(groups.outer_rank, recompute_kv),
     }
     if count_bytes:
         result["p2p_bytes"] = log.total_bytes("p2p")

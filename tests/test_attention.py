@@ -373,3 +373,41 @@ def test_the_host_read_check_sees_a_read_in_sap_attention():
         found[check_finite] = calls
     assert found[False] == []
     assert found[True] and all(c.startswith("Tensor.__bool__ at attention.py:") for c in found[True]), found
+
+
+@pytest.mark.parametrize("inner", [2, 4])
+@pytest.mark.parametrize("schedule", ["pipelined", "gathered"])
+def test_inner_all_to_alls_in_head_chunks(pool4, inner, schedule):
+    """The Ulysses all-to-alls in head chunks under the kernels (`inner_chunks`): every
+    batch kind, head shapes whose chunks read one KV head, a whole group or part of one,
+    against the dense float64 reference, outputs and gradients."""
+    rng = random.Random(101 * inner + len(schedule))
+    shapes = [(8, 8, 2), (8, 2, 2), (8, 2, 4), (16, 4, 4), (8, 1, 2), (12, 4, 3)]
+    for kind in KINDS:
+        cu = random_cu_seqlens(rng, 4 * rng.randint(24, 96), kind)
+        heads, kv, chunks = rng.choice([s for s in shapes if s[0] // inner % s[2] == 0
+                                        and sap.planning.program.head_chunks(s[0], s[1], inner, s[2])])
+        check_against_reference(pool4, cu, inner, heads, kv, 8, "float64", seed=len(kind), schedule=schedule,
+                                inner_chunks=chunks, scale=rng.choice([None, 0.4]))
+
+
+@pytest.mark.parametrize("inner", [2, 4])
+def test_head_chunks_the_plan_chooses(pool4, inner):
+    """Under a cost model whose all-to-alls are slow and free of latency, with the inner
+    groups the nodes, the plan runs them in head chunks by default ("auto"): the result is
+    the dense float64 reference's, and every rank sends the bytes the plan reports (the
+    all-to-alls move the same rows, in more messages)."""
+    rng = random.Random(77 + inner)
+    slow = {"message_latency_us": 0.0, "intra_node_gbps": 1.0}
+    for kind in ("mixture", "long"):
+        cu = random_cu_seqlens(rng, 4 * rng.randint(40, 90), kind)
+        got = check_against_reference(pool4, cu, inner, 16, 4, 8, "float64", seed=5, gpus_per_node=inner,
+                                      cost_overrides=slow)
+        results = pool4.run(run_rank, cu, inner, 16, 4, 8, "float64", 5, count_bytes=True, gpus_per_node=inner,
+                            cost_overrides=slow)
+        assert {r["plan_inner_chunks"] for r in results} == {results[0]["stats"]["inner_chunks"]}
+        assert results[0]["stats"]["inner_chunks"] > 1
+        stats = results[0]["stats"]
+        for r in results:
+            assert r["p2p_bytes"] + r["a2a_bytes"] == pytest.approx(stats["sent_bytes_per_rank"][r["cp_rank"]])
+            assert torch.equal(r["out"], got["out"][r["indices"]].to(r["out"].dtype))

@@ -711,3 +711,20 @@ def test_batch_splitter_rejects_bad_batches() -> None:
         _split([0, 8], {"tokens": torch.zeros(2, 4)})
     with pytest.raises(ValueError, match=r"disagree on the packed length: \{'tokens': 8, 'labels': 6\}"):
         _split([0, 8], {"tokens": torch.zeros(1, 8), "labels": torch.zeros(1, 6)})
+
+
+@pytest.mark.parametrize(("inner", "heads", "kv_heads", "kwargs", "pattern"), [
+    (2, 4, 2, {"inner_chunks": 0}, "inner_chunks must be 'auto' or a positive int"),
+    (2, 4, 2, {"inner_chunks": True}, "inner_chunks must be 'auto' or a positive int"),
+    (2, 4, 2, {"inner_chunks": "2"}, "inner_chunks must be 'auto' or a positive int"),
+    (1, 4, 2, {"inner_chunks": 2}, "which an inner size of 1 does not have"),
+    (2, 4, 2, {"inner_chunks": 2, "recompute_kv": True}, "needs recompute_kv=False"),
+    (2, 4, 2, {"inner_chunks": 4}, "does not split the heads: each of the 2 inner ranks holds 2 query heads"),
+    (2, 12, 4, {"inner_chunks": 3}, "does not split the heads"),
+])
+def test_sap_attention_rejects_head_chunks_that_cannot_run(inner, heads, kv_heads, kwargs, pattern) -> None:
+    """A count of head chunks that cannot run is refused by name before any exchange."""
+    plan = _plan([0, 64], outer=1, inner=inner)
+    q, k, v = _qkv(64 // inner, heads, kv_heads)
+    with pytest.raises(ValueError, match=pattern):
+        sap.sap_attention(q, k, v, plan, _fake_groups(inner, 1) if inner > 1 else None, **kwargs)

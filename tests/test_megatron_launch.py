@@ -1247,3 +1247,32 @@ def test_an_unknown_cost_preset_raises_when_set_not_at_the_first_batch() -> None
         set_sap_options(cost_preset="a100")
     assert get_sap_options() == before
     assert set_sap_options(cost_preset="h200").cost_preset == "h200"
+
+
+def test_inner_chunks_flag_reaches_the_options_and_refuses_what_cannot_run() -> None:
+    """--sap-inner-chunks (default auto) sets the head chunks SAP layers run the Ulysses
+    all-to-alls in; counts that cannot run (with --sap-recompute-kv, at inner size 1, heads
+    that do not split) fail at start-up, not at the first attention."""
+    parser = chain_args_providers(None, add_sap_args)(argparse.ArgumentParser())
+    for flag, default in (("--context-parallel-size", 1), ("--num-attention-heads", None),
+                          ("--num-query-groups", None), ("--kv-channels", None)):
+        parser.add_argument(flag, type=int, default=default)
+    try:
+        assert sap_settings_from_args(parser.parse_args([])).options.inner_chunks == "auto"
+        for bad in ("0", "two", "-1"):
+            with pytest.raises(SystemExit):
+                parser.parse_args(["--sap-inner-chunks", bad])
+        cp8 = ["--context-parallel-size", "8", "--sap-inner-size", "8"]
+        assert sap_settings_from_args(parser.parse_args([*cp8, "--sap-inner-chunks", "2"])).options.inner_chunks == 2
+        with pytest.raises(ValueError, match="needs recompute_kv off"):
+            sap_settings_from_args(parser.parse_args([*cp8, "--sap-inner-chunks", "2", "--sap-recompute-kv"]))
+        with pytest.raises(ValueError, match="needs --sap-inner-size > 1"):
+            sap_settings_from_args(parser.parse_args(["--context-parallel-size", "2", "--sap-inner-chunks", "2"]))
+        heads = ["--num-attention-heads", "24", "--num-query-groups", "8", "--kv-channels", "64"]
+        with pytest.raises(ValueError, match="does not split the 3 query heads"):
+            sap_settings_from_args(parser.parse_args([*cp8, *heads, "--sap-inner-chunks", "2"]))
+        assert sap_settings_from_args(parser.parse_args([*cp8, *heads, "--sap-inner-chunks", "3"])).options.inner_chunks == 3
+    finally:
+        reset_sap_options()
+    with pytest.raises(ValueError, match="inner_chunks must be 'auto' or a positive int"):
+        sap.megatron.SAPOptions(inner_chunks=0)

@@ -179,7 +179,8 @@ def test_paced_forward_is_the_timelines_pipelined_forward(corpus):
             for order in (link, paced):
                 programs = [compile_program(plan.placement, r, None, "pipelined", order, exchange_levels(order),
                                             tile=model.tile) for r in range(outer)]
-                ends = timeline._run(programs, [p.forward_events() for p in programs], False, inner, model, alone=False)
+                ends = timeline._run(programs, [p.chunked(p.forward_events(), 1) for p in programs], False, inner,
+                                     model, alone=False)
                 assert paced_forward(exchange_s, step_s, local_s, order)[1] == pytest.approx(ends, rel=1e-12)
     assert differ >= 4  # of the 6 plans
 

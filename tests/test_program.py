@@ -520,3 +520,72 @@ def test_recompute_kv_backward_refetches_and_waits_a_window_of_levels_away():
                 assert (at[(FETCH, i)] < at[(COMPUTE, j)]) == (other >= level - ahead), (rank, i, j)
         windows += len(levels) > ahead + 1
     assert windows  # ranks with more steps than one window
+
+
+def check_chunked(program: RankProgram, events, chunks: int) -> None:
+    """`RankProgram.chunked` keeps the events' order, runs the first and last kernel events
+    with calls (the local one always counts) chunk by chunk and the others on every head,
+    brings every chunk's inputs once before its first unit and takes its outputs once after
+    its last (the first chunk's inputs and the last chunk's outputs go with the pass)."""
+    from megatron_sap.planning.program import ALL_HEADS, LOCAL, NO_CHUNK, POST
+
+    units = program.chunked(events, chunks)
+    if chunks == 1:
+        assert units == tuple((kind, i, ALL_HEADS) for kind, i in events)
+        return
+    assert [(kind, i) for kind, i, c in units if kind != POST and c in (ALL_HEADS, 0)] == list(events)
+    calls = [n for n, (kind, i) in enumerate(events) if kind == LOCAL or (kind == "compute" and program.transfers[i].calls)]
+    chunked = {events[calls[0]], events[calls[-1]]}
+    per_chunk = [u for u in units if u[0] != POST and u[2] != ALL_HEADS]
+    assert len(set(per_chunk)) == len(per_chunk) == chunks * len(chunked)
+    brought, taken, used = {0}, set(), {}
+    for n, (kind, i, c) in enumerate(units):
+        if kind == POST:
+            assert i != NO_CHUNK or c != NO_CHUNK
+            if i != NO_CHUNK:
+                assert i not in brought
+                brought.add(i)
+            if c != NO_CHUNK:
+                assert c not in taken and c in used  # after its units, none of which come later
+                taken.add(c)
+            continue
+        assert (c != ALL_HEADS) == ((kind, i) in chunked)
+        needs = range(chunks) if c == ALL_HEADS else [c]
+        if kind == LOCAL or (kind == "compute" and program.transfers[i].calls):
+            assert all(x in brought and x not in taken for x in needs)
+            for x in needs:
+                used.setdefault(x, []).append(n)
+    assert brought == set(range(chunks)) and taken == set(range(chunks - 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(outer_batches(max_outer=8, max_tokens=320), st.sampled_from(["pipelined", "gathered"]),
+       st.integers(1, 4))
+def test_head_chunked_units_keep_the_program(batch, schedule, chunks):
+    cu, outer = batch
+    plan = sap.plan_sequences(cu, outer_size=outer, cache=None)
+    for r in range(outer):
+        program = plan.program(r, schedule=schedule)
+        check_chunked(program, program.forward_events(), chunks)
+        check_chunked(program, program.backward_events(), chunks)
+
+
+def test_head_chunks_split_heads_by_kv_groups():
+    """Each chunk's query heads read the KV heads of its slice (query head i reads KV head
+    i // group); counts that would split a chunk across part of a group are refused."""
+    from megatron_sap.planning.program import head_chunks
+
+    for heads, kv, inner in [(32, 8, 8), (32, 8, 4), (16, 4, 2), (8, 1, 4), (12, 4, 2), (24, 8, 8), (8, 8, 2)]:
+        per_rank, kv_per_rank = heads // inner, max(kv, inner) // inner
+        group = per_rank // kv_per_rank
+        for chunks in range(1, per_rank + 2):
+            split = head_chunks(heads, kv, inner, chunks)
+            fits = per_rank % chunks == 0 and ((per_rank // chunks) % group == 0 or group % (per_rank // chunks) == 0)
+            assert (split is not None) == fits, (heads, kv, inner, chunks)
+            if split is None:
+                continue
+            assert [q for q, _ in split] == [slice(c * per_rank // chunks, (c + 1) * per_rank // chunks)
+                                             for c in range(chunks)]
+            for q, kv_slice in split:
+                read = sorted({h // group for h in range(q.start, q.stop)})
+                assert list(range(kv_slice.start, kv_slice.stop)) == read

@@ -42,14 +42,18 @@ def _local_inputs(plan, cp_rank: int, cu: list[int], heads: int, kv_heads: int, 
 
 def disagree_job(rank: int, world: int, inner: int, cu: list[int], other_cu: list[int], odd_rank: int,
                  odd_recompute: bool = False, odd_shape: tuple[int, int, str] | None = None,
-                 shape: tuple[int, int, str] = (4, 2, "float64"), scales: tuple = (None, None)) -> str:
+                 shape: tuple[int, int, str] = (4, 2, "float64"), scales: tuple = (None, None),
+                 chunks: tuple = ("auto", "auto")) -> str:
     """Every rank attends with a fresh plan in `shape` (query heads, KV heads, dtype) and
     softmax scale `scales[0]`; `odd_rank` plans `other_cu` (and, with `odd_recompute`, alone
     recomputes the K/V; with `odd_shape` alone attends in that shape; with its scale
-    `scales[1]`). Returns 'ok' or the error."""
+    `scales[1]`; its head chunks `chunks[1]`, the others' `chunks[0]`). Returns 'ok' or the error."""
     import megatron_sap as sap
     from megatron_sap.planning import PlanCache
 
+    from megatron_sap import attention
+
+    attention._LAST_CHECKED.clear()  # every rank checks: none skips a call it checked in an earlier job
     groups = groups_for(inner, world // inner)
     mine = other_cu if rank == odd_rank else cu
     plan = sap.plan_sequences(mine, outer_size=world // inner, inner_size=inner, cache=PlanCache())
@@ -57,7 +61,7 @@ def disagree_job(rank: int, world: int, inner: int, cu: list[int], other_cu: lis
     q, k, v, dout = (t.to(getattr(torch, dtype)) for t in _local_inputs(plan, groups.cp_rank, mine, heads, kv_heads, seed=0))
     try:
         sap.sap_attention(q, k, v, plan, groups, recompute_kv=odd_recompute and rank == odd_rank,
-                          softmax_scale=scales[rank == odd_rank]).backward(dout)
+                          softmax_scale=scales[rank == odd_rank], inner_chunks=chunks[rank == odd_rank]).backward(dout)
     except RuntimeError as exc:
         return str(exc)
     return "ok"
@@ -81,6 +85,18 @@ def test_disagreeing_rank_raises_on_every_rank(request: pytest.FixtureRequest, w
         hashes.append((mine, low, high))
     assert len({(low, high) for _, low, high in hashes}) == 1, "every rank must report the same pair"
     assert hashes[odd_rank][0] != hashes[0][0]
+
+
+@pytest.mark.parametrize("chunks", [(1, 2), ("auto", 2), (2, 4)])
+def test_rank_asking_for_other_head_chunks_raises_on_every_rank(pool4: WorkerPool, chunks) -> None:
+    """The head chunks decide how many all-to-alls the inner ranks run and how large: a
+    rank asking for another count than its peers fails the agreement check with them."""
+    cu = [0, 10, 24, 40, 64]
+    messages = pool4.run(disagree_job, 4, cu, cu, 1, False, None, (16, 4, "float64"), (None, None), chunks)
+    assert all("disagree" in m for m in messages), messages
+    assert f"inner_chunks {chunks[1]})" in messages[1]
+    assert pool4.run(disagree_job, 4, cu, cu, 1, False, None, (16, 4, "float64"), (None, None),
+                     ("auto", 1)) == ["ok"] * 4  # "auto" runs one chunk here: the same, and checked alike
 
 
 def test_rank_recomputing_kv_alone_raises_on_every_rank(pool4: WorkerPool) -> None:

@@ -127,7 +127,8 @@ def test_one_hardware_queue_by_hand():
     assert max(x0, x1) < min(c0, c1, local) / 5
     holder = alone(plan, schedule="pipelined")[0]
     assert holder.forward_s == pytest.approx(max(x0, local) + max(x1, c0) + c1)
-    (up_front,) = _run([program], [[(FETCH, 0), (FETCH, 1), (LOCAL, -1)]], False, 1, model, alone=True)
+    (up_front,) = _run([program], [program.chunked([(FETCH, 0), (FETCH, 1), (LOCAL, -1)], 1)], False, 1, model,
+                       alone=True)
     assert up_front == pytest.approx(x0 + max(x1, local))
 
 
@@ -349,3 +350,57 @@ def test_programs_that_would_wait_forever_are_refused():
         cyclic.append(dataclasses.replace(program, transfers=tuple(steps)))
     with pytest.raises(RuntimeError, match="wait for each other"):
         joint_schedule(cyclic, 1, plan.capacity, plan.cost_model)
+
+
+def test_head_chunked_all_to_alls_by_hand():
+    """One outer rank of two inner ranks (no exchanges), the all-to-alls in two head chunks.
+    Forward: the K/V and the first chunk's queries come first; the second chunk's queries
+    come under the first chunk's kernels; the all-to-all that takes the first chunk's output
+    is posted after them and the second chunk's kernels start once it has (one hardware
+    queue); the second chunk's output goes last. Backward mirrors it, dK/dV going last."""
+    from megatron_sap.planning.evaluate import ulysses_cost, ulysses_seconds
+    from megatron_sap.planning.timeline import _step_costs
+
+    model = CostModel.preset("h100")
+    plan = sap.plan_sequences([0, 4096], outer_size=1, inner_size=2, cost_model=model, cache=None)
+    program = plan.program(0)
+    _, _, local = _step_costs(program, 2, model)
+    q, kv = model.q_bytes_per_token, 2 * model.inner_kv_bytes_per_token(2)
+    a2a = lambda per_token: ulysses_seconds(model, plan.capacity, 2, 1, per_token)  # noqa: E731
+    half = a2a(q / 2)
+
+    def by_hand(first, kernels, last):
+        compute = first + kernels / 2  # chunk 0, under the all-to-all bringing chunk 1
+        brought = first + half
+        posted = max(brought, compute)  # takes chunk 0's outputs, after its kernels
+        compute = max(compute, brought, posted) + kernels / 2
+        return max(compute, posted + half) + last
+
+    (chunked,) = joint_schedule([program], 2, plan.capacity, model, inner_chunks=2)
+    assert chunked.forward_s == pytest.approx(by_hand(a2a(q / 2 + kv), local, half))
+    assert chunked.backward_s == pytest.approx(by_hand(half, model.backward_factor * local, a2a(q / 2 + kv)))
+    (whole,) = joint_schedule([program], 2, plan.capacity, model)
+    assert whole.total_s == pytest.approx((1 + model.backward_factor) * local + ulysses_cost(model, plan.capacity, 2, 1)[1])
+    assert chunked.total_s < whole.total_s  # the kernels are long enough to hide the middle all-to-alls
+    with pytest.raises(ValueError, match="only without recompute_kv"):
+        joint_schedule([program], 2, plan.capacity, model, recompute_kv=True, inner_chunks=2)
+
+
+def test_plan_chooses_head_chunks_where_inner_groups_are_nodes():
+    """`Plan.inner_chunks`: more than one only where U is the GPUs per node and the heads
+    split; the plan's modelled time is that of the count it chose, no slower than one
+    chunk's; 1 with recompute_kv."""
+    cu = [0, 60000, 65536]
+    for gpus_per_node, inner in ((8, 8), (8, 4), (4, 4), (2, 4)):
+        model = dataclasses.replace(CostModel.preset("h100"), gpus_per_node=gpus_per_node)
+        plan = sap.plan_sequences(cu, outer_size=2, inner_size=inner, cost_model=model, cache=None)
+        chosen = plan.inner_chunks()
+        assert plan.inner_chunks(recompute_kv=True) == 1
+        if gpus_per_node != inner:
+            assert chosen == 1
+            continue
+        assert chosen > 1  # 30K tokens of kernels per rank hide the all-to-alls
+        stats = plan.stats()
+        assert stats["inner_chunks"] == chosen
+        times = {c: max(t.total_s for t in plan_schedule(plan, inner_chunks=c)) for c in (1, 2, 4)}
+        assert stats["modelled_time_s"] == pytest.approx(times[chosen]) and times[chosen] == min(times.values())

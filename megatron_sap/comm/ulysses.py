@@ -19,39 +19,69 @@ from .p2p import failure_named
 from .traffic import record_send
 
 
-def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup | None, step: str) -> torch.Tensor:
-    """send[j] goes to group rank j; the result's [j] came from group rank j. A failure
-    (a dead or stuck peer) is raised naming `step`, the group and this rank."""
-    send = send.contiguous()
-    ranks = group_ranks(group)
-    me = dist.get_rank(group)
-    for j, peer in enumerate(ranks):
-        if j != me:
-            record_send(send[j], peer, "a2a")
-    recv = torch.empty_like(send)
-    with failure_named(f"{step} over group ranks {ranks}, from group rank {me},"):
-        dist.all_to_all_single(recv, send, group=group)
-    return recv
+class PendingAllToAll:
+    """One posted all-to-all of several parts, each [U, n, h_i, D] (part[j] goes to group
+    rank j); `wait()` returns them as received (part[j] from group rank j)."""
+
+    def __init__(self, parts: Sequence[torch.Tensor], group: dist.ProcessGroup | None, step: str):
+        ranks = group_ranks(group)
+        me = dist.get_rank(group)
+        self.heads = [p.shape[2] for p in parts]
+        send = parts[0].contiguous() if len(parts) == 1 else torch.cat(list(parts), dim=2)
+        for j, peer in enumerate(ranks):
+            if j != me:
+                record_send(send[j], peer, "a2a")
+        self.description = f"{step} over group ranks {ranks}, from group rank {me},"
+        self.recv = torch.empty_like(send)
+        self.send = send  # alive until the all-to-all is done
+        with failure_named(self.description):  # a dead peer can fail the post already
+            self.work = dist.all_to_all_single(self.recv, send, group=group, async_op=True)
+
+    def wait(self) -> list[torch.Tensor]:
+        """The received parts, once the all-to-all is done (a failure, a dead or stuck peer,
+        raised naming the step, the group and this rank)."""
+        with failure_named(self.description):
+            self.work.wait()
+        self.send = None
+        return list(self.recv.split(self.heads, dim=2))
+
+
+def scatter_part(t: torch.Tensor, size: int) -> torch.Tensor:
+    """A sequence-sharded [n, H, D] tensor as an all-to-all part [U, n, H/U, D]: group rank
+    j's is heads [j*H/U, (j+1)*H/U)."""
+    return t.reshape(t.shape[0], size, t.shape[1] // size, *t.shape[2:]).transpose(0, 1)
+
+
+def from_scatter_part(part: torch.Tensor) -> torch.Tensor:
+    """A received `scatter_part` as head-sharded [U*n, h, D]: the group's token shards in rank order."""
+    return part.flatten(0, 1)
+
+
+def gather_part(t: torch.Tensor, size: int) -> torch.Tensor:
+    """A head-sharded [U*n, h, D] tensor as an all-to-all part [U, n, h, D]: group rank j's
+    is the rows of its tokens."""
+    return t.reshape(size, t.shape[0] // size, *t.shape[1:])
+
+
+def from_gather_part(part: torch.Tensor) -> torch.Tensor:
+    """A received `gather_part` as sequence-sharded [n, U*h, D] (group rank j's heads j-th)."""
+    return part.transpose(0, 1).flatten(1, 2)
 
 
 def scatter_heads(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, step: str) -> list[torch.Tensor]:
     """Sequence-sharded [n, H_i, D] tensors to head-sharded [U*n, H_i/U, D], all in one
     all-to-all: group rank j gets heads [j*H_i/U, (j+1)*H_i/U) of every tensor, and the
     rows of the result are the group's token shards in rank order."""
-    size, rows = dist.get_world_size(group), tensors[0].shape[0]
-    heads = [t.shape[1] // size for t in tensors]
-    send = torch.cat([t.reshape(rows, size, h, *t.shape[2:]) for t, h in zip(tensors, heads)], dim=2)
-    recv = _all_to_all(send.transpose(0, 1), group, step)
-    return list(recv.flatten(0, 1).split(heads, dim=1))
+    size = dist.get_world_size(group)
+    received = PendingAllToAll([scatter_part(t, size) for t in tensors], group, step).wait()
+    return [from_scatter_part(part) for part in received]
 
 
 def gather_heads(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, step: str) -> list[torch.Tensor]:
     """Inverse of `scatter_heads`: head-sharded [U*n, h_i, D] to sequence-sharded [n, U*h_i, D]."""
-    heads = [t.shape[1] for t in tensors]
-    send = torch.cat(list(tensors), dim=1)
-    send = send.reshape(dist.get_world_size(group), -1, *send.shape[1:])
-    recv = _all_to_all(send, group, step).transpose(0, 1)
-    return [x.flatten(1, 2) for x in recv.split(heads, dim=2)]
+    size = dist.get_world_size(group)
+    received = PendingAllToAll([gather_part(t, size) for t in tensors], group, step).wait()
+    return [from_gather_part(part) for part in received]
 
 
 class ScatterHeads(torch.autograd.Function):

@@ -15,10 +15,20 @@ from typing import Callable, Optional
 from megatron_sap.comm.ulysses import check_heads
 from megatron_sap.planning import PRESETS
 from megatron_sap.planning.plan import CHOOSE_BY
+from megatron_sap.planning.program import head_chunks
 
 from .options import BACKENDS, SCHEDULES, SAPOptions, set_sap_options
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+def _inner_chunks(value: str) -> int | str:
+    """--sap-inner-chunks: "auto" or a positive int."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {value!r}")
+    return int(value)
 
 
 def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -71,6 +81,12 @@ def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="how the planner chooses among its candidate placements: estimate (its own estimate, fast) or "
         "timeline (the near candidates' programs compiled and timed, all ranks together: better plans where "
         "the estimate misleads, several times the planning time; best with --sap-plan-in-data-loader)",
+    )
+    group.add_argument(
+        "--sap-inner-chunks", type=_inner_chunks, default="auto",
+        help="run the Ulysses all-to-alls (--sap-inner-size > 1) in this many head chunks under the attention "
+        "kernels; auto: what the cost model times soonest done (more than one only where the inner groups are "
+        "the nodes); not with --sap-recompute-kv",
     )
     group.add_argument(
         "--sap-log-interval", type=int, default=0,
@@ -185,6 +201,14 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
         except ValueError as exc:
             raise ValueError(f"the attention heads of one tensor-parallel rank do not split over the SAP inner "
                              f"(Ulysses) size {inner}: {exc}") from None
+    chunks = args.sap_inner_chunks
+    if chunks not in ("auto", 1):
+        if inner == 1:
+            raise ValueError(f"--sap-inner-chunks {chunks} chunks the Ulysses all-to-alls: it needs --sap-inner-size > 1")
+        if shape is not None and head_chunks(shape[0], shape[1], inner, chunks) is None:
+            raise ValueError(f"--sap-inner-chunks {chunks} does not split the {shape[0] // inner} query heads (and "
+                             f"{max(shape[1], inner) // inner} KV heads) of each inner rank into chunks that read "
+                             f"whole KV heads")
     local_gpus = os.environ.get("LOCAL_WORLD_SIZE", "")  # GPUs of this node, as torchrun sets it
     options = set_sap_options(
         backend=args.sap_backend,
@@ -200,6 +224,7 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
         tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
         log_interval=args.sap_log_interval,
         choose_by=args.sap_choose_by,
+        inner_chunks=args.sap_inner_chunks,
     )
     return SAPSettings(inner_size=inner, outer_size=outer, options=options)
 

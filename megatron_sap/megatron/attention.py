@@ -163,6 +163,7 @@ class SAPDotProductAttention(MegatronModule):
             check_agreement=options.check_agreement,
             recompute_kv=options.recompute_kv,
             schedule=options.schedule,
+            inner_chunks=options.inner_chunks,
         )
         return out[..., :v_dim]
 

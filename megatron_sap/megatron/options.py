@@ -52,6 +52,8 @@ class SAPOptions:
         (its own estimate, fast) or "timeline" (the near candidates compiled and timed, all
         ranks together: better plans where the estimate misleads, several times the
         planning time).
+    inner_chunks: the Ulysses all-to-alls in that many head chunks under the kernels ("auto":
+        the plan's choice, `Plan.inner_chunks`; see `sap_attention`).
     """
 
     backend: str = "auto"
@@ -67,6 +69,7 @@ class SAPOptions:
     tensor_parallel_size: int = 1
     log_interval: int = 0
     choose_by: str = "estimate"
+    inner_chunks: int | str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -92,6 +95,12 @@ class SAPOptions:
                                  f"got {self.attention_dtype!r}")
             object.__setattr__(self, "attention_dtype", dtype_name(getattr(torch, name)))  # "half" -> "float16"
         check_choose_by(self.choose_by)
+        if self.inner_chunks != "auto" and (isinstance(self.inner_chunks, bool) or not isinstance(self.inner_chunks, int)
+                                            or self.inner_chunks < 1):
+            raise ValueError(f"inner_chunks must be 'auto' or a positive int, got {self.inner_chunks!r}")
+        if self.recompute_kv and self.inner_chunks not in ("auto", 1):
+            raise ValueError(f"inner_chunks={self.inner_chunks} needs recompute_kv off (every chunk would fetch the "
+                             f"K/V again)")
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0 (0: no SAP summary in the log), got {self.log_interval}")
         if (self.gpus_per_node is not None and self.gpus_per_node < 1) or self.tensor_parallel_size < 1:

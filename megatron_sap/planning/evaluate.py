@@ -146,23 +146,34 @@ def ulysses_cost(model: CostModel, group_tokens: float, inner_size: int, outer_s
     An inner rank sends (U-1)/U of its tokens' q, k, v (KV heads replicated when fewer
     than U) and of its head slice of the group's outputs, an equal share to each peer;
     backward mirrors it. Two all-to-alls per pass, each of U-1 messages; not overlapped
-    with compute. Messages to peers on the rank's node and to those on other nodes go
-    over their own links at once (`inner_peer_links`); the slowest rank sets the time.
+    with compute (`ulysses_seconds` times the head-chunked ones that are).
     """
     U = inner_size
     if U <= 1:
         return 0.0, 0.0
-    tokens = group_tokens / U
-    replicated_kv = U * model.inner_kv_bytes_per_token(U)  # every inner rank's share, heads replicated
-    per_pass = (U - 1) / U * tokens * (2 * model.q_bytes_per_token + replicated_kv)
+    per_token = 2 * model.q_bytes_per_token + U * model.inner_kv_bytes_per_token(U)
+    return 2 * ((U - 1) / U * (group_tokens / U) * per_token), 2 * ulysses_seconds(model, group_tokens, U, outer_size,
+                                                                                per_token, 2)
+
+
+def ulysses_seconds(model: CostModel, group_tokens: float, inner_size: int, outer_size: int,
+                    bytes_per_token: float, all_to_alls: int = 1) -> float:
+    """Seconds of `all_to_alls` Ulysses all-to-alls that together move `bytes_per_token`
+    of each of an inner rank's group_tokens / U tokens ((U-1)/U of them leave it, an equal
+    share to each peer). Messages to peers on the rank's node and to those on other nodes
+    go over their own links at once (`inner_peer_links`), a latency per message; the
+    slowest rank sets the time."""
+    U = inner_size
+    if U <= 1:
+        return 0.0
+    sent = (U - 1) / U * (group_tokens / U) * bytes_per_token
     latency = model.message_latency_us * 1e-6
-    pass_s = 0.0
+    seconds = 0.0
     for counts in set(inner_peer_links(model.gpus_per_node, U, outer_size)):
         for link, peers in zip((LINK_INTRA, LINK_INTER), counts):
             if peers:
-                seconds = 2 * peers * latency + per_pass * (peers / (U - 1)) / model.bandwidth(link)
-                pass_s = max(pass_s, seconds)
-    return 2 * per_pass, 2 * pass_s
+                seconds = max(seconds, all_to_alls * peers * latency + sent * (peers / (U - 1)) / model.bandwidth(link))
+    return seconds
 
 
 @lru_cache(maxsize=64)

@@ -25,7 +25,7 @@ from .order import (MAX_PACED_PAIRS, backward_order, exchange_order, exchange_se
 from .candidates import candidates
 from .placement import Build, Placement
 from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _index_tensor, _Layout,
-                      _one_run, check_schedule, compile_program, exchange_levels)
+                      _one_run, check_schedule, compile_program, exchange_levels, head_chunks)
 from .timeline import RankSchedule, joint_schedule, plan_schedule, rank_schedule
 
 DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -58,6 +58,10 @@ STEP_CHOICE_RANKS = 8
 # CP ranks the baselines are far slower than any candidate.
 RECHECK_RANKS = 16
 RECHECK_MARGIN = 0.05
+# The head chunks `Plan.inner_chunks` weighs beside 1 (where the heads split so): each more
+# chunk hides more of the all-to-alls under the kernels but adds an all-to-all (U - 1
+# messages) per pass.
+INNER_CHUNK_CHOICES = (2, 4)
 TIME_RESOLUTION_S = 10e-6  # a candidate this close to the lower bound ends the search (see `at_bound`)
 # How `plan_sequences` chooses among the candidates: by the planner's own estimate
 # (`evaluate`), or by the executor's schedule of their compiled programs, all ranks
@@ -149,9 +153,9 @@ class Plan:
     # what the step-level models read, where the choice among the candidates worked it out
     # (`_step_seconds`); not pickled
     _steps: _StepSeconds | None = field(default=None, repr=False)
-    # the schedule every rank runs keeping the K/V (`_choose`), and up to JOINT_SCHEDULE_RANKS
-    # outer ranks all ranks' times in it, run together
-    _chosen: tuple[str, list[RankSchedule] | None] | None = field(default=None, repr=False)
+    # the schedule every rank runs keeping the K/V (`_choose`), up to JOINT_SCHEDULE_RANKS
+    # outer ranks all ranks' times in it, run together, and the head chunks of the all-to-alls
+    _chosen: tuple[str, list[RankSchedule] | None, int] | None = field(default=None, repr=False)
 
     # ---- sizes --------------------------------------------------------------------
     @property
@@ -381,7 +385,9 @@ class Plan:
             if paced != link and steps.layer_seconds(paced) < steps.layer_seconds(link):
                 orders = self._orders_of(paced, steps)
         self._order, self._levels, self._backward_order, self._backward_levels = orders
-        self._chosen = (schedule, None)
+        chunks = min(self._chunk_choices(), key=lambda c: rank_schedule(
+            programs[schedule], self.inner_size, self.capacity, self.cost_model, inner_chunks=c).total_s)
+        self._chosen = (schedule, None, chunks)
         if keep_rank == slowest and orders[0] is order:
             self._programs.setdefault((keep_rank, "cpu", schedule), programs[schedule])
 
@@ -408,7 +414,12 @@ class Plan:
             if best is None or max(t.total_s for t in times) < max(t.total_s for t in best[2]):
                 best = (ordered[name], schedule, times, programs)
         (self._order, self._levels, self._backward_order, self._backward_levels), schedule, times, programs = best
-        self._chosen = (schedule, times)
+        chunks = 1
+        for c in self._chunk_choices()[1:]:
+            chunked = joint_schedule(programs, self.inner_size, self.capacity, self.cost_model, inner_chunks=c)
+            if max(t.total_s for t in chunked) < max(t.total_s for t in times):
+                times, chunks = chunked, c
+        self._chosen = (schedule, times, chunks)
         if keep_rank is not None:
             self._programs.setdefault((keep_rank, "cpu", schedule), programs[keep_rank])
 
@@ -452,6 +463,30 @@ class Plan:
             self._choose(outer_rank)
         return self._chosen[0]
 
+    def inner_chunks(self, outer_rank: int = 0, recompute_kv: bool = False) -> int:
+        """In how many head chunks the ranks run the Ulysses all-to-alls by default, under
+        the kernels (`RankProgram.chunked`), chosen with the schedule (`_choose`): the
+        count of INNER_CHUNK_CHOICES (or 1) the cost model times soonest done, with every
+        rank's programs run together (the slowest rank's alone beyond JOINT_SCHEDULE_RANKS
+        outer ranks). More than one only where the inner groups are the nodes (U = GPUs per
+        node): the all-to-alls then use the links inside a node and the outer exchanges
+        those between nodes, which the model takes as apart. 1 with `recompute_kv` (each
+        chunk would fetch the K/V again) or at U = 1. One count for every rank, like
+        `schedule`: `outer_rank` is the rank that asks (whose program the choice keeps)."""
+        self._check_outer(outer_rank)
+        if check_bool(recompute_kv, "recompute_kv") or self.inner_size == 1:
+            return 1
+        if self._chosen is None:
+            self._choose(outer_rank)
+        return self._chosen[2]
+
+    def _chunk_choices(self) -> list[int]:
+        """1, and the INNER_CHUNK_CHOICES the plan's cost model allows (`inner_chunks`)."""
+        m, U = self.cost_model, self.inner_size
+        if U != m.gpus_per_node:
+            return [1]
+        return [1] + [c for c in INNER_CHUNK_CHOICES if head_chunks(m.num_heads, m.num_kv_heads, U, c) is not None]
+
     def backward_program(self, outer_rank: int, device: torch.device | str | None = None,
                          schedule: str = "auto", recompute_kv: bool = False) -> RankProgram:
         """The program an outer rank runs backward after `program(outer_rank, device,
@@ -471,7 +506,9 @@ class Plan:
             if self._chosen is None:
                 self._choose(None)
             return self._chosen[1]
-        return plan_schedule(self, model=model)
+        chunks = self.inner_chunks()
+        fits = head_chunks(model.num_heads, model.num_kv_heads, self.inner_size, chunks) is not None
+        return plan_schedule(self, model=model, inner_chunks=chunks if fits else 1)
 
     # ---- statistics ---------------------------------------------------------------
     def stats(self, cost_model: CostModel | str | None = None, recompute_kv: bool = False) -> dict[str, Any]:
@@ -544,6 +581,7 @@ class Plan:
             "modelled_time_s": max(r.total_s for r in schedule),
             "outer_rank_time_s": [r.total_s for r in schedule],
             "schedule_per_outer_rank": [self.schedule(r, recompute_kv) for r in range(self.outer_size)],
+            "inner_chunks": self.inner_chunks(recompute_kv=recompute_kv),
             "planner_estimate_s": ev.makespan_s,
             "ideal_time_s": ev.ideal_s,
             "candidates_modelled_time_s": dict(self.considered),
@@ -570,7 +608,8 @@ class Plan:
         `backward_events`) as the executor runs them (`exchange_peak`). With `recompute_kv`
         nothing is kept, and the pipelined forward (`FETCH_AHEAD`) and every backward
         (`RECOMPUTE_KV_AHEAD`) hold the rows of a window of steps, each at most one peer's T/R
-        rows, however long the documents.
+        rows, however long the documents. With the plan's head chunks (`inner_chunks`), the
+        all-to-alls in flight too.
         """
         m = self.cost_model if cost_model is None else _cost_model(cost_model)
         outer_rank = self._check_outer(outer_rank)
@@ -591,6 +630,10 @@ class Plan:
         stacked_kv = rows * kv_row * b
         # head-sharded q, k, v and output of the inner all-to-all; their gradients in backward
         ulysses = rows * (2 * heads + 2 * kv_heads) * m.head_dim * b if U > 1 else 0.0
+        # all-to-alls in head chunks (`inner_chunks`) in flight under the kernels, sent and
+        # received: at most every chunk's outputs and two chunks' inputs
+        chunks = self.inner_chunks(outer_rank, recompute_kv)
+        ulysses += 2 * rows * heads * m.head_dim * b * (1 + 2 / chunks) if chunks > 1 else 0.0
         kept = 0.0 if recompute_kv else received * kv_row * b
         # gathered: the local and received K/V share one buffer (stacked_kv + the received
         # rows, counted by the events), and the output is written in place: no fp32 output

@@ -54,7 +54,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -171,6 +171,31 @@ RECOMPUTE_KV_AHEAD = 2
 
 Event = tuple[str, int]  # (what, step index; -1 for LOCAL)
 
+# With the Ulysses all-to-alls in head chunks (`RankProgram.chunked`), a pass's events as
+# (what, step index, head chunk): the kernel events of the first and the last that have
+# calls run chunk by chunk, the others on every head at once (ALL_HEADS); before each
+# chunk of those the executor posts one inner all-to-all, POST (POST, chunk whose inputs
+# it brings or NO_CHUNK, chunk whose outputs it takes or NO_CHUNK).
+POST = "post"
+ALL_HEADS = NO_CHUNK = -1
+Unit = tuple[str, int, int]
+
+
+def head_chunks(num_heads: int, num_kv_heads: int, inner_size: int, chunks: int) -> tuple[tuple[slice, slice], ...] | None:
+    """An inner rank's head slice (num_heads / U query heads, max(num_kv_heads, U) / U KV
+    heads, replicated where fewer than U) in `chunks` equal chunks of query heads, each with
+    the slice of KV heads those read (query head i reads KV head i // (query heads per KV
+    head)); None where they do not split so (the query heads do not divide, or a chunk
+    would read part of a KV head's group and part of another's)."""
+    heads, kv_heads = num_heads // inner_size, max(num_kv_heads, inner_size) // inner_size
+    if chunks < 1 or heads % chunks:
+        return None
+    per_chunk, group = heads // chunks, heads // kv_heads
+    if per_chunk % group and group % per_chunk:
+        return None
+    return tuple((slice(c * per_chunk, (c + 1) * per_chunk),
+                  slice(c * per_chunk // group, ((c + 1) * per_chunk - 1) // group + 1)) for c in range(chunks))
+
 
 @dataclass(frozen=True)
 class RankProgram:
@@ -278,6 +303,36 @@ class RankProgram:
         first_calls = next((e for e, (kind, _) in enumerate(events) if kind == COMPUTE), len(events))
         events.insert(first_calls, (LOCAL, -1))
         return tuple(events)
+
+    def chunked(self, events: Sequence[Event], chunks: int) -> tuple[Unit, ...]:
+        """`events` (`forward_events`, or `backward_events` keeping the K/V) with the inner
+        all-to-alls in `chunks` head chunks. The first kernel event that has calls (or the local one) runs
+        chunk after chunk, each chunk's inputs (queries forward, output gradients
+        backward) brought by the all-to-all posted before the chunk ahead of it (the first
+        chunk's, and forward the K/V, come before the pass); the last such event runs chunk
+        after chunk too, each chunk's outputs (output forward, dQ backward) taken by the
+        all-to-all posted before the next chunk (the last chunk's, and backward dK/dV,
+        after the pass). Those all-to-alls run under the kernels. The other events run on
+        every head at once. One chunk: the events as they are."""
+        if chunks == 1:
+            return tuple((kind, i, ALL_HEADS) for kind, i in events)
+        # the local event starts the forward's accumulators (every rank holds tokens, whose
+        # diagonal is a local call): it counts as one with calls
+        with_calls = [n for n, (kind, i) in enumerate(events)
+                      if kind == LOCAL or (kind == COMPUTE and self.transfers[i].calls)]
+        first, last = with_calls[0], with_calls[-1]
+        units: list[Unit] = []
+        for n, (kind, i) in enumerate(events):
+            if n not in (first, last):
+                units.append((kind, i, ALL_HEADS))
+                continue
+            for c in range(chunks):
+                brings = c + 1 if n == first and c + 1 < chunks else NO_CHUNK
+                takes = c - 1 if n == last and c > 0 else NO_CHUNK
+                if brings != NO_CHUNK or takes != NO_CHUNK:
+                    units.append((POST, brings, takes))
+                units.append((kind, i, c))
+        return tuple(units)
 
     @property
     def sent_tokens(self) -> int:

@@ -47,8 +47,9 @@ from typing import TYPE_CHECKING, Sequence
 from weakref import WeakKeyDictionary
 
 from .cost_model import CostModel
-from .evaluate import ulysses_cost
-from .program import COMPUTE, FETCH, LOCAL, RETURN, Event, KernelCall, RankProgram, Transfer
+from .evaluate import ulysses_cost, ulysses_seconds
+from .program import (ALL_HEADS, COMPUTE, FETCH, LOCAL, NO_CHUNK, POST, RETURN, KernelCall, RankProgram, Transfer,
+                      Unit)
 
 if TYPE_CHECKING:  # plan imports this module
     from .plan import Plan
@@ -106,12 +107,14 @@ def _step_costs(program: RankProgram, inner_size: int, model: CostModel) -> tupl
 
 
 def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: CostModel,
-                  recompute_kv: bool = False, backward_program: RankProgram | None = None) -> RankSchedule:
+                  recompute_kv: bool = False, backward_program: RankProgram | None = None,
+                  inner_chunks: int = 1) -> RankSchedule:
     """The forward and backward seconds of one outer rank's `program` (see module
     docstring), run alone (its peers always ready); backward it runs `backward_program`
-    (default: the same; `Plan.backward_program`)."""
+    (default: the same; `Plan.backward_program`); `inner_chunks` as in `joint_schedule`."""
     (times,) = joint_schedule([program], inner_size, capacity, model, recompute_kv,
-                              None if backward_program is None else [backward_program], alone=True)
+                              None if backward_program is None else [backward_program], alone=True,
+                              inner_chunks=inner_chunks)
     return times
 
 
@@ -119,17 +122,20 @@ def _peer(step: Transfer) -> int:
     return step.send_peer if step.send_peer is not None else step.recv_peer
 
 
-def _run(programs: Sequence[RankProgram], events: Sequence[Sequence[Event]], backward: bool,
-         inner_size: int, model: CostModel, alone: bool) -> list[float]:
-    """When each rank is done with its `events` of one pass (`RankProgram.forward_events` or
-    `backward_events`), all run together (`alone`: each as if its peers were always ready).
-    A rank's exchanges run one after another on its stream, each once both ranks have
-    posted it and the kernels queued before it on either rank are done (NCCL waits for the
-    compute stream when an exchange is posted); kernels wait until the exchange queued last
-    before them has left their rank's queue (its stream free, the kernels before it done:
-    one hardware queue), a step's calls for its K/V
-    where fetched, a collect for its returned gradients. Raises if the ranks' orders of
-    exchanges disagree (they would wait for each other forever)."""
+def _run(programs: Sequence[RankProgram], units: Sequence[Sequence[Unit]], backward: bool,
+         inner_size: int, model: CostModel, alone: bool, inner: _Chunks | None = None) -> list[float]:
+    """When each rank is done with its `units` of one pass (`RankProgram.forward_events` or
+    `backward_events`, through `RankProgram.chunked`), all run together (`alone`: each as if
+    its peers were always ready). A rank's exchanges run one after another on its stream,
+    each once both ranks have posted it and the kernels queued before it on either rank are
+    done (NCCL waits for the compute stream when an exchange is posted); kernels wait until
+    the exchange queued last before them has left their rank's queue (its stream free, the
+    kernels before it done: one hardware queue), a step's calls for its K/V where fetched, a
+    collect for its returned gradients. With head chunks (`inner`) the passes start once
+    the first all-to-all is done; the others run one after another on the inner group's
+    stream, as the exchanges do on theirs, a chunk's calls (at its share of the time) wait
+    for the one that brings their inputs, and the last follows the pass. Raises if the
+    ranks' orders of exchanges disagree (they would wait for each other forever)."""
     R = len(programs)
     factor = model.backward_factor if backward else 1.0
     costs = [_step_costs(p, inner_size, model) for p in programs]
@@ -137,64 +143,117 @@ def _run(programs: Sequence[RankProgram], events: Sequence[Sequence[Event]], bac
     step_s = [[factor * s for s in kernels] for _, kernels, _ in costs]
     local_s = [factor * local for _, _, local in costs]
     step_of = [{_peer(s): i for i, s in enumerate(p.transfers)} for p in programs]
-    at, compute, link = [0] * R, [0.0] * R, [0.0] * R
-    gate = [0.0] * R  # when the exchange a rank posted last started: no kernel queued after it starts sooner
+    at = [0] * R
+    begin = 0.0 if inner is None else inner.first_s(backward)
+    compute, link, gate = [begin] * R, [begin] * R, [begin] * R  # gate: when the exchange posted last started
+    inner_free = [begin] * R
+    arrived = [{0: begin} for _ in range(R)]  # a chunk's inputs in
     done: list[dict[tuple[str, int], float]] = [{} for _ in range(R)]
     moved = True
     while moved:
         moved = False
         for a in range(R):
-            mine = events[a]
+            mine = units[a]
             while at[a] < len(mine):
-                kind, i = mine[at[a]]
+                kind, i, chunk = mine[at[a]]
+                share = 1.0 if chunk == ALL_HEADS else 1.0 / inner.chunks
+                ready = compute[a] if chunk == ALL_HEADS else max(compute[a], arrived[a][chunk])
                 if kind in (FETCH, RETURN):
                     if alone:
-                        gate[a] = max(link[a], compute[a])
+                        gate[a] = max(link[a], compute[a], gate[a])
                         done[a][kind, i] = link[a] = gate[a] + x[a][i]
                     else:
                         b = _peer(programs[a].transfers[i])
                         j = step_of[b][a]
-                        if at[b] == len(events[b]) or events[b][at[b]] != (kind, j):
+                        if at[b] == len(units[b]) or units[b][at[b]][:2] != (kind, j):
                             break  # not posted by the peer yet
-                        gate[a], gate[b] = max(link[a], compute[a]), max(link[b], compute[b])
+                        gate[a], gate[b] = max(link[a], compute[a], gate[a]), max(link[b], compute[b], gate[b])
                         end = max(gate[a], gate[b]) + max(x[a][i], x[b][j])
                         link[a] = link[b] = done[a][kind, i] = done[b][kind, j] = end
                         at[b] += 1
+                elif kind == POST:
+                    gate[a] = max(inner_free[a], compute[a], gate[a])
+                    inner_free[a] = gate[a] + inner.post_s(i, chunk)
+                    if i != NO_CHUNK:
+                        arrived[a][i] = inner_free[a]
                 elif kind == LOCAL:
-                    compute[a] = max(compute[a], gate[a]) + local_s[a]
+                    compute[a] = max(ready, gate[a]) + share * local_s[a]
                 elif kind == COMPUTE:
-                    compute[a] = max(compute[a], gate[a], done[a].get((FETCH, i), 0.0)) + step_s[a][i]
+                    compute[a] = max(ready, gate[a], done[a].get((FETCH, i), 0.0)) + share * step_s[a][i]
                 else:  # COLLECT
                     compute[a] = max(compute[a], done[a][RETURN, i])
                 at[a] += 1
                 moved = True
-    stuck = [a for a in range(R) if at[a] < len(events[a])]
+    stuck = [a for a in range(R) if at[a] < len(units[a])]
     if stuck:
         raise RuntimeError(f"the programs of outer ranks {stuck} wait for each other: their exchange orders disagree")
-    return [max(c, t) for c, t in zip(compute, link)]
+    if inner is None:
+        return [max(c, t) for c, t in zip(compute, link)]
+    last = inner.last_s(backward)
+    return [max(max(c, f) + last, t) for c, f, t in zip(compute, inner_free, link)]
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """The inner all-to-alls of a pass in `chunks` head chunks: their seconds."""
+
+    model: CostModel
+    inner_size: int
+    outer_size: int
+    capacity: int
+    chunks: int
+
+    def _seconds(self, query_chunks: int, with_kv: bool) -> float:
+        """One all-to-all of `query_chunks` chunks of queries (outputs, their gradients) per
+        token, with the K/V (or dK/dV) or not."""
+        U, m = self.inner_size, self.model
+        per_token = query_chunks * m.q_bytes_per_token / self.chunks + with_kv * U * m.inner_kv_bytes_per_token(U)
+        return ulysses_seconds(m, self.capacity, U, self.outer_size, per_token)
+
+    def first_s(self, backward: bool) -> float:
+        """The first chunk's inputs, forward with the K/V."""
+        return self._seconds(1, not backward)
+
+    def last_s(self, backward: bool) -> float:
+        """The last chunk's outputs, backward with dK/dV."""
+        return self._seconds(1, backward)
+
+    def post_s(self, brings: int, takes: int) -> float:
+        return self._seconds((brings != NO_CHUNK) + (takes != NO_CHUNK), False)
 
 
 def joint_schedule(programs: Sequence[RankProgram], inner_size: int, capacity: int, model: CostModel,
                    recompute_kv: bool = False, backward_programs: Sequence[RankProgram] | None = None,
-                   alone: bool = False) -> list[RankSchedule]:
+                   alone: bool = False, inner_chunks: int = 1) -> list[RankSchedule]:
     """The forward and backward seconds of every outer rank's program (`programs[r]` is
     rank r's, each in its own schedule; backward `backward_programs[r]`, default the same),
     all run together: an exchange starts when both its ranks have posted it and both their
     streams are free (see the module docstring); `alone`: each rank as if its peers were
-    always ready."""
-    a2a_s = ulysses_cost(model, capacity, inner_size, len(programs))[1] / 2  # per pass
+    always ready. `inner_chunks` > 1: the Ulysses all-to-alls in that many head chunks
+    under the kernels (`RankProgram.chunked`; not with `recompute_kv`), else before and
+    after each pass."""
     backward_programs = programs if backward_programs is None else backward_programs
-    forward = _run(programs, [p.forward_events() for p in programs], False, inner_size, model, alone)
-    backward = _run(backward_programs, [p.backward_events(recompute_kv) for p in backward_programs], True,
-                    inner_size, model, alone)
+    C = inner_chunks
+    if C > 1 and recompute_kv:
+        raise ValueError("the Ulysses all-to-alls run in head chunks only without recompute_kv")
+    inner = _Chunks(model, inner_size, len(programs), capacity, C) if C > 1 else None
+    forward = _run(programs, [p.chunked(p.forward_events(), C) for p in programs], False, inner_size, model,
+                   alone, inner)
+    backward = _run(backward_programs, [p.chunked(p.backward_events(recompute_kv), C) for p in backward_programs],
+                    True, inner_size, model, alone, inner)
+    if inner is not None:
+        return [RankSchedule(f, b) for f, b in zip(forward, backward)]
+    a2a_s = ulysses_cost(model, capacity, inner_size, len(programs))[1] / 2  # per pass
     return [RankSchedule(f + a2a_s, b + a2a_s) for f, b in zip(forward, backward)]
 
 
 def plan_schedule(plan: Plan, recompute_kv: bool = False, model: CostModel | None = None,
-                  schedule: str = "auto") -> list[RankSchedule]:
+                  schedule: str = "auto", inner_chunks: int = 1) -> list[RankSchedule]:
     """Every outer rank's times for `plan` run together (`joint_schedule`), in `schedule`
-    ("auto": each rank's `plan.schedule`, with `recompute_kv`), compiling its programs."""
+    ("auto": each rank's `plan.schedule`, with `recompute_kv`) and with the all-to-alls
+    in `inner_chunks` head chunks, compiling its programs."""
     model = model or plan.cost_model
     programs = [plan.program(r, schedule=schedule, recompute_kv=recompute_kv) for r in range(plan.outer_size)]
     backward = [plan.backward_program(r, schedule=schedule, recompute_kv=recompute_kv) for r in range(plan.outer_size)]
-    return joint_schedule(programs, plan.inner_size, plan.capacity, model, recompute_kv, backward)
+    return joint_schedule(programs, plan.inner_size, plan.capacity, model, recompute_kv, backward,
+                          inner_chunks=inner_chunks)
