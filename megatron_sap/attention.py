@@ -311,7 +311,7 @@ class _SAPChunkedAttention(torch.autograd.Function):
         units = program.chunked(program.backward_events(), C)
         dq, dkv = _backward(ctx, program, units, chunks, q, k_h, v_h, out, lse, kept, finished)
         dq, (dk, dv) = pipe.finish((dkv[:, 0].to(k_h.dtype), dkv[:, 1].to(v_h.dtype)))
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq.to(q[0].dtype), dk, dv, None, None, None, None, None, None, None
 
 
 def _pipelined_forward(program: RankProgram, units, chunks: _HeadChunks, k, v, outer: _Outer, scale, backend,

@@ -402,5 +402,5 @@ def test_plan_chooses_head_chunks_where_inner_groups_are_nodes():
         assert chosen > 1  # 30K tokens of kernels per rank hide the all-to-alls
         stats = plan.stats()
         assert stats["inner_chunks"] == chosen
-        times = {c: max(t.total_s for t in plan_schedule(plan, inner_chunks=c)) for c in (1, 2, 4)}
+        times = {c: max(t.total_s for t in plan_schedule(plan, inner_chunks=c)) for c in (1, 2)}
         assert stats["modelled_time_s"] == pytest.approx(times[chosen]) and times[chosen] == min(times.values())

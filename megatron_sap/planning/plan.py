@@ -58,10 +58,13 @@ STEP_CHOICE_RANKS = 8
 # CP ranks the baselines are far slower than any candidate.
 RECHECK_RANKS = 16
 RECHECK_MARGIN = 0.05
-# The head chunks `Plan.inner_chunks` weighs beside 1 (where the heads split so): each more
-# chunk hides more of the all-to-alls under the kernels but adds an all-to-all (U - 1
-# messages) per pass.
-INNER_CHUNK_CHOICES = (2, 4)
+# The head chunks `Plan.inner_chunks` weighs beside 1 (where the heads split so). More
+# chunks hide more of the all-to-alls under the kernels but add an all-to-all (U - 1
+# messages) per pass and run each kernel call on fewer heads, whose cost per call the
+# model leaves out: on the CPU benchmark's gloo ranks (2 x 2, 8 query heads) four chunks
+# ran ShareGPT's row 1.29x slower than one, two within 2% (docs/architecture.md, "Head
+# chunks"); at the scale model's points four gain at most 1% over two.
+INNER_CHUNK_CHOICES = (2,)
 TIME_RESOLUTION_S = 10e-6  # a candidate this close to the lower bound ends the search (see `at_bound`)
 # How `plan_sequences` chooses among the candidates: by the planner's own estimate
 # (`evaluate`), or by the executor's schedule of their compiled programs, all ranks
