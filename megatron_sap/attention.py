@@ -37,7 +37,7 @@ from .kernels import (accumulation_dtype, add_rows, first_order_only, merge_into
 from .planning import Plan, RankProgram
 from .planning.program import (ALL_HEADS, COMPUTE, FETCH, LOCAL, NO_CHUNK, POST, RETURN, check_schedule,
                                head_chunks)
-from .validation import check_bool, check_qkv
+from .validation import check_bool, check_inner_chunks, check_qkv
 
 _BACKWARD_TAG = 1 << 20
 _REFETCH_TAG = 2 << 20
@@ -204,7 +204,9 @@ class _InnerPipe:
     def _input_part(self, chunk: int) -> torch.Tensor:
         return self.source.unflatten(1, (self.size, -1))[:, :, self.heads[chunk]].transpose(0, 1)
 
-    def _post(self, brings: int, takes: int, extras: Sequence[torch.Tensor] = ()) -> None:
+    def post(self, brings: int, takes: int, extras: Sequence[torch.Tensor] = ()) -> None:
+        """Post an all-to-all (a POST unit) that brings chunk `brings`'s inputs, takes chunk
+        `takes`'s outputs (either NO_CHUNK) and carries `extras` (parts as they are)."""
         parts = [self._input_part(brings)] if brings != NO_CHUNK else []
         if takes != NO_CHUNK:
             parts.append(gather_part(self.output(takes), self.size))
@@ -225,13 +227,9 @@ class _InnerPipe:
         """The first all-to-all: chunk 0's inputs and `extras` (scatter parts), waited for;
         returns the extras received (head-sharded)."""
         self.chunks = chunks
-        self._post(0, NO_CHUNK, [scatter_part(t, self.size) for t in extras])
+        self.post(0, NO_CHUNK, [scatter_part(t, self.size) for t in extras])
         self._wait_next()
         return [from_scatter_part(part) for part in self.extras]
-
-    def post(self, brings: int, takes: int) -> None:
-        """A POST unit: bring chunk `brings`'s inputs, take chunk `takes`'s outputs."""
-        self._post(brings, takes)
 
     def arrive(self, chunk: int) -> None:
         """Wait for the all-to-alls up to the one that brings chunk `chunk`'s inputs."""
@@ -242,7 +240,7 @@ class _InnerPipe:
         """The last all-to-all (the last chunk's outputs and `extras`, head-sharded), then
         every all-to-all still in flight waited for: (the outputs [n, H, D], the extras
         sequence-sharded)."""
-        self._post(NO_CHUNK, len(self.heads) - 1, [gather_part(t, self.size) for t in extras])
+        self.post(NO_CHUNK, len(self.heads) - 1, [gather_part(t, self.size) for t in extras])
         while self.pending:
             self._wait_next()
         return self.result, [from_gather_part(part) for part in self.extras]
@@ -416,8 +414,8 @@ def _backward(ctx, program: RankProgram, units, chunks: _HeadChunks, q, k, v, ou
     returns: dict[int, tuple[PendingExchange, torch.Tensor | None]] = {}
     for kind, i, chunk in units:
         if kind == POST:
-            if chunk != NO_CHUNK:
-                finished[chunk] = dq[chunk].to(q[chunk].dtype)
+            if chunk != NO_CHUNK:  # its dQ is whole: taken in q's dtype, the fp32 accumulator let go
+                finished[chunk] = dq[chunk] = dq[chunk].to(q[chunk].dtype)
             chunks.pipe.post(i, chunk)
             continue
         if kind == LOCAL:
@@ -551,7 +549,8 @@ def _shape_key(shape: Sequence) -> tuple:
 
 
 # CP group (weakly: a destroyed group leaves) -> what was last checked on it: the plan's
-# signature, `recompute_kv`, the attention shape and the softmax scale (None: the default).
+# signature, `recompute_kv`, the attention shape, the softmax scale (None: the default) and
+# the head chunks where they are not "auto"'s (None: those).
 # The signature, not the plan object: ranks holding equal plans as different objects (one
 # planned afresh, the other's from its cache) skip the check alike.
 _LAST_CHECKED: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[str, bool, tuple | None, float | None, int | None]] = (
@@ -571,8 +570,9 @@ def last_softmax_scale(groups: SAPGroups) -> float | None:
 def _check_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool, shape: tuple[int, int, int, str],
                      softmax_scale: float | None, inner_chunks: int | None = None) -> None:
     """`verify_plan_agreement` unless it was last run on this CP group for this plan (an
-    equal one: `Plan.signature`), `recompute_kv`, attention shape and softmax scale (a batch
-    split's check, or an earlier layer's).
+    equal one: `Plan.signature`), `recompute_kv`, attention shape, softmax scale and head
+    chunks (`inner_chunks`: a count that is not "auto"'s, else None) (a batch split's
+    check, or an earlier layer's).
 
     Checking whenever a rank's call differs from the last one checked, not only on a
     plan's or shape's first use, is what keeps ranks that agreed from parting silently: a
@@ -677,13 +677,10 @@ def _head_chunks(inner_chunks: int | str, plan: Plan, outer_rank: int, inner_siz
         count = plan.inner_chunks(outer_rank, recompute_kv) if inner_size > 1 else 1
         return head_chunks(num_heads, num_kv_heads, inner_size, count) or head_chunks(num_heads, num_kv_heads,
                                                                                        inner_size, 1)
-    if isinstance(inner_chunks, bool) or not isinstance(inner_chunks, int) or inner_chunks < 1:
-        raise ValueError(f"inner_chunks must be 'auto' or a positive int, got {inner_chunks!r}")
+    inner_chunks = check_inner_chunks(inner_chunks, recompute_kv)
     if inner_chunks > 1 and inner_size == 1:
         raise ValueError(f"inner_chunks={inner_chunks} chunks the Ulysses all-to-alls, which an inner size of 1 "
                          f"does not have")
-    if inner_chunks > 1 and recompute_kv:
-        raise ValueError(f"inner_chunks={inner_chunks} needs recompute_kv=False (every chunk would fetch the K/V again)")
     heads = head_chunks(num_heads, num_kv_heads, inner_size, inner_chunks)
     if heads is None:
         raise ValueError(
@@ -721,7 +718,7 @@ def sap_attention(
     (`plan.schedule(outer_rank, recompute_kv)`: one for every rank, what the cost model
     times faster for all ranks together, or beyond 16 outer ranks for the plan's slowest
     rank).
-    `check_agreement`: when the plan, `recompute_kv`, attention shape or softmax scale differs from what
+    `check_agreement`: when the plan, `recompute_kv`, attention shape, softmax scale or head chunks differ from what
     was last checked on these groups, all-reduce a hash of them (`verify_plan_agreement`)
     so that ranks that planned different batches fail together; the layers of one
     micro-batch check once (where they share a shape). A rank that keeps its plan while

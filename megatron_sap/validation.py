@@ -85,6 +85,18 @@ def positive_int(value: object, name: str) -> int:
     return int(value)
 
 
+def check_inner_chunks(value: object, recompute_kv: bool = False) -> int | str:
+    """An `inner_chunks` value: "auto", or a positive int (as an int) that, above 1, does
+    not go with `recompute_kv` (each chunk would fetch the K/V again)."""
+    if value == "auto":
+        return "auto"
+    if not is_positive_int(value):
+        raise ValueError(f"inner_chunks must be 'auto' or a positive int, got {value!r}")
+    if value > 1 and recompute_kv:
+        raise ValueError(f"inner_chunks={value} needs recompute_kv off (every chunk would fetch the K/V again)")
+    return int(value)
+
+
 def check_divisible(total: int, parts: int, what: str, by: str) -> None:
     """Raise, naming both sizes, unless `parts` (positive) divides `total`."""
     if total % parts:

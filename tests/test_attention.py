@@ -411,3 +411,13 @@ def test_head_chunks_the_plan_chooses(pool4, inner):
         for r in results:
             assert r["p2p_bytes"] + r["a2a_bytes"] == pytest.approx(stats["sent_bytes_per_rank"][r["cp_rank"]])
             assert torch.equal(r["out"], got["out"][r["indices"]].to(r["out"].dtype))
+
+
+@pytest.mark.parametrize("schedule", ["pipelined", "gathered"])
+def test_head_chunks_with_several_outer_steps(pool8, schedule):
+    """Head chunks at `2 x 4`: programs of several outer steps, whose kernel events between
+    the first and the last run once per chunk, against the dense float64 reference."""
+    rng = random.Random(11 + len(schedule))
+    for kind in ("mixture", "long"):
+        cu = random_cu_seqlens(rng, 8 * rng.randint(24, 48), kind)
+        check_against_reference(pool8, cu, 2, 8, 2, 8, "float64", seed=7, schedule=schedule, inner_chunks=2)

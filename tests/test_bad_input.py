@@ -718,7 +718,7 @@ def test_batch_splitter_rejects_bad_batches() -> None:
     (2, 4, 2, {"inner_chunks": True}, "inner_chunks must be 'auto' or a positive int"),
     (2, 4, 2, {"inner_chunks": "2"}, "inner_chunks must be 'auto' or a positive int"),
     (1, 4, 2, {"inner_chunks": 2}, "which an inner size of 1 does not have"),
-    (2, 4, 2, {"inner_chunks": 2, "recompute_kv": True}, "needs recompute_kv=False"),
+    (2, 4, 2, {"inner_chunks": 2, "recompute_kv": True}, "needs recompute_kv off"),
     (2, 4, 2, {"inner_chunks": 4}, "does not split the heads: each of the 2 inner ranks holds 2 query heads"),
     (2, 12, 4, {"inner_chunks": 3}, "does not split the heads"),
 ])

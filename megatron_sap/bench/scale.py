@@ -21,7 +21,8 @@ import numpy as np
 
 from megatron_sap import baselines
 from megatron_sap.planning.cost_model import LINK_INTER, LINK_INTRA, CostModel
-from megatron_sap.planning.evaluate import ulysses_cost, whole_documents_s
+from megatron_sap.planning.evaluate import ulysses_exposed_seconds, whole_documents_s
+from megatron_sap.planning.plan import inner_chunk_choices
 
 from .data import CORPORA, document_lengths
 from .packing import pack
@@ -96,7 +97,9 @@ def sap_bound_s(cu_seqlens: list[int], P: int, inner: int, model: CostModel) -> 
     """A time no SAP plan at layout U x R can beat under the cost model.
 
     Every plan computes at least the whole documents' tile-rounded work, spread evenly,
-    and pays the Ulysses all-to-alls (not overlapped). The outer group holding the last
+    and pays the Ulysses all-to-alls that no kernel hides (all of them in one head chunk;
+    with the plan's head-chunk choices, `inner_chunk_choices`, the first and the last of
+    each pass, `ulysses_exposed_seconds`). The outer group holding the last
     token of the longest document (L tokens) needs its L - 1 earlier keys; it holds at
     most T / R of them and its node at most T / R per outer group on the node, so at
     least L - T / R arrive, of which those beyond the node's tokens cross nodes. Each
@@ -113,7 +116,8 @@ def sap_bound_s(cu_seqlens: list[int], P: int, inner: int, model: CostModel) -> 
     inter = max(0.0, longest - groups_per_node * group)
     kv = model.kv_bytes_per_token / U
     transfer = (inter * kv / model.bandwidth(LINK_INTER) + (remote - inter) * kv / model.bandwidth(LINK_INTRA))
-    return max(ideal, 2 * transfer) + ulysses_cost(model, group, U, R)[1]
+    exposed = min(ulysses_exposed_seconds(model, group, U, R, c) for c in inner_chunk_choices(model, U))
+    return max(ideal, 2 * transfer) + exposed
 
 
 def summarise(stats: dict[str, Any], model: CostModel) -> dict[str, float]:

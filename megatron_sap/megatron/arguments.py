@@ -16,6 +16,7 @@ from megatron_sap.comm.ulysses import check_heads
 from megatron_sap.planning import PRESETS
 from megatron_sap.planning.plan import CHOOSE_BY
 from megatron_sap.planning.program import head_chunks
+from megatron_sap.validation import check_inner_chunks
 
 from .options import BACKENDS, SCHEDULES, SAPOptions, set_sap_options
 
@@ -23,12 +24,11 @@ ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
 
 def _inner_chunks(value: str) -> int | str:
-    """--sap-inner-chunks: "auto" or a positive int."""
-    if value == "auto":
-        return value
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {value!r}")
-    return int(value)
+    """--sap-inner-chunks: "auto" or a positive int (`check_inner_chunks`)."""
+    try:
+        return check_inner_chunks(value if value == "auto" or not value.isdigit() else int(value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

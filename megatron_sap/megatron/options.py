@@ -17,6 +17,7 @@ from megatron_sap.planning.cost_model import CostModel
 from megatron_sap.planning.plan import check_choose_by
 from megatron_sap.planning.program import SCHEDULES as PROGRAM_SCHEDULES
 from megatron_sap.planning.program import check_schedule
+from megatron_sap.validation import check_inner_chunks
 
 BACKENDS = ("auto", "flash-attn", "aten-flash", "torch")  # megatron_sap.kernels backends
 SCHEDULES = ("auto", *PROGRAM_SCHEDULES)  # sap_attention schedules
@@ -95,12 +96,7 @@ class SAPOptions:
                                  f"got {self.attention_dtype!r}")
             object.__setattr__(self, "attention_dtype", dtype_name(getattr(torch, name)))  # "half" -> "float16"
         check_choose_by(self.choose_by)
-        if self.inner_chunks != "auto" and (isinstance(self.inner_chunks, bool) or not isinstance(self.inner_chunks, int)
-                                            or self.inner_chunks < 1):
-            raise ValueError(f"inner_chunks must be 'auto' or a positive int, got {self.inner_chunks!r}")
-        if self.recompute_kv and self.inner_chunks not in ("auto", 1):
-            raise ValueError(f"inner_chunks={self.inner_chunks} needs recompute_kv off (every chunk would fetch the "
-                             f"K/V again)")
+        check_inner_chunks(self.inner_chunks, self.recompute_kv)
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0 (0: no SAP summary in the log), got {self.log_interval}")
         if (self.gpus_per_node is not None and self.gpus_per_node < 1) or self.tensor_parallel_size < 1:

@@ -156,6 +156,20 @@ def ulysses_cost(model: CostModel, group_tokens: float, inner_size: int, outer_s
                                                                                 per_token, 2)
 
 
+def ulysses_exposed_seconds(model: CostModel, group_tokens: float, inner_size: int, outer_size: int,
+                            chunks: int) -> float:
+    """The least time of a layer's Ulysses all-to-alls in `chunks` head chunks that no
+    kernel can hide (`RankProgram.chunked`): per pass the first (one chunk's inputs, forward
+    with the K/V) and the last (one chunk's outputs, backward with dK/dV). One chunk: all of
+    them (`ulysses_cost`)."""
+    U = inner_size
+    if chunks == 1 or U <= 1:
+        return ulysses_cost(model, group_tokens, U, outer_size)[1]
+    kv, q = U * model.inner_kv_bytes_per_token(U), model.q_bytes_per_token / chunks
+    return 2 * (ulysses_seconds(model, group_tokens, U, outer_size, q + kv)
+                + ulysses_seconds(model, group_tokens, U, outer_size, q))
+
+
 def ulysses_seconds(model: CostModel, group_tokens: float, inner_size: int, outer_size: int,
                     bytes_per_token: float, all_to_alls: int = 1) -> float:
     """Seconds of `all_to_alls` Ulysses all-to-alls that together move `bytes_per_token`

@@ -484,11 +484,13 @@ class Plan:
         return self._chosen[2]
 
     def _chunk_choices(self) -> list[int]:
-        """1, and the INNER_CHUNK_CHOICES the plan's cost model allows (`inner_chunks`)."""
-        m, U = self.cost_model, self.inner_size
-        if U != m.gpus_per_node:
-            return [1]
-        return [1] + [c for c in INNER_CHUNK_CHOICES if head_chunks(m.num_heads, m.num_kv_heads, U, c) is not None]
+        return inner_chunk_choices(self.cost_model, self.inner_size)
+
+    def _chunks_under(self, model: CostModel, outer_rank: int = 0, recompute_kv: bool = False) -> int:
+        """The plan's head chunks (`inner_chunks`) for attention of `model`'s shape: 1 where
+        those heads do not split so, as `sap_attention(inner_chunks="auto")` runs them."""
+        chunks = self.inner_chunks(outer_rank, recompute_kv)
+        return chunks if head_chunks(model.num_heads, model.num_kv_heads, self.inner_size, chunks) else 1
 
     def backward_program(self, outer_rank: int, device: torch.device | str | None = None,
                          schedule: str = "auto", recompute_kv: bool = False) -> RankProgram:
@@ -509,9 +511,7 @@ class Plan:
             if self._chosen is None:
                 self._choose(None)
             return self._chosen[1]
-        chunks = self.inner_chunks()
-        fits = head_chunks(model.num_heads, model.num_kv_heads, self.inner_size, chunks) is not None
-        return plan_schedule(self, model=model, inner_chunks=chunks if fits else 1)
+        return plan_schedule(self, model=model, inner_chunks=self._chunks_under(model))
 
     # ---- statistics ---------------------------------------------------------------
     def stats(self, cost_model: CostModel | str | None = None, recompute_kv: bool = False) -> dict[str, Any]:
@@ -584,7 +584,7 @@ class Plan:
             "modelled_time_s": max(r.total_s for r in schedule),
             "outer_rank_time_s": [r.total_s for r in schedule],
             "schedule_per_outer_rank": [self.schedule(r, recompute_kv) for r in range(self.outer_size)],
-            "inner_chunks": self.inner_chunks(recompute_kv=recompute_kv),
+            "inner_chunks": self._chunks_under(m, recompute_kv=recompute_kv),
             "planner_estimate_s": ev.makespan_s,
             "ideal_time_s": ev.ideal_s,
             "candidates_modelled_time_s": dict(self.considered),
@@ -633,16 +633,17 @@ class Plan:
         stacked_kv = rows * kv_row * b
         # head-sharded q, k, v and output of the inner all-to-all; their gradients in backward
         ulysses = rows * (2 * heads + 2 * kv_heads) * m.head_dim * b if U > 1 else 0.0
-        # all-to-alls in head chunks (`inner_chunks`) in flight under the kernels, sent and
-        # received: at most every chunk's outputs and two chunks' inputs
-        chunks = self.inner_chunks(outer_rank, recompute_kv)
-        ulysses += 2 * rows * heads * m.head_dim * b * (1 + 2 / chunks) if chunks > 1 else 0.0
+        # all-to-alls in head chunks (`inner_chunks`) in flight under the kernels, each pass:
+        # sent and received, every chunk's outputs (waited for after the pass) and one
+        # chunk's inputs
+        chunks = self._chunks_under(m, outer_rank, recompute_kv)
+        in_flight = 2 * rows * heads * m.head_dim * b * (1 + 1 / chunks) if chunks > 1 else 0.0
         kept = 0.0 if recompute_kv else received * kv_row * b
         # gathered: the local and received K/V share one buffer (stacked_kv + the received
         # rows, counted by the events), and the output is written in place: no fp32 output
         # accumulator, only the lse
         accumulators = rows * heads * a if gathered else rows * heads * (m.head_dim + 1) * a
-        forward = stacked_kv + accumulators + ulysses + exchange_peak(
+        forward = stacked_kv + accumulators + ulysses + in_flight + exchange_peak(
             forward_program, forward_program.forward_events(), kv_row * b, kv_row * a, False, recompute_kv)
         backward = (
             stacked_kv
@@ -652,10 +653,20 @@ class Plan:
             + rows * kv_row * a  # dK/dV accumulator
             + rows * heads * a  # saved lse
             + 2 * ulysses
+            + in_flight
             + exchange_peak(backward_program, backward_program.backward_events(recompute_kv), kv_row * b, kv_row * a,
                             True, recompute_kv)
         )
         return {"forward": forward, "backward": backward, "received_kv": kept}
+
+
+def inner_chunk_choices(model: CostModel, inner_size: int) -> list[int]:
+    """The head chunks `Plan.inner_chunks` weighs: 1, and those of INNER_CHUNK_CHOICES the
+    model's heads split into, where the inner groups are the nodes (U = GPUs per node)."""
+    if inner_size != model.gpus_per_node:
+        return [1]
+    return [1] + [c for c in INNER_CHUNK_CHOICES
+                  if head_chunks(model.num_heads, model.num_kv_heads, inner_size, c) is not None]
 
 
 def exchange_peak(program: RankProgram, events: Sequence[Event], row_bytes: float, grad_row_bytes: float,

@@ -172,10 +172,10 @@ RECOMPUTE_KV_AHEAD = 2
 Event = tuple[str, int]  # (what, step index; -1 for LOCAL)
 
 # With the Ulysses all-to-alls in head chunks (`RankProgram.chunked`), a pass's events as
-# (what, step index, head chunk): the kernel events of the first and the last that have
-# calls run chunk by chunk, the others on every head at once (ALL_HEADS); before each
-# chunk of those the executor posts one inner all-to-all, POST (POST, chunk whose inputs
-# it brings or NO_CHUNK, chunk whose outputs it takes or NO_CHUNK).
+# (what, step index, head chunk): the first and the last kernel events that have calls run
+# chunk by chunk, the others as one unit for every chunk (ALL_HEADS); between chunks of
+# those the executor posts an inner all-to-all, POST (POST, chunk whose inputs it brings
+# or NO_CHUNK, chunk whose outputs it takes or NO_CHUNK).
 POST = "post"
 ALL_HEADS = NO_CHUNK = -1
 Unit = tuple[str, int, int]
@@ -306,14 +306,15 @@ class RankProgram:
 
     def chunked(self, events: Sequence[Event], chunks: int) -> tuple[Unit, ...]:
         """`events` (`forward_events`, or `backward_events` keeping the K/V) with the inner
-        all-to-alls in `chunks` head chunks. The first kernel event that has calls (or the local one) runs
-        chunk after chunk, each chunk's inputs (queries forward, output gradients
-        backward) brought by the all-to-all posted before the chunk ahead of it (the first
-        chunk's, and forward the K/V, come before the pass); the last such event runs chunk
-        after chunk too, each chunk's outputs (output forward, dQ backward) taken by the
-        all-to-all posted before the next chunk (the last chunk's, and backward dK/dV,
-        after the pass). Those all-to-alls run under the kernels. The other events run on
-        every head at once. One chunk: the events as they are."""
+        all-to-alls in `chunks` head chunks. The first kernel event that has calls (or the
+        local one) runs chunk after chunk, each chunk's inputs (queries forward, output
+        gradients backward) brought by the all-to-all posted before the chunk ahead of it
+        (the first chunk's, and forward the K/V, come before the pass); the last such event
+        runs chunk after chunk too, each chunk's outputs (output forward, dQ backward) taken
+        by the all-to-all posted before the next chunk (the last chunk's, and backward dK/dV,
+        after the pass); where the two are one event, one all-to-all does both. Those
+        all-to-alls run under the kernels. Each other event is one unit (ALL_HEADS), whose
+        calls the executor runs once per chunk. One chunk: the events as they are."""
         if chunks == 1:
             return tuple((kind, i, ALL_HEADS) for kind, i in events)
         # the local event starts the forward's accumulators (every rank holds tokens, whose
