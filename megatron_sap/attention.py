@@ -638,7 +638,8 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
     if high != low:
         raise RuntimeError(
             f"CP ranks disagree on the batch, the layout, the cost model, the attention shape, the softmax scale or "
-            f"recompute_kv: {described}, the group has hashes from {low:x} to {high:x}"
+            f"recompute_kv: {described}, the group has hashes from {low:x} to {high:x} (head chunks count too, "
+            f"where a rank asks for inner_chunks other than 'auto' gives)"
         )
     _LAST_CHECKED[groups.cp_group] = (plan.signature(), recompute_kv, shape, softmax_scale,
                                       None if inner_chunks is None else int(inner_chunks))
