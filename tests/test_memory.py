@@ -348,3 +348,24 @@ def test_the_tracker_counts_storages_made_in_the_block_only() -> None:
         assert mem.peak_bytes == mem.live_bytes == 4000
         del copy
         assert mem.live_bytes == 0 and mem.peak_bytes == 4000
+
+
+def test_memory_bytes_count_head_chunks_in_flight_once_a_pass() -> None:
+    """With the all-to-alls in two head chunks, each pass adds the all-to-alls in flight
+    (sent and received: every chunk's outputs and one chunk's inputs), once: for the by-hand
+    plan of `test_memory_bytes_of_a_plan_without_transfers_by_hand` at U = 2, 16 rows of 2
+    query heads of dim 8 in 4-byte elements, 2 * 16*2*8*4 * (1 + 1/2) = 3072 bytes a pass."""
+    import dataclasses
+
+    import megatron_sap as sap
+    from megatron_sap.planning import CostModel
+
+    slow = dataclasses.replace(CostModel.preset("h100"), gpus_per_node=2, message_latency_us=0.0,
+                               intra_node_gbps=0.01)
+    plan = sap.plan_sequences([0, 8, 16], outer_size=1, inner_size=2, cost_model=slow, cache=None)
+    assert plan.inner_chunks() == 2
+    model = plan.cost_model.with_shape(4, 2, 8, 4)
+    assert plan.memory_bytes(0, model, "pipelined") == {
+        "forward": 1024 + 1152 + 3072 + 3072, "backward": 1024 + 1024 + 1024 + 128 + 2 * 3072 + 3072,
+        "received_kv": 0.0}
+    assert plan.memory_bytes(0, model, "pipelined", recompute_kv=True)["forward"] == 1024 + 1152 + 3072
