@@ -85,6 +85,45 @@ def test_gpt_sap_cp4_equals_cp1(pool4, inner: int, outer: int) -> None:
     _assert_sap_trains_like_cp1(pool4.run(run_rank, inner, outer), inner, outer)
 
 
+def run_chunked_rank(rank: int, world_size: int, inner: int, outer: int) -> dict:
+    """`run_rank` with SAP layers running the all-to-alls in two head chunks
+    (`--sap-inner-chunks 2`), counting the chunked ops run."""
+    from unittest import mock
+
+    import megatron_sap.megatron
+    from megatron_sap import attention
+    from megatron_sap.megatron.options import reset_sap_options, set_sap_options
+
+    forward, initialize = attention._SAPChunkedAttention.forward, megatron_sap.megatron.initialize_sap_parallel
+    chunked = []
+
+    def counted(ctx, *args):
+        chunked.append(len(args[-1]))
+        return forward(ctx, *args)
+
+    def initialize_then_chunk(**sizes):  # the CP=1 reference has no inner level to chunk
+        if sizes["inner_size"] > 1:
+            set_sap_options(inner_chunks=2)
+        return initialize(**sizes)
+
+    try:
+        with mock.patch.object(attention._SAPChunkedAttention, "forward", staticmethod(counted)), \
+                mock.patch.object(megatron_sap.megatron, "initialize_sap_parallel", initialize_then_chunk):
+            found = run_rank(rank, world_size, inner, outer)
+    finally:
+        reset_sap_options()
+    return {**found, "chunked": chunked}
+
+
+def test_gpt_sap_with_head_chunks_equals_cp1(pool4) -> None:
+    """`--sap-inner-chunks 2` at `2 x 2` (2 query heads and 1 KV head per inner rank, one
+    each per chunk): losses, gradients and trained weights are CP=1's, and every SAP
+    attention ran in two chunks."""
+    results = pool4.run(run_chunked_rank, 2, 2)
+    _assert_sap_trains_like_cp1(results, 2, 2)
+    assert all(r["chunked"] and set(r["chunked"]) == {2} for r in results)
+
+
 def run_recompute_rank(rank: int, world_size: int, inner: int, outer: int, granularity: str) -> dict:
     """`run_rank` with SAP's model recomputing activations in backward: the core attention
     (selective, Megatron's default module) or every layer (full, one layer per checkpoint).
