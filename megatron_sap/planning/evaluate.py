@@ -162,12 +162,19 @@ def ulysses_exposed_seconds(model: CostModel, group_tokens: float, inner_size: i
     kernel can hide (`RankProgram.chunked`): per pass the first (one chunk's inputs, forward
     with the K/V) and the last (one chunk's outputs, backward with dK/dV). One chunk: all of
     them (`ulysses_cost`)."""
+    if chunks == 1 or inner_size <= 1:
+        return ulysses_cost(model, group_tokens, inner_size, outer_size)[1]
+    sizes = (model, group_tokens, inner_size, outer_size, chunks)
+    return 2 * (chunk_all_to_all_seconds(*sizes, 1, True) + chunk_all_to_all_seconds(*sizes, 1, False))
+
+
+def chunk_all_to_all_seconds(model: CostModel, group_tokens: float, inner_size: int, outer_size: int, chunks: int,
+                             query_chunks: int, with_kv: bool) -> float:
+    """One all-to-all of a pass in `chunks` head chunks: `query_chunks` chunks of queries
+    (outputs, their gradients) a token, with the K/V (or dK/dV) or not (`ulysses_seconds`)."""
     U = inner_size
-    if chunks == 1 or U <= 1:
-        return ulysses_cost(model, group_tokens, U, outer_size)[1]
-    kv, q = U * model.inner_kv_bytes_per_token(U), model.q_bytes_per_token / chunks
-    return 2 * (ulysses_seconds(model, group_tokens, U, outer_size, q + kv)
-                + ulysses_seconds(model, group_tokens, U, outer_size, q))
+    per_token = query_chunks * model.q_bytes_per_token / chunks + with_kv * U * model.inner_kv_bytes_per_token(U)
+    return ulysses_seconds(model, group_tokens, U, outer_size, per_token)
 
 
 def ulysses_seconds(model: CostModel, group_tokens: float, inner_size: int, outer_size: int,

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Sequence
 from weakref import WeakKeyDictionary
 
 from .cost_model import CostModel
-from .evaluate import ulysses_cost, ulysses_seconds
+from .evaluate import chunk_all_to_all_seconds, ulysses_cost
 from .program import (ALL_HEADS, COMPUTE, FETCH, LOCAL, NO_CHUNK, POST, RETURN, KernelCall, RankProgram, Transfer,
                       Unit)
 
@@ -204,11 +204,8 @@ class _Chunks:
     chunks: int
 
     def _seconds(self, query_chunks: int, with_kv: bool) -> float:
-        """One all-to-all of `query_chunks` chunks of queries (outputs, their gradients) per
-        token, with the K/V (or dK/dV) or not."""
-        U, m = self.inner_size, self.model
-        per_token = query_chunks * m.q_bytes_per_token / self.chunks + with_kv * U * m.inner_kv_bytes_per_token(U)
-        return ulysses_seconds(m, self.capacity, U, self.outer_size, per_token)
+        return chunk_all_to_all_seconds(self.model, self.capacity, self.inner_size, self.outer_size, self.chunks,
+                                        query_chunks, with_kv)
 
     def first_s(self, backward: bool) -> float:
         """The first chunk's inputs, forward with the K/V."""
