@@ -675,9 +675,8 @@ def _head_chunks(inner_chunks: int | str, plan: Plan, outer_rank: int, inner_siz
                  num_kv_heads: int, recompute_kv: bool) -> tuple[tuple[slice, slice], ...]:
     """The head chunks `sap_attention` runs the all-to-alls in (`inner_chunks`, checked)."""
     if inner_chunks == "auto":
-        count = plan.inner_chunks(outer_rank, recompute_kv) if inner_size > 1 else 1
-        return head_chunks(num_heads, num_kv_heads, inner_size, count) or head_chunks(num_heads, num_kv_heads,
-                                                                                       inner_size, 1)
+        return head_chunks(num_heads, num_kv_heads, inner_size,
+                           plan.chunks_for_heads(num_heads, num_kv_heads, outer_rank, recompute_kv))
     inner_chunks = check_inner_chunks(inner_chunks, recompute_kv)
     if inner_chunks > 1 and inner_size == 1:
         raise ValueError(f"inner_chunks={inner_chunks} chunks the Ulysses all-to-alls, which an inner size of 1 "
@@ -750,8 +749,8 @@ def sap_attention(
     outer = _Outer(groups)
     heads = _head_chunks(inner_chunks, plan, outer.rank, U, q.shape[1], k.shape[1], recompute_kv)
     # checked as a count only where it is not what "auto" gives (which the plan and shape decide alike)
-    auto = inner_chunks == "auto" or len(heads) == len(
-        _head_chunks("auto", plan, outer.rank, U, q.shape[1], k.shape[1], recompute_kv))
+    auto = inner_chunks == "auto" or len(heads) == plan.chunks_for_heads(q.shape[1], k.shape[1], outer.rank,
+                                                                         recompute_kv)
     scale = resolve_softmax_scale(q.shape[2], softmax_scale, q.dtype)
     # The backend and dtype are checked here, before any exchange is posted: an error
     # raised between posting and waiting would leave the peers' transfers pending.

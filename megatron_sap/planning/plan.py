@@ -388,7 +388,7 @@ class Plan:
             if paced != link and steps.layer_seconds(paced) < steps.layer_seconds(link):
                 orders = self._orders_of(paced, steps)
         self._order, self._levels, self._backward_order, self._backward_levels = orders
-        chunks = min(self._chunk_choices(), key=lambda c: rank_schedule(
+        chunks = min(inner_chunk_choices(self.cost_model, self.inner_size), key=lambda c: rank_schedule(
             programs[schedule], self.inner_size, self.capacity, self.cost_model, inner_chunks=c).total_s)
         self._chosen = (schedule, None, chunks)
         if keep_rank == slowest and orders[0] is order:
@@ -418,7 +418,7 @@ class Plan:
                 best = (ordered[name], schedule, times, programs)
         (self._order, self._levels, self._backward_order, self._backward_levels), schedule, times, programs = best
         chunks = 1
-        for c in self._chunk_choices()[1:]:
+        for c in inner_chunk_choices(self.cost_model, self.inner_size)[1:]:
             chunked = joint_schedule(programs, self.inner_size, self.capacity, self.cost_model, inner_chunks=c)
             if max(t.total_s for t in chunked) < max(t.total_s for t in times):
                 times, chunks = chunked, c
@@ -483,14 +483,13 @@ class Plan:
             self._choose(outer_rank)
         return self._chosen[2]
 
-    def _chunk_choices(self) -> list[int]:
-        return inner_chunk_choices(self.cost_model, self.inner_size)
-
-    def _chunks_under(self, model: CostModel, outer_rank: int = 0, recompute_kv: bool = False) -> int:
-        """The plan's head chunks (`inner_chunks`) for attention of `model`'s shape: 1 where
-        those heads do not split so, as `sap_attention(inner_chunks="auto")` runs them."""
+    def chunks_for_heads(self, num_heads: int, num_kv_heads: int, outer_rank: int = 0,
+                         recompute_kv: bool = False) -> int:
+        """The head chunks attention of `num_heads` query and `num_kv_heads` KV heads runs
+        by default (`sap_attention(inner_chunks="auto")`): the plan's `inner_chunks`, or 1
+        where those heads do not split so (`program.head_chunks`)."""
         chunks = self.inner_chunks(outer_rank, recompute_kv)
-        return chunks if head_chunks(model.num_heads, model.num_kv_heads, self.inner_size, chunks) else 1
+        return chunks if head_chunks(num_heads, num_kv_heads, self.inner_size, chunks) else 1
 
     def backward_program(self, outer_rank: int, device: torch.device | str | None = None,
                          schedule: str = "auto", recompute_kv: bool = False) -> RankProgram:
@@ -511,7 +510,7 @@ class Plan:
             if self._chosen is None:
                 self._choose(None)
             return self._chosen[1]
-        return plan_schedule(self, model=model, inner_chunks=self._chunks_under(model))
+        return plan_schedule(self, model=model, inner_chunks=self.chunks_for_heads(model.num_heads, model.num_kv_heads))
 
     # ---- statistics ---------------------------------------------------------------
     def stats(self, cost_model: CostModel | str | None = None, recompute_kv: bool = False) -> dict[str, Any]:
@@ -584,7 +583,7 @@ class Plan:
             "modelled_time_s": max(r.total_s for r in schedule),
             "outer_rank_time_s": [r.total_s for r in schedule],
             "schedule_per_outer_rank": [self.schedule(r, recompute_kv) for r in range(self.outer_size)],
-            "inner_chunks": self._chunks_under(m, recompute_kv=recompute_kv),
+            "inner_chunks": self.chunks_for_heads(m.num_heads, m.num_kv_heads, recompute_kv=recompute_kv),
             "planner_estimate_s": ev.makespan_s,
             "ideal_time_s": ev.ideal_s,
             "candidates_modelled_time_s": dict(self.considered),
@@ -636,7 +635,7 @@ class Plan:
         # all-to-alls in head chunks (`inner_chunks`) in flight under the kernels, each pass:
         # sent and received, every chunk's outputs (waited for after the pass) and one
         # chunk's inputs
-        chunks = self._chunks_under(m, outer_rank, recompute_kv)
+        chunks = self.chunks_for_heads(m.num_heads, m.num_kv_heads, outer_rank, recompute_kv)
         in_flight = 2 * rows * heads * m.head_dim * b * (1 + 1 / chunks) if chunks > 1 else 0.0
         kept = 0.0 if recompute_kv else received * kv_row * b
         # gathered: the local and received K/V share one buffer (stacked_kv + the received
