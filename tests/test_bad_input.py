@@ -108,6 +108,7 @@ def test_plan_sequences_rejects_bad_input_through_the_cache() -> None:
         (dict(slacks=("0.1",)), ValueError, "slacks must be finite non-negative numbers"),
         (dict(slacks=()), ValueError, "slacks must be finite non-negative numbers"),
         (dict(slacks=None), ValueError, "slacks must be finite non-negative numbers .*, got None"),
+        (dict(slacks="0.1"), ValueError, "slacks must be finite non-negative numbers .*, got '0.1'"),
         (dict(slacks=(0.0, float("inf"))), ValueError, r"slacks must be finite non-negative numbers .*, got \(0.0, inf\)"),
     ],
 )

@@ -589,3 +589,16 @@ def test_head_chunks_split_heads_by_kv_groups():
             for q, kv_slice in split:
                 read = sorted({h // group for h in range(q.start, q.stop)})
                 assert list(range(kv_slice.start, kv_slice.stop)) == read
+    # Query heads that do not divide over the inner ranks (fewer than U of them, too) split into no chunks.
+    for heads, kv, inner in [(32, 8, 64), (4, 4, 8), (12, 4, 8)]:
+        assert all(head_chunks(heads, kv, inner, chunks) is None for chunks in (1, 2, 3))
+
+
+def test_stats_where_the_cost_models_heads_do_not_split_over_the_inner_size():
+    """A plan's layout need not split the cost model's heads (it plans tokens): its stats and
+    memory then count one head chunk (they raised ZeroDivisionError where U > the heads)."""
+    for cost_model, inner in [("h100", 64), (CostModel.preset("h100", num_heads=4, num_kv_heads=4), 8)]:
+        plan = sap.plan_sequences([0, 64 * inner], outer_size=1, inner_size=inner, cost_model=cost_model, cache=None)
+        stats = plan.stats()
+        assert stats["inner_chunks"] == 1 and stats["tokens_per_rank"] == [64] * inner
+        assert plan.memory_bytes(0)["forward"] > 0

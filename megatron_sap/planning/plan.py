@@ -869,6 +869,8 @@ def plan_sequences(
     outer_size, inner_size = positive_int(outer_size, "outer_size"), positive_int(inner_size, "inner_size")
     model = _cost_model(cost_model)
     try:
+        if isinstance(slacks, (str, bytes)):
+            raise TypeError
         slacks = tuple(slacks)
     except TypeError:
         raise ValueError(f"slacks must be finite non-negative numbers (load over the ideal a pass allows), got {slacks!r}") from None

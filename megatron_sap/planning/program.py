@@ -185,10 +185,11 @@ def head_chunks(num_heads: int, num_kv_heads: int, inner_size: int, chunks: int)
     """An inner rank's head slice (num_heads / U query heads, max(num_kv_heads, U) / U KV
     heads, replicated where fewer than U) in `chunks` equal chunks of query heads, each with
     the slice of KV heads those read (query head i reads KV head i // (query heads per KV
-    head)); None where they do not split so (the query heads do not divide, or a chunk
-    would read part of a KV head's group and part of another's)."""
+    head)); None where they do not split so (the query heads do not divide over the U inner
+    ranks or into the chunks, or a chunk would read part of a KV head's group and part of
+    another's)."""
     heads, kv_heads = num_heads // inner_size, max(num_kv_heads, inner_size) // inner_size
-    if chunks < 1 or heads % chunks:
+    if chunks < 1 or num_heads % inner_size or heads % chunks:
         return None
     per_chunk, group = heads // chunks, heads // kv_heads
     if per_chunk % group and group % per_chunk:
