@@ -468,7 +468,8 @@ def test_backward_in_its_own_order_is_posted_in_one_order_all_ranks_follow():
     """Plans whose backward runs the reverse of the forward's exchange order: run as NCCL
     runs a group's batches, every rank gets through its backward events, in every schedule,
     with and without recompute_kv (and its window)."""
-    rows = [([0, 421, 496], 8), ([0, 13, 22, 216], 6), ([0, 116, 165, 167, 176], 4)]
+    rows = [([0, 421, 496], 8), ([0, 13, 22, 216], 6), ([0, 116, 165, 167, 176], 4), ([0, 60, 96], 6),
+            ([0, 50, 400, 420, 990], 6)]
     rows += [(cu, 32) for cu in pack(document_lengths("stdlib"), 32 * 1024, 2, seed=4)]
     reversed_plans = 0
     for cu, outer in rows:
@@ -483,11 +484,11 @@ def test_backward_in_its_own_order_is_posted_in_one_order_all_ranks_follow():
 
 def test_backward_posted_by_each_rank_s_own_step_count_would_wait_in_a_cycle():
     """The check above catches the order that fails on NCCL: refetches and returns interleaved
-    by each rank's own step count (one 96-token document over six ranks)."""
+    by each rank's own step count (one 98-token document over seven ranks)."""
     from megatron_sap.planning.program import COLLECT, COMPUTE, FETCH, LOCAL, RETURN
 
-    plan = sap.plan_sequences([0, 96], outer_size=6, cache=None)
-    programs = [plan.backward_program(r, recompute_kv=True) for r in range(6)]
+    plan = sap.plan_sequences([0, 98], outer_size=7, cache=None)
+    programs = [plan.backward_program(r, recompute_kv=True) for r in range(7)]
 
     def own_count(program):
         n, ahead = len(program.transfers), 2
@@ -499,7 +500,7 @@ def test_backward_posted_by_each_rank_s_own_step_count_would_wait_in_a_cycle():
 
     with pytest.raises(AssertionError, match="wait for each other"):
         run_posted_in_order(plan, programs, [own_count(p) for p in programs])
-    run_posted_in_order(plan, programs, [p.backward_events(True) for p in programs], [True] * 6)
+    run_posted_in_order(plan, programs, [p.backward_events(True) for p in programs], [True] * 7)
 
 
 def test_recompute_kv_backward_refetches_and_waits_a_window_of_levels_away():

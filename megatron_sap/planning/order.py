@@ -21,9 +21,14 @@ only once the kernels queued before it are done (the local calls and every step 
 one in flight), and its next step's calls start only once that exchange has left. The pair
 whose exchange can start soonest goes next (ties: the longer exchange, then the lower
 ranks), so ranks that reach their next exchange at about the same time meet, and a rank
-does not sit waiting for a busy peer while another is ready. Which of the two orders
-runs is chosen on the compiled programs timed together, or beyond 16 outer ranks by the
-step-level models (`layer_seconds`), up to MAX_PACED_PAIRS pairs (`Plan.exchange_order`).
+does not sit waiting for a busy peer while another is ready. `matching_order` is a third,
+blind to the sizes: round-robin rounds, each a perfect matching of the ranks, so that where
+every pair exchanges and computes alike (the zigzag layout, a KV ring's) every rank meets
+one peer a round in lockstep, as the ring's steps go, where the simulated orders can pair a
+rank with a peer still busy with another. Which order runs is chosen on the compiled
+programs timed together (all three, up to 16 outer ranks), or beyond by the step-level
+models (`layer_seconds`; the link and paced orders, up to MAX_PACED_PAIRS pairs: there the
+matching order all but never wins and costs milliseconds to weigh) (`Plan.exchange_order`).
 
 Backward the same pairs exchange again, the gradients of the rows each step received
 going back, but a step's return can start only once both its ranks have computed their
@@ -109,6 +114,27 @@ def exchange_order(traffic_tokens: np.ndarray, model: CostModel, inner_size: int
         if theirs:
             push(heap, (done, p))
     return order
+
+
+def matching_round(a: int, b: int, num_ranks: int) -> int:
+    """The round in which outer ranks a < b meet in a round-robin of `num_ranks` ranks (the
+    circle method): every round a perfect matching (one rank idle where R is odd), every
+    pair once in R - 1 rounds (R where R is odd). Rank n - 1 of n = R rounded up to even
+    meets rank r in round r; two others, a and b, in the round k with 2k = a + b mod n - 1."""
+    n = num_ranks + num_ranks % 2
+    if b == n - 1:
+        return a
+    return (a + b) * (n // 2) % (n - 1)
+
+
+def matching_order(exchange_s: Mapping[tuple[int, int], float], num_ranks: int) -> dict[tuple[int, int], int]:
+    """The position of every pair of `exchange_s` in round-robin rounds (`matching_round`;
+    within a round, by pair). Blind to the sizes like the rounds of `exchange_round`, but
+    each round a perfect matching: where every pair exchanges alike and computes alike (a
+    zigzag layout's, as a KV ring's steps), every rank meets one peer a round, in lockstep,
+    and no rank waits for a partner still busy with another."""
+    pairs = sorted(exchange_s, key=lambda pair: (matching_round(*pair, num_ranks), pair))
+    return {pair: i for i, pair in enumerate(pairs)}
 
 
 def paced_exchange_order(exchange_s: Mapping[tuple[int, int], float], step_s: Sequence[Sequence[float]],

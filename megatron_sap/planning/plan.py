@@ -20,7 +20,7 @@ import torch
 from ..validation import check_bool, check_divisible, cu_seqlens_to_list, positive_int
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, inner_peer_links, step_pairs, ulysses_cost, whole_documents_s
-from .order import (MAX_PACED_PAIRS, backward_order, exchange_order, exchange_seconds, layer_seconds,
+from .order import (MAX_PACED_PAIRS, backward_order, exchange_order, exchange_seconds, layer_seconds, matching_order,
                     paced_exchange_order)
 from .candidates import candidates
 from .placement import Build, Placement
@@ -37,11 +37,12 @@ DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
 # of every row.
 GATHERED_PREFERENCE = 0.02
 # Up to this many outer ranks the plan times every rank's programs together
-# (`timeline.joint_schedule`) in three options, the link order in either schedule and the
-# paced order pipelined, and runs the fastest (`Plan._choose_together`): 2-12 ms per fresh
-# plan at 8 outer ranks, 3-41 ms at 16 (docs/planner.md, "Where the ranks wait for each
-# other"); beyond, the schedule the slowest rank alone runs faster and, pipelined, the
-# order the step-level models end sooner (`Plan._choose_by_steps`; compiling all ranks
+# (`timeline.joint_schedule`) in four options, the link order in either schedule and the
+# paced and matching orders pipelined, and runs the fastest (`Plan._choose_together`): 2-12
+# ms per fresh plan at 8 outer ranks, 3-41 ms at 16 with the first three (docs/planner.md,
+# "Where the ranks wait for each other"), about a third more with the fourth; beyond, the
+# schedule the slowest rank alone runs faster and, pipelined, the order the step-level
+# models end sooner (`Plan._choose_by_steps`; compiling all ranks
 # grows as R^2).
 JOINT_SCHEDULE_RANKS = 16
 DEFAULT_COST_MODEL = CostModel.preset("h100")
@@ -107,6 +108,17 @@ class _StepSeconds(NamedTuple):
         """`order.paced_exchange_order` of these steps."""
         return paced_exchange_order(self.exchange_s, self.forward, self.local)
 
+    def orders(self, link: dict[tuple[int, int], int]) -> dict[str, dict[tuple[int, int], int]]:
+        """The exchange orders weighed up to JOINT_SCHEDULE_RANKS outer ranks, by name: the
+        `link` order, the paced one and the matching one (`order.matching_order`), each
+        only where it differs from those before it."""
+        orders = {"link": link}
+        matching = matching_order(self.exchange_s, len(self.local))
+        for name, order in (("paced", self.paced_order()), ("matching", matching)):
+            if all(order != other for other in orders.values()):
+                orders[name] = order
+        return orders
+
     def layer_seconds(self, order: Mapping[tuple[int, int], int]) -> float:
         """`order.layer_seconds` of these steps with the exchanges in `order`."""
         return layer_seconds(order, self.exchange_s, self.forward, self.local, self.backward.tolist(), self.backward_total)
@@ -114,12 +126,13 @@ class _StepSeconds(NamedTuple):
     def level_seconds(self, traffic_tokens: np.ndarray, model: CostModel, inner_size: int) -> float:
         """The pipelined layer, all ranks together, under the step-level models
         (`layer_seconds`), in the link order (`order.exchange_order` of the plan's
-        `traffic_tokens`) or the paced one, whichever ends sooner. Unlike the estimate, it
-        sees a rank wait for a peer busy with its own kernels or exchanges (a contiguous
-        split's chain of exchanges, say); the all-to-alls, the same for every candidate, are
-        left out."""
-        link, paced = exchange_order(traffic_tokens, model, inner_size), self.paced_order()
-        return min(self.layer_seconds(order) for order in ((link,) if paced == link else (link, paced)))
+        `traffic_tokens`), the paced one or the matching one, whichever ends sooner (the
+        orders `Plan` chooses among up to JOINT_SCHEDULE_RANKS outer ranks). Unlike the
+        estimate, it sees a rank wait for a peer busy with its own kernels or exchanges (a
+        contiguous split's chain of exchanges, say); the all-to-alls, the same for every
+        candidate, are left out."""
+        orders = self.orders(exchange_order(traffic_tokens, model, inner_size))
+        return min(self.layer_seconds(order) for order in orders.values())
 
 
 @dataclass(eq=False)
@@ -317,8 +330,9 @@ class Plan:
     def exchange_order(self) -> Mapping[tuple[int, int], int]:
         """The position of every exchanging pair of outer ranks (a, b), a < b, in the order
         every rank runs its exchanges (`planning.order`; computed once, read-only: plans
-        are shared through the cache): the link order (`order.exchange_order`) or the one
-        paced by the kernels (`order.paced_exchange_order`), chosen with the schedule
+        are shared through the cache): the link order (`order.exchange_order`), the one
+        paced by the kernels (`order.paced_exchange_order`) or, up to JOINT_SCHEDULE_RANKS
+        outer ranks, the round-robin one (`order.matching_order`), chosen with the schedule
         (`_choose`)."""
         if self._order is None:
             self._choose(None)
@@ -397,16 +411,16 @@ class Plan:
     def _choose_together(self, keep_rank: int | None, link: dict[tuple[int, int], int], steps: _StepSeconds) -> None:
         """Choose the exchange order and the schedule every rank runs by all ranks' compiled
         programs timed together (`timeline.joint_schedule`), keeping the K/V: the `link`
-        order in either schedule, or the order paced by the kernels
-        (`order.paced_exchange_order`, built for the pipelined forward) in the pipelined one;
-        the first of those on a tie. Of the programs compiled the plan keeps only
-        `keep_rank`'s, in the order and schedule it will run (another rank's, or one it will
-        not run, would go with the plan wherever it is pickled)."""
-        paced = steps.paced_order()
-        orders = {"link": link} if paced == link else {"link": link, "paced": paced}
+        order in either schedule, or in the pipelined one the order paced by the kernels
+        (`order.paced_exchange_order`, built for the pipelined forward) or the round-robin
+        one (`order.matching_order`); the first of those on a tie (`_StepSeconds.orders`). Of
+        the programs compiled the plan keeps only `keep_rank`'s, in the order and schedule it
+        will run (another rank's, or one it will not run, would go with the plan wherever it
+        is pickled)."""
+        orders = steps.orders(link)
         # each: the forward order, its levels, the backward's order and its levels
         ordered = {name: self._orders_of(order, steps) for name, order in orders.items()}
-        options = [("link", "gathered"), ("link", "pipelined"), ("paced", "pipelined")]
+        options = [("link", "gathered"), ("link", "pipelined"), ("paced", "pipelined"), ("matching", "pipelined")]
         best = None
         for name, schedule in (option for option in options if option[0] in ordered):
             order, levels, _, backward_levels = ordered[name]

@@ -16,8 +16,9 @@ documents. Structure, for outer rank r:
   the link at once: its exchanges take the sum over peers of the larger side, where
   pairing a send to r+d with a receive from r-d (a ring schedule) took the sum over
   steps, up to twice as long where traffic is one-sided per peer. The steps follow one
-  order of the rank pairs that every rank runs (`Plan.exchange_order`: `order.exchange_order`
-  or `order.paced_exchange_order`), which keeps ranks from waiting long for each other;
+  order of the rank pairs that every rank runs (`Plan.exchange_order`: `order.exchange_order`,
+  `order.paced_exchange_order` or `order.matching_order`), which keeps ranks from waiting
+  long for each other;
   any such order is free of deadlock.
 
 The backward pass runs the same steps with the roles reversed: the gradients of the
