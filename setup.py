@@ -10,6 +10,7 @@ TEST = [
     "pytest>=8",
     "hypothesis>=6.100",
     "numpy>=1.26",
+    "pyyaml>=6",  # the GPU workflow's file, read by tests/test_megatron_scripts.py
 ]
 BENCH = [
     "tiktoken==0.14.0",

@@ -88,8 +88,12 @@ def run_rank(
     `tile`: plan with that kernel tile instead of the default model's (small tiles split
     the short documents of these tests into whole-tile chunks); `gpus_per_node`: plan
     with nodes of that many ranks; `cost_overrides`: other fields of the planning cost
-    model; `inner_chunks`: sap_attention's (the count run is in the result)."""
+    model; `inner_chunks`: sap_attention's (the count run is in the result: "chunks_run",
+    the head chunks of each chunked op that ran, none where the op ran unchunked)."""
     from dataclasses import replace
+    from unittest import mock
+
+    from megatron_sap import attention
 
     import megatron_sap as sap
     from megatron_sap.comm.traffic import count_traffic
@@ -112,7 +116,13 @@ def run_rank(
     ql, kl, vl = (t[idx].to(cast).requires_grad_() for t in (q, k, v))
     if schedule == "mixed":  # outer ranks alternate: a rank's schedule changes nothing for its peers
         schedule = ("pipelined", "gathered")[groups.outer_rank % 2]
-    with count_traffic() as log:
+    chunked_forward, chunks_run = attention._SAPChunkedAttention.forward, []
+
+    def counted(ctx, *args):
+        chunks_run.append(len(args[-1]))  # the head slices, one per chunk
+        return chunked_forward(ctx, *args)
+
+    with count_traffic() as log, mock.patch.object(attention._SAPChunkedAttention, "forward", staticmethod(counted)):
         out = sap.sap_attention(ql, kl, vl, plan, groups, softmax_scale=scale, recompute_kv=recompute_kv,
                                 schedule=schedule, inner_chunks=inner_chunks)
         out.backward(dout[idx].to(cast))
@@ -124,6 +134,7 @@ def run_rank(
         "dk": kl.grad,
         "dv": vl.grad,
         "plan_inner_chunks": plan.inner_chunks(groups.outer_rank, recompute_kv),
+        "chunks_run": chunks_run,
     }
     if count_bytes:
         result["p2p_bytes"] = log.total_bytes("p2p")

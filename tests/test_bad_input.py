@@ -388,7 +388,9 @@ def test_sap_attention_takes_numpy_and_integer_scales() -> None:
     want = sap.sap_attention(q, k, v, plan, softmax_scale=0.5)
     for scale in (np.float32(0.5), np.float64(0.5)):
         assert torch.equal(sap.sap_attention(q, k, v, plan, softmax_scale=scale), want)
-    sap.sap_attention(q, k, v, plan, softmax_scale=1)
+    one = sap.sap_attention(q, k, v, plan, softmax_scale=1)
+    assert torch.equal(one, sap.sap_attention(q, k, v, plan, softmax_scale=1.0))
+    assert not torch.equal(one, sap.sap_attention(q, k, v, plan))  # 1, not the default 1/sqrt(d)
 
 
 def test_plan_methods_reject_a_non_bool_recompute_kv_and_an_absent_device() -> None:
@@ -505,7 +507,10 @@ def test_check_finite_env(monkeypatch: pytest.MonkeyPatch) -> None:
     q[2, 3, 0] = float("nan")
     plan = _plan([0, 3, 8])
     monkeypatch.delenv("MEGATRON_SAP_CHECK_FINITE", raising=False)
-    assert torch.isnan(sap.sap_attention(q, k, v, plan)[2, 3]).all()  # off: NaN stays in its own row
+    out = sap.sap_attention(q, k, v, plan)  # off: NaN stays in its own row and head
+    assert torch.isnan(out[2, 3]).all()
+    out[2, 3] = 0.0
+    assert torch.isfinite(out).all()
     monkeypatch.setenv("MEGATRON_SAP_CHECK_FINITE", "1")
     with pytest.raises(ValueError, match=r"q contains 1 NaN or Inf values, the first at local token 2, head 3"):
         sap.sap_attention(q, k, v, plan)
