@@ -222,8 +222,8 @@ def test_auto_runs_the_order_and_schedule_all_ranks_together_finish_soonest(cu, 
     schedule in which all ranks together finish soonest, of the link order in either
     schedule and the paced and matching orders in the pipelined one (the first on a tie); the plan's
     time is that one's. On the first row the slowest rank alone would choose the gathered
-    schedule; on the second the matching order wins (3% over the paced one, 12% over the
-    link order's best); on the third the paced order, by 12% over the link order's best."""
+    schedule; on the second the matching order wins (3% faster than the paced one, 12%
+    faster than the link order's best); on the third the paced order, by 12% over the link order's best."""
     plan = sap.plan_sequences(cu, outer_size=outer_size, inner_size=inner_size, cache=None)
     orders, times = order_options(plan)
     best = min(times, key=times.get)  # the first of equals: dicts keep their order

@@ -126,13 +126,14 @@ class _StepSeconds(NamedTuple):
     def level_seconds(self, traffic_tokens: np.ndarray, model: CostModel, inner_size: int) -> float:
         """The pipelined layer, all ranks together, under the step-level models
         (`layer_seconds`), in the link order (`order.exchange_order` of the plan's
-        `traffic_tokens`), the paced one or the matching one, whichever ends sooner (the
-        orders `Plan` chooses among up to JOINT_SCHEDULE_RANKS outer ranks). Unlike the
-        estimate, it sees a rank wait for a peer busy with its own kernels or exchanges (a
-        contiguous split's chain of exchanges, say); the all-to-alls, the same for every
-        candidate, are left out."""
-        orders = self.orders(exchange_order(traffic_tokens, model, inner_size))
-        return min(self.layer_seconds(order) for order in orders.values())
+        `traffic_tokens`) or the paced one, whichever ends sooner. Unlike the estimate, it
+        sees a rank wait for a peer busy with its own kernels or exchanges (a contiguous
+        split's chain of exchanges, say); the all-to-alls, the same for every candidate, are
+        left out. The matching order, which the plan weighs too (`orders`), is left out here:
+        in the choice among candidates it changed 2 of 728 rows' layouts for the worse (by up
+        to 1%) and none for the better (docs/planner.md, "The matching order")."""
+        link, paced = exchange_order(traffic_tokens, model, inner_size), self.paced_order()
+        return min(self.layer_seconds(order) for order in ((link,) if paced == link else (link, paced)))
 
 
 @dataclass(eq=False)
