@@ -93,9 +93,8 @@ def run_rank(
     from dataclasses import replace
     from unittest import mock
 
-    from megatron_sap import attention
-
     import megatron_sap as sap
+    from megatron_sap import attention
     from megatron_sap.comm.traffic import count_traffic
     from megatron_sap.planning import CostModel, PlanCache
 
