@@ -218,20 +218,36 @@ def test_deterministic_across_runs_and_cache(pool4):
             assert torch.equal(a[name], b[name]) and torch.equal(a[name], c[name]), name
 
 
-@pytest.mark.parametrize("schedule", ["pipelined", "gathered"])
-def test_no_contamination(pool4, schedule):
-    """Changing one document changes no other document's outputs or gradients, bitwise."""
-    rng = random.Random(21)
-    cu = random_cu_seqlens(rng, 4 * 64, "mixture")
+SHARED_CALLS = [0, 59, 129, 256]  # at 1 x 4 some kernel calls hold rows of two documents
+
+
+@pytest.mark.parametrize("inner, dtype, schedule, recompute_kv, inner_chunks, kind", [
+    (1, "float32", "pipelined", False, "auto", "mixture"),
+    (1, "float32", "pipelined", False, "auto", "shared calls"),
+    (1, "float32", "gathered", False, "auto", "shared calls"),
+    (2, "float32", "pipelined", False, 2, "shared calls"),
+    (1, "float32", "gathered", False, "auto", "mixture"),
+    (2, "bfloat16", "pipelined", True, "auto", "long"),
+    (2, "float32", "gathered", False, 2, "long"),
+    (4, "bfloat16", "pipelined", False, "auto", "mixture"),
+])
+def test_no_contamination(pool4, inner, dtype, schedule, recompute_kv, inner_chunks, kind):
+    """Changing one document (a few spread over the row, and the longest, split over ranks)
+    changes no other document's outputs or gradients, bitwise: flat and two-level, in both
+    schedules, with recompute_kv and head chunks, in float32 and bfloat16, and on a row
+    whose kernel calls hold rows of two documents (which a leak across a call's rows, in
+    the kernels or the merge, would show)."""
+    cu = SHARED_CALLS if kind == "shared calls" else random_cu_seqlens(random.Random(21), 4 * 64, kind)
     docs = [d for d in range(len(cu) - 1) if cu[d + 1] > cu[d]]
-    target = docs[len(docs) // 2]
-    base = assemble(pool4.run(run_rank, cu, 1, 4, 2, 8, "float32", 6, schedule=schedule), cu[-1])
-    moved = assemble(pool4.run(run_rank, cu, 1, 4, 2, 8, "float32", 6, perturb_doc=target, schedule=schedule), cu[-1])
-    inside = torch.zeros(cu[-1], dtype=torch.bool)
-    inside[cu[target] : cu[target + 1]] = True
-    for name in ("out", "dq", "dk", "dv"):
-        assert torch.equal(base[name][~inside], moved[name][~inside]), name
-        assert not torch.equal(base[name][inside], moved[name][inside]), name
+    options = dict(schedule=schedule, recompute_kv=recompute_kv, inner_chunks=inner_chunks)
+    base = assemble(pool4.run(run_rank, cu, inner, 4, 2, 8, dtype, 6, **options), cu[-1])
+    for target in set(docs[:: max(1, len(docs) // 4)]) | {max(docs, key=lambda d: cu[d + 1] - cu[d])}:
+        moved = assemble(pool4.run(run_rank, cu, inner, 4, 2, 8, dtype, 6, perturb_doc=target, **options), cu[-1])
+        inside = torch.zeros(cu[-1], dtype=torch.bool)
+        inside[cu[target] : cu[target + 1]] = True
+        for name in ("out", "dq", "dk", "dv"):
+            assert torch.equal(base[name][~inside], moved[name][~inside]), (name, target)
+            assert not torch.equal(base[name][inside], moved[name][inside]), (name, target)
 
 
 @pytest.mark.parametrize("inner, kv, schedule, recompute_kv", [
