@@ -171,7 +171,11 @@ def ulysses_error(rank: int, world_size: int, heads_q: int, heads_kv: int) -> st
 
 
 @pytest.mark.parametrize("dist_pool", [4], indirect=True)
-@pytest.mark.parametrize("heads_q,heads_kv,match", [(6, 6, "query heads"), (12, 6, "key/value heads"), (12, 3, "key/value heads")])
+@pytest.mark.parametrize("heads_q,heads_kv,match", [
+    (6, 6, "query heads (6) must be divisible by the inner (Ulysses) size (4)"),
+    (12, 6, "key/value heads (6) must be divisible by the inner size (4)"),
+    (12, 3, "key/value heads (3) fewer than the inner size (4) must divide it"),
+])
 def test_ulysses_head_errors(dist_pool, heads_q, heads_kv, match):
     assert all(match in message for message in dist_pool.run(ulysses_error, heads_q, heads_kv))
 
@@ -304,8 +308,8 @@ def test_kv_heads_per_rank():
         kv_heads_per_rank(12, 6, 4)
     with pytest.raises(ValueError, match=r"must be a multiple of KV heads"):
         kv_heads_per_rank(8, 3, 2)
-    with pytest.raises(ValueError):
-        get("a2a").model_stats(_cu([10]), 4, CostModel().with_shape(12, 6, 64))
+    with pytest.raises(ValueError, match=r"key/value heads \(6\) must be divisible by the inner size \(4\)"):
+        get("a2a").model_stats(_cu([12]), 4, CostModel().with_shape(12, 6, 64))
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
