@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections.abc import Iterator
 
 import torch
 
@@ -62,6 +63,24 @@ def groups_for(inner: int, outer: int):
     return _GROUPS[(inner, outer)]
 
 
+@contextlib.contextmanager
+def counting_chunked_ops() -> Iterator[list[int]]:
+    """Inside the block, the head chunks of each head-chunked SAP op run forward
+    (`attention._SAPChunkedAttention`), in a list: none where every op ran unchunked."""
+    from unittest import mock
+
+    from megatron_sap import attention
+
+    forward, chunks_run = attention._SAPChunkedAttention.forward, []
+
+    def counted(ctx, *args):
+        chunks_run.append(len(args[-1]))  # the head slices, one per chunk
+        return forward(ctx, *args)
+
+    with mock.patch.object(attention._SAPChunkedAttention, "forward", staticmethod(counted)):
+        yield chunks_run
+
+
 def run_rank(
     rank: int,
     world: int,
@@ -91,10 +110,8 @@ def run_rank(
     model; `inner_chunks`: sap_attention's (the count run is in the result: "chunks_run",
     the head chunks of each chunked op that ran, none where the op ran unchunked)."""
     from dataclasses import replace
-    from unittest import mock
 
     import megatron_sap as sap
-    from megatron_sap import attention
     from megatron_sap.comm.traffic import count_traffic
     from megatron_sap.planning import CostModel, PlanCache
 
@@ -115,13 +132,7 @@ def run_rank(
     ql, kl, vl = (t[idx].to(cast).requires_grad_() for t in (q, k, v))
     if schedule == "mixed":  # outer ranks alternate: a rank's schedule changes nothing for its peers
         schedule = ("pipelined", "gathered")[groups.outer_rank % 2]
-    chunked_forward, chunks_run = attention._SAPChunkedAttention.forward, []
-
-    def counted(ctx, *args):
-        chunks_run.append(len(args[-1]))  # the head slices, one per chunk
-        return chunked_forward(ctx, *args)
-
-    with count_traffic() as log, mock.patch.object(attention._SAPChunkedAttention, "forward", staticmethod(counted)):
+    with count_traffic() as log, counting_chunked_ops() as chunks_run:
         out = sap.sap_attention(ql, kl, vl, plan, groups, softmax_scale=scale, recompute_kv=recompute_kv,
                                 schedule=schedule, inner_chunks=inner_chunks)
         out.backward(dout[idx].to(cast))

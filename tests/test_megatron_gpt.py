@@ -91,15 +91,10 @@ def run_chunked_rank(rank: int, world_size: int, inner: int, outer: int) -> dict
     from unittest import mock
 
     import megatron_sap.megatron
-    from megatron_sap import attention
     from megatron_sap.megatron.options import reset_sap_options, set_sap_options
+    from sap_cases import counting_chunked_ops
 
-    forward, initialize = attention._SAPChunkedAttention.forward, megatron_sap.megatron.initialize_sap_parallel
-    chunked = []
-
-    def counted(ctx, *args):
-        chunked.append(len(args[-1]))
-        return forward(ctx, *args)
+    initialize = megatron_sap.megatron.initialize_sap_parallel
 
     def initialize_then_chunk(**sizes):  # the CP=1 reference has no inner level to chunk
         if sizes["inner_size"] > 1:
@@ -107,7 +102,7 @@ def run_chunked_rank(rank: int, world_size: int, inner: int, outer: int) -> dict
         return initialize(**sizes)
 
     try:
-        with mock.patch.object(attention._SAPChunkedAttention, "forward", staticmethod(counted)), \
+        with counting_chunked_ops() as chunked, \
                 mock.patch.object(megatron_sap.megatron, "initialize_sap_parallel", initialize_then_chunk):
             found = run_rank(rank, world_size, inner, outer)
     finally:

@@ -42,8 +42,7 @@ GATHERED_PREFERENCE = 0.02
 # ms per fresh plan at 8 outer ranks, 3-41 ms at 16 with the first three (docs/planner.md,
 # "Where the ranks wait for each other"), about a third more with the fourth; beyond, the
 # schedule the slowest rank alone runs faster and, pipelined, the order the step-level
-# models end sooner (`Plan._choose_by_steps`; compiling all ranks
-# grows as R^2).
+# models end sooner (`Plan._choose_by_steps`; compiling all ranks grows as R^2).
 JOINT_SCHEDULE_RANKS = 16
 DEFAULT_COST_MODEL = CostModel.preset("h100")
 TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on the step-level models, then bytes moved
@@ -108,13 +107,15 @@ class _StepSeconds(NamedTuple):
         """`order.paced_exchange_order` of these steps."""
         return paced_exchange_order(self.exchange_s, self.forward, self.local)
 
-    def orders(self, link: dict[tuple[int, int], int]) -> dict[str, dict[tuple[int, int], int]]:
-        """The exchange orders weighed up to JOINT_SCHEDULE_RANKS outer ranks, by name: the
-        `link` order, the paced one and the matching one (`order.matching_order`), each
-        only where it differs from those before it."""
+    def orders(self, link: dict[tuple[int, int], int], matching: bool = True) -> dict[str, dict[tuple[int, int], int]]:
+        """The exchange orders weighed, by name: the `link` order, the paced one and (with
+        `matching`, as up to JOINT_SCHEDULE_RANKS outer ranks) the matching one
+        (`order.matching_order`), each only where it differs from those before it."""
         orders = {"link": link}
-        matching = matching_order(self.exchange_s, len(self.local))
-        for name, order in (("paced", self.paced_order()), ("matching", matching)):
+        candidates = [("paced", self.paced_order())]
+        if matching:
+            candidates.append(("matching", matching_order(self.exchange_s, len(self.local))))
+        for name, order in candidates:
             if all(order != other for other in orders.values()):
                 orders[name] = order
         return orders
@@ -132,8 +133,8 @@ class _StepSeconds(NamedTuple):
         left out. The matching order, which the plan weighs too (`orders`), is left out here:
         in the choice among candidates it changed 2 of 728 rows' layouts for the worse (by up
         to 1%) and none for the better (docs/planner.md, "The matching order")."""
-        link, paced = exchange_order(traffic_tokens, model, inner_size), self.paced_order()
-        return min(self.layer_seconds(order) for order in ((link,) if paced == link else (link, paced)))
+        orders = self.orders(exchange_order(traffic_tokens, model, inner_size), matching=False)
+        return min(self.layer_seconds(order) for order in orders.values())
 
 
 @dataclass(eq=False)
