@@ -29,6 +29,7 @@ from megatron_sap.planning.greedy import SPREAD_NODE, SPREAD_WIDE, GreedyPasses,
 from megatron_sap.planning.layouts import (BALANCED, DEALT, REFINED, ZigzagBuild, balanced_order, contiguous, dealt_order,
                                           refined_order, whole_packing)
 from megatron_sap.planning.placement import build_all
+from megatron_sap.planning.program import compile_program
 from megatron_sap.planning.tally import Tally
 from megatron_sap.planning.plan import (DEFAULT_SLACKS, RECHECK_RANKS, STEP_CHOICE_RANKS, TIME_RESOLUTION_S, TIME_TOLERANCE,
                                         TIMELINE_BAND, TIMELINE_CANDIDATES, at_bound, step_seconds)
@@ -178,18 +179,35 @@ def test_every_candidate_is_a_placement(batch):
 
 def work_from_pieces(placement, cu: list[int], model: CostModel) -> tuple[list[int], list[int], list[int], np.ndarray]:
     """Per rank: exact pairs, tile pairs, tile pairs with local keys and the [R, R] KV
-    traffic, read off the pieces one by one (an independent reference for `rank_work`)."""
+    traffic, read off the pieces one by one (an independent reference for `rank_work`).
+    A rank's tile pairs of a document are the fewer of its two schedules' calls: gathered,
+    each piece against every earlier key of the document; pipelined, its pieces in one
+    causal segment (the local pairs) and, per peer, the peer's pieces that the same of its
+    pieces attend in one block."""
     R = placement.num_ranks
     exact, tiles, local = [0] * R, [0] * R, [0] * R
     traffic = np.zeros((R, R), dtype=np.int64)
     for r, pieces in enumerate(placement.ranks):
-        for p in pieces:
-            doc_start, n = cu[p.doc], p.end - p.start
-            exact[r] += sum(q - doc_start + 1 for q in range(p.start, p.end))
-            own_before = sum(o.end - o.start for o in pieces if o.doc == p.doc and o.end <= p.start)
-            diagonal = model.block_pairs(n, n, causal=True)
-            tiles[r] += diagonal + model.block_pairs(n, p.start - doc_start, causal=False)
-            local[r] += diagonal + model.block_pairs(n, own_before, causal=False)
+        for doc in {p.doc for p in pieces}:
+            mine = [p for p in pieces if p.doc == doc]
+            rows = sum(p.end - p.start for p in mine)
+            gathered = 0
+            for p in mine:
+                doc_start, n = cu[p.doc], p.end - p.start
+                exact[r] += sum(q - doc_start + 1 for q in range(p.start, p.end))
+                gathered += model.block_pairs(n, n, causal=True) + model.block_pairs(n, p.start - doc_start, causal=False)
+            together = model.block_pairs(rows, rows, causal=True)
+            pipelined = together
+            for src, others in enumerate(placement.ranks):
+                segments: dict[tuple, int] = {}
+                for key in (o for o in others if o.doc == doc and src != r):
+                    queries = tuple(p for p in mine if key.end <= p.start)
+                    if queries:
+                        segments[queries] = segments.get(queries, 0) + key.end - key.start
+                pipelined += sum(model.block_pairs(sum(p.end - p.start for p in queries), keys, causal=False)
+                                 for queries, keys in segments.items())
+            tiles[r] += min(gathered, pipelined)
+            local[r] += together
     for dst, pieces in enumerate(placement.ranks):
         for doc in {p.doc for p in pieces}:
             last_start = max(p.start for p in pieces if p.doc == doc)  # keys needed: the document before it
@@ -257,24 +275,68 @@ def test_whole_pairs_are_each_documents_tile_pairs(lengths, tile):
 @settings(max_examples=100, deadline=None)
 @given(st.booleans(), st.one_of(st.lists(CHUNK_SIZES, min_size=1, max_size=12), st.lists(CHUNK_SIZES, min_size=64, max_size=140)))
 def test_cut_costs_are_each_slots_tile_pairs(paired, chunks):
-    """A slot's cost is the tile-rounded pairs of its head chunk plus those of its tail
-    (a causal diagonal and one full block over the earlier keys of the document), for
-    narrow cuts and for wide ones (priced in array operations) alike."""
+    """A slot's cost is the fewer tile pairs of the two ways the compiled calls run it, for
+    narrow cuts and for wide ones (priced in array operations) alike: gathered, each chunk
+    a causal diagonal and one full block over the earlier keys of the document; pipelined
+    (a paired cut), head and tail in one causal segment, one block over each earlier
+    slot's head, and the tail's over each later slot's head and tail."""
     if paired and len(chunks) % 2:
         chunks = chunks + [chunks[0]]
     cut, t = Cut(chunks, paired, 128), 128
 
-    def tile_pairs(offset: int, size: int) -> int:
-        rows = -(-size // t)
-        return sum(t * t * (i + 1 + -(-offset // t)) for i in range(rows))
+    def tiles(n: int) -> int:
+        return -(-n // t)
+
+    def causal(offset: int, size: int) -> int:  # a bottom-right causal block, tile row by tile row
+        return sum(t * t * (i + 1 + tiles(offset)) for i in range(tiles(size)))
+
+    def block(q: int, k: int) -> int:
+        return sum(t * t * tiles(k) for _ in range(tiles(q)))
 
     offsets = np.cumsum([0, *chunks]).tolist()
     k = len(chunks) // 2 if paired else len(chunks)
-    expected = [
-        tile_pairs(offsets[i], chunks[i]) + (tile_pairs(offsets[-2 - i], chunks[-1 - i]) if paired else 0)
-        for i in range(k)
-    ]
+    expected = []
+    for i in range(k):
+        gathered = causal(offsets[i], chunks[i])
+        if paired:
+            head, tail = chunks[i], chunks[-1 - i]
+            gathered += causal(offsets[-2 - i], tail)
+            pipelined = causal(0, head + tail)
+            pipelined += sum(block(head + tail, chunks[j]) for j in range(i))
+            pipelined += sum(block(tail, chunks[j] + chunks[-1 - j]) for j in range(i + 1, k))
+            gathered = min(gathered, pipelined)
+        expected.append(gathered)
     assert cut.costs == tuple(expected) and all(type(c) is int for c in cut.costs)
+    assert all(local <= cost for local, cost in zip(cut.local_costs, cut.costs))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 700), st.sampled_from([2, 3, 4, 5, 8]))
+def test_cut_costs_count_the_compiled_calls_tiles(per_rank, outer):
+    """One document over `outer` ranks, zigzag (token-level chunks) and greedy (whole
+    tiles): the gathered programs' calls take each slot's head and tail apart
+    (`tile_pairs`), the pipelined programs' exactly its cost wherever that is fewer, and
+    no fewer than apart elsewhere."""
+    model = CostModel.preset("h100")
+    t, n = model.tile, per_rank * outer
+    built = build_all(candidates([0], [n], outer, per_rank, model, DEFAULT_SLACKS, 1))
+    for name in ("zigzag", "greedy(slack=0, zigzag)"):
+        placement = built[name]
+        (record,) = placement.records
+        cut = record.cut
+        for schedule in ("gathered", "pipelined"):
+            for slot, rank in enumerate(record.ranks):
+                program = compile_program(placement, rank, schedule=schedule, tile=t)
+                calls = [*program.local_calls, *(c for step in program.transfers for c in step.calls)]
+                run = sum(model.block_pairs(q, k, c.causal) for c in calls for q, k in c.seqlens)
+                apart = (tile_pairs(t, cut.head_at[slot], cut.heads[slot])
+                         + tile_pairs(t, cut.tail_at[slot], cut.tails[slot]))
+                if schedule == "gathered":
+                    assert run == apart
+                elif cut.costs[slot] < apart:
+                    assert run == cut.costs[slot]
+                else:
+                    assert run >= apart == cut.costs[slot]
 
 
 @settings(max_examples=100, deadline=None)
@@ -1317,11 +1379,12 @@ def test_a_choice_timed_far_over_its_estimate_is_timed_against_the_step_level_mo
 
 
 def test_step_level_choice_keeps_ranks_from_waiting_for_each_other():
-    """A realistic 32K row at `1 x 8`: greedy passes at slack 0 and 0.02 and the spread pass
-    are within TIME_TOLERANCE by the estimate. The one moving the fewest bytes makes ranks
-    wait for busy peers; the step-level models see it, and the plan takes the spread layout,
-    over 10% faster with all ranks' programs timed together."""
-    cu, outer, inner = realistic_cu_seqlens(32768, 38), 8, 1
+    """A realistic 32K row at `1 x 8`: the greedy pass at slack 0 and the spread pass are
+    within TIME_TOLERANCE by the estimate. The one moving fewer bytes makes ranks wait for
+    busy peers (the step-level models time it 1.33x the fastest estimate, the spread one
+    1.03x); the models see it, and the plan takes the spread layout, over 20% faster with
+    all ranks' programs timed together."""
+    cu, outer, inner = realistic_cu_seqlens(32768, 35), 8, 1
     model = CostModel.preset("h100")
     plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
     assert plan._steps is not None  # the choice's step-level inputs, handed on to the choice of order and schedule
@@ -1335,11 +1398,11 @@ def test_step_level_choice_keeps_ranks_from_waiting_for_each_other():
     level = lambda p: step_seconds(p.placement, p.evaluation, model, inner).level_seconds(  # noqa: E731
         p.evaluation.traffic_tokens, model, inner)
     assert level(plan) < level(other)
-    assert plan.stats()["modelled_time_s"] < 0.9 * other.stats()["modelled_time_s"]
-    # The near candidates weighed, the chosen one the soonest; the step-level models time it
-    # 9% over its estimate, so the others up to that time were weighed too (RECHECK_MARGIN).
+    assert plan.stats()["modelled_time_s"] < 0.8 * other.stats()["modelled_time_s"]
+    # The near candidates weighed, the chosen one the soonest (the step-level models time it
+    # within RECHECK_MARGIN of its estimate, so no others).
     stepped = plan.stats()["candidates_step_level_s"]
-    assert set(stepped) > set(near) and min(stepped, key=stepped.get) == plan.strategy
+    assert set(stepped) == set(near) and min(stepped, key=stepped.get) == plan.strategy
     assert stepped[plan.strategy] == level(plan)
     assert "(step-level" in describe(plan)
     # Read once and let go; a plan that works them out itself chooses alike.
@@ -1655,17 +1718,21 @@ def pinned_batch(name: str) -> list[int]:
 # (`evaluate`, 2026-12-05): the other candidates' placements, pairs and traffic are unchanged.
 # From 32 outer ranks the plain greedy passes split zigzag only (the realistic rows at 32 and
 # 64 lose their `contiguous` passes; the other candidates' digests are unchanged).
+# A slot whose head and tail share a tile is costed as the pipelined calls run it where that
+# takes fewer tiles (`cuts.paired_costs`, 2026-12-06): the zigzag layout and the greedy passes
+# that split short documents in token-level chunks changed (with them, which ranks the greedy
+# fills); "ones" is unchanged.
 PINNED = {
-    ('one-and-ones', 16, 4): '1584620d058b60ff',
+    ('one-and-ones', 16, 4): 'c4b121c365da8d85',
     ('ones', 64, 1): 'a54c9c310d246584',  # a whole candidate since the best fit (1,024 documents)
-    ('realistic:131072:20', 64, 1): '1b199708d1a6e768',
-    ('realistic:131072:3', 64, 1): 'fef1260ca421ab8a',
-    ('realistic:131072:4', 32, 2): '9376ffb442658927',
-    ('realistic:131072:6', 64, 1): '4f94709f5dce67c9',
-    ('realistic:131072:7', 16, 4): '57299c50af4fc6ab',
-    ('realistic:16384:0', 8, 1): 'cf57a7f3df35cd05',
-    ('realistic:16384:1', 4, 2): 'e18cc413fcedcdec',
-    ('realistic:65536:2', 16, 4): 'd5f5066a6492a5fd',
+    ('realistic:131072:20', 64, 1): '5a694a1038d495a8',
+    ('realistic:131072:3', 64, 1): '136bc8c803c55c57',
+    ('realistic:131072:4', 32, 2): 'f716fadffbc7752c',
+    ('realistic:131072:6', 64, 1): 'bbf3b419e895e077',
+    ('realistic:131072:7', 16, 4): '15c92dffb0fb660e',
+    ('realistic:16384:0', 8, 1): '0eace93636da6cd8',
+    ('realistic:16384:1', 4, 2): '9d1a506021635561',
+    ('realistic:65536:2', 16, 4): 'd1ca6d037deb01a1',
 }
 
 

@@ -24,6 +24,25 @@ def tile_pairs(t: int, offset: int, length: int) -> int:
     return t * t * (nq * (nq + 1) // 2 + nq * -(-offset // t))
 
 
+def paired_costs(heads: Sequence[int], head_at: Sequence[int], tails: Sequence[int], tail_at: Sequence[int],
+                 t: int) -> list[int]:
+    """`Cut.costs` of a paired cut: per slot, the fewer tile pairs of the two ways the
+    compiled calls run it (docs/planner.md, "piece_cost"). Gathered: each chunk against
+    its earlier keys as one block (`tile_pairs`). Pipelined: head and tail side by side in
+    one causal segment (`program._document_runs`; s tiles), the two against each earlier
+    slot's head, and the tail against each later slot's head and tail, one block per
+    peer. Equal where the chunks are whole tiles."""
+    side_by_side = [-(-(h + tl) // t) for h, tl in zip(heads, tails)]
+    earlier = list(accumulate((-(-h // t) for h in heads), initial=0))  # earlier[i]: the heads before slot i
+    later = list(accumulate(reversed(side_by_side), initial=0))[::-1]  # later[i + 1]: the slots after i
+    costs = []
+    for i, (h, ho, tl, to, s) in enumerate(zip(heads, head_at, tails, tail_at, side_by_side)):
+        apart = tile_pairs(t, ho, h) + tile_pairs(t, to, tl)
+        pipelined = t * t * (s * (s + 1) // 2 + s * earlier[i] + -(-tl // t) * later[i + 1])
+        costs.append(min(apart, pipelined))
+    return costs
+
+
 def whole_pairs(lengths: Sequence[int], tile: int) -> np.ndarray:
     """Each document's tile-rounded pairs computed whole (`tile_pairs` at offset 0), int64:
     one array operation for rows of thousands of documents."""
@@ -65,13 +84,18 @@ _ARRAY_CHUNKS = 64  # from this many chunks, slot costs in array operations (the
 
 
 def _array_slot_costs(chunks: Sequence[int], k: int, paired: bool, tile: int) -> tuple[int, ...]:
-    """`Cut.costs` of many chunks: each chunk's tile pairs (see `tile_pairs`), plus its
-    partner's in a paired cut."""
+    """`Cut.costs` of many chunks (as `tile_pairs`, and `paired_costs` in a paired cut) in
+    array operations."""
     sizes = np.array(chunks, dtype=np.int64)
     tiles = -(-sizes // tile)
     pairs = tiles * (tiles + 1) // 2 + tiles * -(-(np.cumsum(sizes) - sizes) // tile)
     if paired:
-        pairs = pairs[:k] + pairs[: k - 1 : -1]
+        apart = pairs[:k] + pairs[: k - 1 : -1]
+        side_by_side = -(-(sizes[:k] + sizes[: k - 1 : -1]) // tile)
+        earlier = np.cumsum(tiles[:k]) - tiles[:k]
+        later = np.cumsum(side_by_side[::-1])[::-1] - side_by_side
+        pipelined = side_by_side * (side_by_side + 1) // 2 + side_by_side * earlier + tiles[: k - 1 : -1] * later
+        pairs = np.minimum(apart, pipelined)
     return tuple((pairs * (tile * tile)).tolist())
 
 
@@ -102,10 +126,7 @@ class Cut:
         if n >= _ARRAY_CHUNKS:
             self.costs = _array_slot_costs(chunks, k, paired, tile)
         elif paired:
-            self.costs = tuple([
-                tile_pairs(tile, ho, h) + tile_pairs(tile, to, tl)
-                for h, ho, tl, to in zip(self.heads, self.head_at, self.tails, self.tail_at)
-            ])
+            self.costs = tuple(paired_costs(self.heads, self.head_at, self.tails, self.tail_at, tile))
         else:
             self.costs = tuple([tile_pairs(tile, ho, h) for h, ho in zip(self.heads, self.head_at)])
         self.sizes = tuple(map(add, self.heads, self.tails))
@@ -145,12 +166,12 @@ class Cut:
     @_memo
     def local_costs(self) -> tuple[int, ...]:
         """Per slot, the tile pairs whose keys it holds: each chunk's diagonal, and the
-        tail's block over the head (its only earlier local key). Together they are the
-        causal triangle of the slot's head and tail tiles side by side: with s tiles in
-        all, s (s + 1) / 2 tile pairs."""
+        tail's block over the head (its only earlier local key). Together they are one
+        causal segment of the head and tail rows side by side, as the pipelined schedule's
+        local call runs them (`program._document_runs`): with s tiles, s (s + 1) / 2 tile
+        pairs."""
         t = self.tile
-        tiles = map(add, [-(-h // t) for h in self.heads], [-(-tl // t) for tl in self.tails])
-        return tuple([t * t * (s * (s + 1) // 2) for s in tiles])
+        return tuple([t * t * (s * (s + 1) // 2) for s in (-(-size // t) for size in self.sizes)])
 
     @_memo
     def recv_tokens(self) -> tuple[int, ...]:

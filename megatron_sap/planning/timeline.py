@@ -1,9 +1,9 @@
 """The executor's own schedule, step by step, under the cost model.
 
 The planner scores candidates with `evaluate`, which treats a rank's steps as equal
-(its transfers and remote compute divided evenly over its messages) and rounds each
-piece's earlier keys to tiles as one block. This module times the compiled programs
-instead, in the order `sap_attention` runs them:
+(its transfers and remote compute divided evenly over its messages) and counts each
+slot's tiles as the cheaper of the two schedules' calls (`cuts.paired_costs`). This
+module times the compiled programs instead, in the order `sap_attention` runs them:
 
 - forward: the first step's exchange is posted and the local calls run under it; then
   each step posts the next one's exchange and runs its calls once its own K/V are in
