@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from itertools import accumulate
 
 import pytest
 import torch
@@ -29,11 +30,34 @@ def test_query_runs_split_at_documents_and_gaps():
     assert runs == ((0, 0, 3), (3, 3, 5), (3, 7, 9))
 
 
-def test_time_work_runs_on_cpu():
-    cu = [0, 50, 64]
-    (work,) = rank_work("sap", cu, 1)
-    forward, backward = time_work(work, 4, 2, 16, device="cpu", dtype=torch.float32, repeats=1)
+def test_time_work_times_the_ranks_work_in_one_call_each(monkeypatch):
+    """Each timed call is the rank's whole work: one causal varlen call whose segments are
+    its query runs against every key of their document up to their end, on its share of
+    the heads; the forward once more than timed (its output feeds the backward)."""
+    from megatron_sap.bench import kernel_time
+
+    cu = random_cu_seqlens(random.Random(2), 4 * 96, "mixture")
+    work = rank_work("sap", cu, 4, 2)[1]
+    calls = {"forward": [], "backward": []}
+
+    def recorder(name, kernel):
+        def record(*args, **kwargs):
+            q, k = (args[0], args[1]) if name == "forward" else (args[1], args[2])
+            cu_q, cu_k = (args[3], args[4]) if name == "forward" else (args[6], args[7])
+            calls[name].append((q.shape[1], k.shape[1], cu_q.tolist(), cu_k.tolist(), kwargs["causal"]))
+            return kernel(*args, **kwargs)
+        return record
+
+    monkeypatch.setattr(kernel_time, "varlen_forward", recorder("forward", kernel_time.varlen_forward))
+    monkeypatch.setattr(kernel_time, "varlen_backward", recorder("backward", kernel_time.varlen_backward))
+    forward, backward = time_work(work, 8, 4, 16, device="cpu", dtype=torch.float32, repeats=2)
     assert forward > 0 and backward > 0
+    assert len(calls["forward"]) == 3 and len(calls["backward"]) == 2
+    q_lengths = [e - s for _, s, e in work.runs]
+    k_lengths = [e - d for d, _, e in work.runs]
+    expected = (4, 2, [0, *accumulate(q_lengths)], [0, *accumulate(k_lengths)], True)
+    assert work.head_fraction == 0.5 and all(call == expected for call in calls["forward"] + calls["backward"])
+    assert sum(q * (2 * k - q + 1) // 2 for q, k in zip(q_lengths, k_lengths)) == work.pairs
 
 
 def test_modelled_pairs_round_each_run_to_tiles():
