@@ -180,14 +180,15 @@ def test_every_candidate_is_a_placement(batch):
 def work_from_pieces(placement, cu: list[int], model: CostModel) -> tuple[list[int], list[int], list[int], np.ndarray]:
     """Per rank: exact pairs, tile pairs, tile pairs with local keys and the [R, R] KV
     traffic, read off the pieces one by one (an independent reference for `rank_work`).
-    A rank's tile pairs of a document are the fewer of its two schedules' calls: gathered,
-    each piece against every earlier key of the document; pipelined, its pieces in one
-    causal segment (the local pairs) and, per peer, the peer's pieces that the same of its
-    pieces attend in one block."""
+    A rank's tile pairs are the fewer of its two schedules' calls, summed over its
+    documents: gathered, each piece against every earlier key of the document; pipelined,
+    its pieces of a document in one causal segment (the local pairs) and, per peer, the
+    peer's pieces that the same of its pieces attend in one block."""
     R = placement.num_ranks
     exact, tiles, local = [0] * R, [0] * R, [0] * R
     traffic = np.zeros((R, R), dtype=np.int64)
     for r, pieces in enumerate(placement.ranks):
+        schedules = [0, 0]
         for doc in {p.doc for p in pieces}:
             mine = [p for p in pieces if p.doc == doc]
             rows = sum(p.end - p.start for p in mine)
@@ -206,8 +207,10 @@ def work_from_pieces(placement, cu: list[int], model: CostModel) -> tuple[list[i
                         segments[queries] = segments.get(queries, 0) + key.end - key.start
                 pipelined += sum(model.block_pairs(sum(p.end - p.start for p in queries), keys, causal=False)
                                  for queries, keys in segments.items())
-            tiles[r] += min(gathered, pipelined)
+            schedules[0] += gathered
+            schedules[1] += pipelined
             local[r] += together
+        tiles[r] = min(schedules)
     for dst, pieces in enumerate(placement.ranks):
         for doc in {p.doc for p in pieces}:
             last_start = max(p.start for p in pieces if p.doc == doc)  # keys needed: the document before it
@@ -275,11 +278,11 @@ def test_whole_pairs_are_each_documents_tile_pairs(lengths, tile):
 @settings(max_examples=100, deadline=None)
 @given(st.booleans(), st.one_of(st.lists(CHUNK_SIZES, min_size=1, max_size=12), st.lists(CHUNK_SIZES, min_size=64, max_size=140)))
 def test_cut_costs_are_each_slots_tile_pairs(paired, chunks):
-    """A slot's cost is the fewer tile pairs of the two ways the compiled calls run it, for
-    narrow cuts and for wide ones (priced in array operations) alike: gathered, each chunk
-    a causal diagonal and one full block over the earlier keys of the document; pipelined
-    (a paired cut), head and tail in one causal segment, one block over each earlier
-    slot's head, and the tail's over each later slot's head and tail."""
+    """A slot's cost is the tile pairs of the gathered schedule's calls, for narrow cuts and
+    for wide ones (priced in array operations) alike: each chunk a causal diagonal and one
+    full block over the earlier keys of the document. Its pipelined cost: head and tail
+    (if any) in one causal segment, one block over each earlier slot's head, and the
+    tail's over each later slot's head and tail."""
     if paired and len(chunks) % 2:
         chunks = chunks + [chunks[0]]
     cut, t = Cut(chunks, paired, 128), 128
@@ -295,28 +298,25 @@ def test_cut_costs_are_each_slots_tile_pairs(paired, chunks):
 
     offsets = np.cumsum([0, *chunks]).tolist()
     k = len(chunks) // 2 if paired else len(chunks)
-    expected = []
+    gathered, pipelined = [], []
     for i in range(k):
-        gathered = causal(offsets[i], chunks[i])
-        if paired:
-            head, tail = chunks[i], chunks[-1 - i]
-            gathered += causal(offsets[-2 - i], tail)
-            pipelined = causal(0, head + tail)
-            pipelined += sum(block(head + tail, chunks[j]) for j in range(i))
-            pipelined += sum(block(tail, chunks[j] + chunks[-1 - j]) for j in range(i + 1, k))
-            gathered = min(gathered, pipelined)
-        expected.append(gathered)
-    assert cut.costs == tuple(expected) and all(type(c) is int for c in cut.costs)
-    assert all(local <= cost for local, cost in zip(cut.local_costs, cut.costs))
+        head, tail = chunks[i], (chunks[-1 - i] if paired else 0)
+        gathered.append(causal(offsets[i], head) + (causal(offsets[-2 - i], tail) if paired else 0))
+        pipelined.append(causal(0, head + tail) + sum(block(head + tail, chunks[j]) for j in range(i))
+                         + sum(block(tail, chunks[j] + chunks[-1 - j]) for j in range(i + 1, k)))
+    assert cut.costs == tuple(gathered) and all(type(c) is int for c in cut.costs)
+    assert cut.pipelined_costs == tuple(pipelined)
+    assert all(type(c) is int for c in cut.pipelined_costs)
+    assert all(local <= min(a, b) for local, a, b in zip(cut.local_costs, cut.costs, cut.pipelined_costs))
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 700), st.sampled_from([2, 3, 4, 5, 8]))
 def test_cut_costs_count_the_compiled_calls_tiles(per_rank, outer):
     """One document over `outer` ranks, zigzag (token-level chunks) and greedy (whole
-    tiles): the gathered programs' calls take each slot's head and tail apart
-    (`tile_pairs`), the pipelined programs' exactly its cost wherever that is fewer, and
-    no fewer than apart elsewhere."""
+    tiles): each rank's gathered program's calls take its slot's `costs`, its pipelined
+    program's its `pipelined_costs`, and the rank is costed the fewer (many documents:
+    `test_every_candidate_evaluates_as_its_pieces`)."""
     model = CostModel.preset("h100")
     t, n = model.tile, per_rank * outer
     built = build_all(candidates([0], [n], outer, per_rank, model, DEFAULT_SLACKS, 1))
@@ -324,19 +324,14 @@ def test_cut_costs_count_the_compiled_calls_tiles(per_rank, outer):
         placement = built[name]
         (record,) = placement.records
         cut = record.cut
-        for schedule in ("gathered", "pipelined"):
-            for slot, rank in enumerate(record.ranks):
+        for slot, rank in enumerate(record.ranks):
+            run = {}
+            for schedule in ("gathered", "pipelined"):
                 program = compile_program(placement, rank, schedule=schedule, tile=t)
                 calls = [*program.local_calls, *(c for step in program.transfers for c in step.calls)]
-                run = sum(model.block_pairs(q, k, c.causal) for c in calls for q, k in c.seqlens)
-                apart = (tile_pairs(t, cut.head_at[slot], cut.heads[slot])
-                         + tile_pairs(t, cut.tail_at[slot], cut.tails[slot]))
-                if schedule == "gathered":
-                    assert run == apart
-                elif cut.costs[slot] < apart:
-                    assert run == cut.costs[slot]
-                else:
-                    assert run >= apart == cut.costs[slot]
+                run[schedule] = sum(model.block_pairs(q, k, c.causal) for c in calls for q, k in c.seqlens)
+            assert run == {"gathered": cut.costs[slot], "pipelined": cut.pipelined_costs[slot]}
+            assert placement.tile_pairs[rank] == min(run.values())
 
 
 @settings(max_examples=100, deadline=None)
@@ -401,24 +396,26 @@ def test_tally_transfers_are_the_cuts_sends(layout, documents):
        st.lists(st.tuples(st.integers(1, 300), st.integers(1, 16), st.booleans(), st.randoms()), min_size=1, max_size=8))
 def test_tally_skips_only_empty_slots(layout, documents):
     """Documents of fewer tokens than chunks leave slots empty (`Cut.occupied`), which the
-    tally passes over: its tiles, local tiles and floor are those of adding every slot and
-    raising the floor over every rank."""
+    tally passes over: its tiles (each rank's fewer of its gathered and pipelined sums),
+    local tiles and floor are those of adding every slot and raising the floor over every
+    rank."""
     R, inner = layout
     model = CostModel.preset("h100")
-    tally, tiles, local = Tally(R, inner, model), [0] * R, [0] * R
+    tally, gathered, pipelined, local = Tally(R, inner, model), [0] * R, [0] * R, [0] * R
     for n, k, paired, rng in documents:
         k = min(k, R)
         cut = ring_cut(n, k, 128) if paired else split_cut(n, k, "contiguous", 128)
         ranks = rng.sample(range(R), k)
         assert cut.occupied == (None if all(cut.sizes) else tuple(i for i, size in enumerate(cut.sizes) if size))
         tally.add(ranks, cut)
-        for r, c, lc in zip(ranks, cut.costs, cut.local_costs):
-            tiles[r] += c
+        for r, g, p, lc in zip(ranks, cut.costs, cut.pipelined_costs, cut.local_costs):
+            gathered[r] += g
+            pipelined[r] += p
             local[r] += lc
         floor = tally.floor_s
         tally._raise_floor(range(R))
         assert tally.floor_s == floor
-    assert (tally.tiles, tally.local) == (tiles, local)
+    assert (tally.tiles, tally.local) == (list(map(min, gathered, pipelined)), local)
 
 
 @pytest.mark.parametrize("split", ["zigzag", "contiguous"])
@@ -1414,12 +1411,11 @@ def test_a_choice_timed_far_over_its_estimate_is_timed_against_the_step_level_mo
 
 
 def test_step_level_choice_keeps_ranks_from_waiting_for_each_other():
-    """A realistic 32K row at `1 x 8`: the greedy pass at slack 0 and the spread pass are
-    within TIME_TOLERANCE by the estimate. The one moving fewer bytes makes ranks wait for
-    busy peers (the step-level models time it 1.33x the fastest estimate, the spread one
-    1.03x); the models see it, and the plan takes the spread layout, over 20% faster with
-    all ranks' programs timed together."""
-    cu, outer, inner = realistic_cu_seqlens(32768, 35), 8, 1
+    """A realistic 32K row at `1 x 8`: greedy passes at slack 0 and 0.02 and the spread pass
+    are within TIME_TOLERANCE by the estimate. The one moving the fewest bytes makes ranks
+    wait for busy peers; the step-level models see it, and the plan takes the spread layout,
+    over 10% faster with all ranks' programs timed together."""
+    cu, outer, inner = realistic_cu_seqlens(32768, 38), 8, 1
     model = CostModel.preset("h100")
     plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)
     assert plan._steps is not None  # the choice's step-level inputs, handed on to the choice of order and schedule
@@ -1433,11 +1429,11 @@ def test_step_level_choice_keeps_ranks_from_waiting_for_each_other():
     level = lambda p: step_seconds(p.placement, p.evaluation, model, inner).level_seconds(  # noqa: E731
         p.evaluation.traffic_tokens, model, inner)
     assert level(plan) < level(other)
-    assert plan.stats()["modelled_time_s"] < 0.8 * other.stats()["modelled_time_s"]
-    # The near candidates weighed, the chosen one the soonest (the step-level models time it
-    # within RECHECK_MARGIN of its estimate, so no others).
+    assert plan.stats()["modelled_time_s"] < 0.9 * other.stats()["modelled_time_s"]
+    # The near candidates weighed, the chosen one the soonest; the step-level models time it
+    # 9% over its estimate, so the others up to that time were weighed too (RECHECK_MARGIN).
     stepped = plan.stats()["candidates_step_level_s"]
-    assert set(stepped) == set(near) and min(stepped, key=stepped.get) == plan.strategy
+    assert set(stepped) > set(near) and min(stepped, key=stepped.get) == plan.strategy
     assert stepped[plan.strategy] == level(plan)
     assert "(step-level" in describe(plan)
     # Read once and let go; a plan that works them out itself chooses alike.
@@ -1753,21 +1749,20 @@ def pinned_batch(name: str) -> list[int]:
 # (`evaluate`, 2026-12-05): the other candidates' placements, pairs and traffic are unchanged.
 # From 32 outer ranks the plain greedy passes split zigzag only (the realistic rows at 32 and
 # 64 lose their `contiguous` passes; the other candidates' digests are unchanged).
-# A slot whose head and tail share a tile is costed as the pipelined calls run it where that
-# takes fewer tiles (`cuts.paired_costs`, 2026-12-06): the zigzag layout and the greedy passes
-# that split short documents in token-level chunks changed (with them, which ranks the greedy
-# fills); "ones" is unchanged.
+# A rank is costed the fewer of its gathered and pipelined calls' tiles (`Cut.pipelined_costs`,
+# `Tally`, 2026-12-06): the zigzag layout and the greedy passes that split short documents in
+# token-level chunks changed (with them, which ranks the greedy fills); "ones" is unchanged.
 PINNED = {
     ('one-and-ones', 16, 4): 'c4b121c365da8d85',
     ('ones', 64, 1): 'a54c9c310d246584',  # a whole candidate since the best fit (1,024 documents)
-    ('realistic:131072:20', 64, 1): '5a694a1038d495a8',
-    ('realistic:131072:3', 64, 1): '136bc8c803c55c57',
-    ('realistic:131072:4', 32, 2): 'f716fadffbc7752c',
-    ('realistic:131072:6', 64, 1): 'bbf3b419e895e077',
-    ('realistic:131072:7', 16, 4): '15c92dffb0fb660e',
-    ('realistic:16384:0', 8, 1): '0eace93636da6cd8',
-    ('realistic:16384:1', 4, 2): '9d1a506021635561',
-    ('realistic:65536:2', 16, 4): 'd1ca6d037deb01a1',
+    ('realistic:131072:20', 64, 1): '7bacf2d318cccdff',
+    ('realistic:131072:3', 64, 1): '2c5944f660c1841f',
+    ('realistic:131072:4', 32, 2): '68aba77c585b0ac5',
+    ('realistic:131072:6', 64, 1): 'da5aab7a0a6a9b11',
+    ('realistic:131072:7', 16, 4): '084afdfcbdf2c9c5',
+    ('realistic:16384:0', 8, 1): '14fbfa4acd3c4ba2',
+    ('realistic:16384:1', 4, 2): '37aade8ef2670a10',
+    ('realistic:65536:2', 16, 4): 'c4da0682c74732f3',
 }
 
 

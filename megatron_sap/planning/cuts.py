@@ -24,22 +24,25 @@ def tile_pairs(t: int, offset: int, length: int) -> int:
     return t * t * (nq * (nq + 1) // 2 + nq * -(-offset // t))
 
 
-def paired_costs(heads: Sequence[int], head_at: Sequence[int], tails: Sequence[int], tail_at: Sequence[int],
-                 t: int) -> list[int]:
-    """`Cut.costs` of a paired cut: per slot, the fewer tile pairs of the two ways the
-    compiled calls run it (docs/planner.md, "piece_cost"). Gathered: each chunk against
-    its earlier keys as one block (`tile_pairs`). Pipelined: head and tail side by side in
-    one causal segment (`program._document_runs`; s tiles), the two against each earlier
-    slot's head, and the tail against each later slot's head and tail, one block per
-    peer. Equal where the chunks are whole tiles."""
-    side_by_side = [-(-(h + tl) // t) for h, tl in zip(heads, tails)]
-    earlier = list(accumulate((-(-h // t) for h in heads), initial=0))  # earlier[i]: the heads before slot i
-    later = list(accumulate(reversed(side_by_side), initial=0))[::-1]  # later[i + 1]: the slots after i
+def pipelined_pairs(heads: Sequence[int], tails: Sequence[int], t: int) -> list[int]:
+    """Per slot of a cut, the tile pairs of the pipelined schedule's calls: head and tail
+    side by side in one causal segment (`program._document_runs`; s tiles), the two
+    against each earlier slot's head and the tail against each later slot's head and tail,
+    one block per peer (docs/planner.md, "piece_cost"). Equal to `tile_pairs` of head and
+    tail where the chunks are whole tiles."""
+    if len(heads) >= _ARRAY_CHUNKS // 2:
+        h, tl = np.array(heads, dtype=np.int64), np.array(tails, dtype=np.int64)
+        head_tiles, tail_tiles, s = -(-h // t), -(-tl // t), -(-(h + tl) // t)
+        pairs = s * (s + 1) // 2 + s * (np.cumsum(head_tiles) - head_tiles) + tail_tiles * (s.sum() - np.cumsum(s))
+        return (pairs * (t * t)).tolist()
     costs = []
-    for i, (h, ho, tl, to, s) in enumerate(zip(heads, head_at, tails, tail_at, side_by_side)):
-        apart = tile_pairs(t, ho, h) + tile_pairs(t, to, tl)
-        pipelined = t * t * (s * (s + 1) // 2 + s * earlier[i] + -(-tl // t) * later[i + 1])
-        costs.append(min(apart, pipelined))
+    earlier = 0  # the tiles of the heads before the slot
+    later = sum(-(-(h + tl) // t) for h, tl in zip(heads, tails))  # of the slots from it on
+    for h, tl in zip(heads, tails):
+        s = -(-(h + tl) // t)
+        later -= s
+        costs.append(t * t * (s * (s + 1) // 2 + s * earlier + -(-tl // t) * later))
+        earlier += -(-h // t)
     return costs
 
 
@@ -84,18 +87,13 @@ _ARRAY_CHUNKS = 64  # from this many chunks, slot costs in array operations (the
 
 
 def _array_slot_costs(chunks: Sequence[int], k: int, paired: bool, tile: int) -> tuple[int, ...]:
-    """`Cut.costs` of many chunks (as `tile_pairs`, and `paired_costs` in a paired cut) in
-    array operations."""
+    """`Cut.costs` of many chunks: each chunk's tile pairs (see `tile_pairs`), plus its
+    partner's in a paired cut."""
     sizes = np.array(chunks, dtype=np.int64)
     tiles = -(-sizes // tile)
     pairs = tiles * (tiles + 1) // 2 + tiles * -(-(np.cumsum(sizes) - sizes) // tile)
     if paired:
-        apart = pairs[:k] + pairs[: k - 1 : -1]
-        side_by_side = -(-(sizes[:k] + sizes[: k - 1 : -1]) // tile)
-        earlier = np.cumsum(tiles[:k]) - tiles[:k]
-        later = np.cumsum(side_by_side[::-1])[::-1] - side_by_side
-        pipelined = side_by_side * (side_by_side + 1) // 2 + side_by_side * earlier + tiles[: k - 1 : -1] * later
-        pairs = np.minimum(apart, pipelined)
+        pairs = pairs[:k] + pairs[: k - 1 : -1]
     return tuple((pairs * (tile * tile)).tolist())
 
 
@@ -126,7 +124,10 @@ class Cut:
         if n >= _ARRAY_CHUNKS:
             self.costs = _array_slot_costs(chunks, k, paired, tile)
         elif paired:
-            self.costs = tuple(paired_costs(self.heads, self.head_at, self.tails, self.tail_at, tile))
+            self.costs = tuple([
+                tile_pairs(tile, ho, h) + tile_pairs(tile, to, tl)
+                for h, ho, tl, to in zip(self.heads, self.head_at, self.tails, self.tail_at)
+            ])
         else:
             self.costs = tuple([tile_pairs(tile, ho, h) for h, ho in zip(self.heads, self.head_at)])
         self.sizes = tuple(map(add, self.heads, self.tails))
@@ -172,6 +173,17 @@ class Cut:
         pairs."""
         t = self.tile
         return tuple([t * t * (s * (s + 1) // 2) for s in (-(-size // t) for size in self.sizes)])
+
+    @_memo
+    def pipelined_costs(self) -> tuple[int, ...]:
+        """Per slot, the tile pairs of the pipelined schedule's calls (`pipelined_pairs`;
+        `costs` are the gathered schedule's). A rank is costed the fewer of its slots' sums
+        in either (`Tally`): it runs one schedule. The two are equal where every chunk
+        but the document's last is whole tiles (the greedy's cuts of long documents)."""
+        t = self.tile
+        if all(h % t == 0 for h in self.heads) and all(tl % t == 0 for tl in self.tails[1:]):
+            return self.costs
+        return tuple(pipelined_pairs(self.heads, self.tails, t))
 
     @_memo
     def recv_tokens(self) -> tuple[int, ...]:

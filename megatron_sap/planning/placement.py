@@ -94,13 +94,16 @@ def finish_placement(capacity: int, num_ranks: int, records: list[Record], strat
     `capacity` tokens."""
     ranks = list(chain.from_iterable(rec.ranks for rec in records))
     sizes = list(chain.from_iterable(rec.cut.sizes for rec in records))
-    costs = list(chain.from_iterable(rec.cut.costs for rec in records))
     held = np.bincount(ranks, weights=sizes, minlength=num_ranks)
     wrong = np.flatnonzero(held != capacity)
     if len(wrong):
         r = int(wrong[0])
         raise AssertionError(f"placement {strategy} gave rank {r} {int(held[r])} tokens, expected {capacity}")
-    pairs = np.bincount(ranks, weights=costs, minlength=num_ranks)
+    if tally is not None:
+        return Placement(capacity, num_ranks, tuple(records), strategy, tuple(tally.tiles), tally)
+    schedules = [np.bincount(ranks, weights=list(chain.from_iterable(getattr(rec.cut, costs) for rec in records)),
+                             minlength=num_ranks) for costs in ("costs", "pipelined_costs")]
+    pairs = np.minimum(*schedules)  # each rank's fewer, as `Tally` counts them
     return Placement(capacity, num_ranks, tuple(records), strategy, tuple([int(x) for x in pairs]), tally)
 
 class Build:

@@ -38,8 +38,9 @@ from .cuts import Cut
 
 class Tally:
     """Compute and transfers of the documents placed so far over `num_ranks` outer ranks
-    of `inner_size` ranks each: per rank, `tiles` (tile pairs computed), `local` (those
-    whose keys it holds), `send_s` / `recv_s` (seconds of its forward sends and
+    of `inner_size` ranks each: per rank, `tiles` (tile pairs computed: the fewer of its
+    calls' in the gathered and the pipelined schedule, `gathered` and `pipelined`, each
+    summed over its slots; see `Cut.pipelined_costs`), `local` (those whose keys it holds), `send_s` / `recv_s` (seconds of its forward sends and
     receives) and `messages` (how many ranks it receives from); `sends_to[r]` and
     `receives_from[r]` are bit masks of the ranks r sends to and receives from;
     `tokens` is the forward KV tokens moved in all."""
@@ -60,6 +61,8 @@ class Tally:
         self.most_messages = max(num_ranks - 1, 1)  # a rank receives from every other at most
         self.bit = [1 << r for r in range(num_ranks)]
         self.tiles = [0] * num_ranks
+        self.gathered = [0] * num_ranks  # tile pairs of each schedule's calls; `tiles` is the fewer
+        self.pipelined = [0] * num_ranks
         self.local = [0] * num_ranks
         self.send_s = [0.0] * num_ranks
         self.recv_s = [0.0] * num_ranks
@@ -76,6 +79,7 @@ class Tally:
         """An independent tally of the same documents."""
         other = copy.copy(self)
         other.tiles, other.local, other.send_s, other.recv_s = self.tiles[:], self.local[:], self.send_s[:], self.recv_s[:]
+        other.gathered, other.pipelined = self.gathered[:], self.pipelined[:]
         other.messages, other.sends_to, other.receives_from = self.messages[:], self.sends_to[:], self.receives_from[:]
         other.pending, other.closed = self.pending[:], self.closed[:]
         return other
@@ -85,19 +89,17 @@ class Tally:
 
     def add(self, ranks: Sequence[int], cut: Cut) -> None:
         """Slot i of `cut` goes to rank `ranks[i]`."""
-        tiles, local = self.tiles, self.local
+        tiles, gathered, pipelined, local = self.tiles, self.gathered, self.pipelined, self.local
         occupied = cut.occupied
-        if occupied is None:
-            for r, c, lc in zip(ranks, cut.costs, cut.local_costs):
-                tiles[r] += c
-                local[r] += lc
-            touched = ranks
-        else:  # only the slots with tokens change anything (a short document over many ranks)
-            costs, local_costs = cut.costs, cut.local_costs
-            for i in occupied:
-                tiles[ranks[i]] += costs[i]
-                local[ranks[i]] += local_costs[i]
-            touched = [ranks[i] for i in occupied]
+        slots = zip(ranks, cut.costs, cut.pipelined_costs, cut.local_costs)
+        if occupied is not None:  # only the slots with tokens change anything (a short document over many ranks)
+            slots = [slot for i, slot in enumerate(slots) if i in occupied]
+        for r, g, p, lc in slots:
+            g += gathered[r]
+            p += pipelined[r]
+            gathered[r], pipelined[r], tiles[r] = g, p, g if g < p else p
+            local[r] += lc
+        touched = ranks if occupied is None else [ranks[i] for i in occupied]
         if len(touched) > 1:
             self._add_transfers(ranks, cut)
         self._raise_floor(touched)
@@ -105,9 +107,11 @@ class Tally:
     def add_whole(self, ranks: Sequence[int], costs: Sequence[int]) -> None:
         """Documents kept whole, document i on rank `ranks[i]` with its whole tile pairs
         `costs[i]` (all its keys local, nothing moved): many `add`s of one-slot cuts in one."""
-        tiles, local = self.tiles, self.local
+        tiles, gathered, pipelined, local = self.tiles, self.gathered, self.pipelined, self.local
         for r, c in zip(ranks, costs):
             tiles[r] += c
+            gathered[r] += c
+            pipelined[r] += c
             local[r] += c
         self._raise_floor(set(ranks))
 

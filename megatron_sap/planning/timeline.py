@@ -2,7 +2,7 @@
 
 The planner scores candidates with `evaluate`, which treats a rank's steps as equal
 (its transfers and remote compute divided evenly over its messages) and counts each
-slot's tiles as the cheaper of the two schedules' calls (`cuts.paired_costs`). This
+rank's tiles as the fewer of its two schedules' calls (`Tally`), one rank at a time. This
 module times the compiled programs instead, in the order `sap_attention` runs them:
 
 - forward: the first step's exchange is posted and the local calls run under it; then
