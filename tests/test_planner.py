@@ -277,6 +277,8 @@ def test_whole_pairs_are_each_documents_tile_pairs(lengths, tile):
 
 @settings(max_examples=100, deadline=None)
 @given(st.booleans(), st.one_of(st.lists(CHUNK_SIZES, min_size=1, max_size=12), st.lists(CHUNK_SIZES, min_size=64, max_size=140)))
+@example(True, [128, 128, 128, 1, 1, 1])  # whole-tile heads, token-level tails
+@example(True, [128] * 40 + [1] * 40)
 def test_cut_costs_are_each_slots_tile_pairs(paired, chunks):
     """A slot's cost is the tile pairs of the gathered schedule's calls, for narrow cuts and
     for wide ones (priced in array operations) alike: each chunk a causal diagonal and one
@@ -351,7 +353,7 @@ def test_tally_of_whole_documents_at_once_is_theirs_one_by_one(splits, ranks, le
     for r, cut in zip(where, cuts):
         one_by_one.add((r,), cut)
     at_once.add_whole(where, [cut.costs[0] for cut in cuts])
-    for name in ("tiles", "local", "send_s", "recv_s", "messages", "floor_s", "tokens"):
+    for name in ("tiles", "gathered", "pipelined", "local", "send_s", "recv_s", "messages", "floor_s", "tokens"):
         assert getattr(at_once, name) == getattr(one_by_one, name), name
 
 
@@ -389,6 +391,22 @@ def test_tally_transfers_are_the_cuts_sends(layout, documents):
     np.testing.assert_allclose(tally.recv_s, seconds.sum(0), rtol=1e-9, atol=1e-15)
     assert tally.messages == (traffic > 0).sum(0).tolist()
     assert tally.tokens == traffic.sum()
+
+
+def test_tally_weighs_pipelined_tiles_at_the_kernel_factor():
+    """A rank is costed the fewer of its gathered tiles and its pipelined tiles times the cost
+    model's `pipelined_kernel_factor`: a 1,705-token document over 2 ranks (head and tail
+    share tiles) is costed pipelined at the presets' factor 1 and gathered at 1.27."""
+    cut = ring_cut(1705, 2, 128)
+    assert all(p < g < 1.27 * p for g, p in zip(cut.costs, cut.pipelined_costs))
+    for factor, expected in ((1.0, cut.pipelined_costs), (1.27, cut.costs)):
+        tally = Tally(2, 1, CostModel.preset("h100", pipelined_kernel_factor=factor))
+        tally.add([0, 1], cut)
+        assert tally.tiles == list(expected)
+        assert (tally.gathered, tally.pipelined) == (list(cut.costs), list(cut.pipelined_costs))
+    tally = Tally(2, 1, CostModel.preset("h100", pipelined_kernel_factor=1.01))
+    tally.add([0, 1], cut)
+    assert tally.tiles == [p * 1.01 for p in cut.pipelined_costs]
 
 
 @settings(max_examples=150, deadline=None)

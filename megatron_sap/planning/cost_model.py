@@ -43,7 +43,8 @@ class CostModel:
     tile: int = 128  # kernel tile: a segment shorter than a tile still costs a tile
     # The pipelined schedule's kernel time over the gathered schedule's for the same pairs
     # (one segment per source, and the lse merges); 1.0 (not measured) in the presets, fitted
-    # by the GPU check. Chooses the schedule (`Plan.schedule`); placement does not use it.
+    # by the GPU check. Chooses the schedule (`Plan.schedule`); the placement weighs a rank's
+    # pipelined tile pairs at it against its gathered ones and counts the fewer (`Tally`).
     pipelined_kernel_factor: float = 1.0
     num_heads: int = 32  # Hq
     num_kv_heads: int = 8  # Hkv

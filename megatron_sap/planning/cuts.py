@@ -30,7 +30,7 @@ def pipelined_pairs(heads: Sequence[int], tails: Sequence[int], t: int) -> list[
     against each earlier slot's head and the tail against each later slot's head and tail,
     one block per peer (docs/planner.md, "piece_cost"). Equal to `tile_pairs` of head and
     tail where the chunks are whole tiles."""
-    if len(heads) >= _ARRAY_CHUNKS // 2:
+    if 2 * len(heads) >= _ARRAY_CHUNKS:  # a paired cut's chunks (an unpaired one's empty tails count too)
         h, tl = np.array(heads, dtype=np.int64), np.array(tails, dtype=np.int64)
         head_tiles, tail_tiles, s = -(-h // t), -(-tl // t), -(-(h + tl) // t)
         pairs = s * (s + 1) // 2 + s * (np.cumsum(head_tiles) - head_tiles) + tail_tiles * (s.sum() - np.cumsum(s))
@@ -56,8 +56,9 @@ def whole_pairs(lengths: Sequence[int], tile: int) -> np.ndarray:
 class _memo:
     """A cut's attribute computed on first use and then stored on the instance (as
     functools.cached_property, without the lock it takes on Python < 3.12: a fresh batch
-    makes hundreds of cuts). None depends on the size of the document's last chunk, so
-    a `Cut.shortened` copy takes it from the cut it was made from, computed once there."""
+    makes hundreds of cuts). A `Cut.shortened` copy takes it from the cut it was made
+    from, computed once there: only whole-tile cuts are shortened (`split_cut`), by less
+    than a tile, and none of these depends on the last chunk's size there."""
 
     def __init__(self, compute: Callable):
         self.compute, self.name, self.__doc__ = compute, compute.__name__, compute.__doc__
@@ -170,7 +171,8 @@ class Cut:
         tail's block over the head (its only earlier local key). Together they are one
         causal segment of the head and tail rows side by side, as the pipelined schedule's
         local call runs them (`program._document_runs`): with s tiles, s (s + 1) / 2 tile
-        pairs."""
+        pairs. The gathered schedule's calls take no fewer (the tally counts these local
+        pairs whichever sum it counts a rank by)."""
         t = self.tile
         return tuple([t * t * (s * (s + 1) // 2) for s in (-(-size // t) for size in self.sizes)])
 
@@ -179,7 +181,8 @@ class Cut:
         """Per slot, the tile pairs of the pipelined schedule's calls (`pipelined_pairs`;
         `costs` are the gathered schedule's). A rank is costed the fewer of its slots' sums
         in either (`Tally`): it runs one schedule. The two are equal where every chunk
-        but the document's last is whole tiles (the greedy's cuts of long documents)."""
+        but the document's last is whole tiles (`split_cut` of a document of at least 2k
+        tiles); token-level cuts differ."""
         t = self.tile
         if all(h % t == 0 for h in self.heads) and all(tl % t == 0 for tl in self.tails[1:]):
             return self.costs

@@ -101,9 +101,10 @@ def finish_placement(capacity: int, num_ranks: int, records: list[Record], strat
         raise AssertionError(f"placement {strategy} gave rank {r} {int(held[r])} tokens, expected {capacity}")
     if tally is not None:
         return Placement(capacity, num_ranks, tuple(records), strategy, tuple(tally.tiles), tally)
-    schedules = [np.bincount(ranks, weights=list(chain.from_iterable(getattr(rec.cut, costs) for rec in records)),
-                             minlength=num_ranks) for costs in ("costs", "pipelined_costs")]
-    pairs = np.minimum(*schedules)  # each rank's fewer, as `Tally` counts them
+    # Without a tally (the contiguous layout: unpaired cuts, whose pipelined calls never
+    # take fewer tiles than the gathered ones, `Cut.pipelined_costs`), the gathered sums.
+    costs = list(chain.from_iterable(rec.cut.costs for rec in records))
+    pairs = np.bincount(ranks, weights=costs, minlength=num_ranks)
     return Placement(capacity, num_ranks, tuple(records), strategy, tuple([int(x) for x in pairs]), tally)
 
 class Build:

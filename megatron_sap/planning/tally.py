@@ -40,8 +40,10 @@ class Tally:
     """Compute and transfers of the documents placed so far over `num_ranks` outer ranks
     of `inner_size` ranks each: per rank, `tiles` (tile pairs computed: the fewer of its
     calls' in the gathered and the pipelined schedule, `gathered` and `pipelined`, each
-    summed over its slots; see `Cut.pipelined_costs`), `local` (those whose keys it holds), `send_s` / `recv_s` (seconds of its forward sends and
-    receives) and `messages` (how many ranks it receives from); `sends_to[r]` and
+    summed over its slots (`Cut.pipelined_costs`), the pipelined ones weighed at the cost
+    model's `pipelined_kernel_factor`; never decreasing), `local` (those whose keys it
+    holds), `send_s` / `recv_s` (seconds of its forward sends and receives) and
+    `messages` (how many ranks it receives from); `sends_to[r]` and
     `receives_from[r]` are bit masks of the ranks r sends to and receives from;
     `tokens` is the forward KV tokens moved in all."""
 
@@ -57,6 +59,7 @@ class Tally:
         self.node_array = np.array(self.node)
         self.latency_s = model.message_latency_us * 1e-6
         self.pair_s = model.compute_seconds(1.0, head_fraction=1.0 / inner_size)
+        self.pipelined_factor = model.pipelined_kernel_factor
         self.backward_factor = model.backward_factor
         self.most_messages = max(num_ranks - 1, 1)  # a rank receives from every other at most
         self.bit = [1 << r for r in range(num_ranks)]
@@ -89,15 +92,19 @@ class Tally:
 
     def add(self, ranks: Sequence[int], cut: Cut) -> None:
         """Slot i of `cut` goes to rank `ranks[i]`."""
-        tiles, gathered, pipelined, local = self.tiles, self.gathered, self.pipelined, self.local
+        tiles, gathered, pipelined, local, factor = self.tiles, self.gathered, self.pipelined, self.local, self.pipelined_factor
         occupied = cut.occupied
         slots = zip(ranks, cut.costs, cut.pipelined_costs, cut.local_costs)
         if occupied is not None:  # only the slots with tokens change anything (a short document over many ranks)
-            slots = [slot for i, slot in enumerate(slots) if i in occupied]
+            costs, pipelined_costs, local_costs = cut.costs, cut.pipelined_costs, cut.local_costs
+            slots = [(ranks[i], costs[i], pipelined_costs[i], local_costs[i]) for i in occupied]
         for r, g, p, lc in slots:
             g += gathered[r]
             p += pipelined[r]
-            gathered[r], pipelined[r], tiles[r] = g, p, g if g < p else p
+            gathered[r], pipelined[r] = g, p
+            if factor != 1.0:
+                p *= factor
+            tiles[r] = p if p < g else g
             local[r] += lc
         touched = ranks if occupied is None else [ranks[i] for i in occupied]
         if len(touched) > 1:
@@ -107,11 +114,13 @@ class Tally:
     def add_whole(self, ranks: Sequence[int], costs: Sequence[int]) -> None:
         """Documents kept whole, document i on rank `ranks[i]` with its whole tile pairs
         `costs[i]` (all its keys local, nothing moved): many `add`s of one-slot cuts in one."""
-        tiles, gathered, pipelined, local = self.tiles, self.gathered, self.pipelined, self.local
+        tiles, gathered, pipelined, local, factor = self.tiles, self.gathered, self.pipelined, self.local, self.pipelined_factor
         for r, c in zip(ranks, costs):
-            tiles[r] += c
-            gathered[r] += c
-            pipelined[r] += c
+            g, p = gathered[r] + c, pipelined[r] + c
+            gathered[r], pipelined[r] = g, p
+            if factor != 1.0:
+                p *= factor
+            tiles[r] = p if p < g else g
             local[r] += c
         self._raise_floor(set(ranks))
 
