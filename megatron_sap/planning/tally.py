@@ -59,7 +59,8 @@ class Tally:
         self.node_array = np.array(self.node)
         self.latency_s = model.message_latency_us * 1e-6
         self.pair_s = model.compute_seconds(1.0, head_fraction=1.0 / inner_size)
-        self.pipelined_factor = model.pipelined_kernel_factor
+        # At least 1: the local pairs, counted one for one, stay within `tiles`, and its remote part never falls.
+        self.pipelined_factor = max(1.0, model.pipelined_kernel_factor)
         self.backward_factor = model.backward_factor
         self.most_messages = max(num_ranks - 1, 1)  # a rank receives from every other at most
         self.bit = [1 << r for r in range(num_ranks)]
