@@ -24,13 +24,13 @@ def small_kernel_chunks() -> None:
     torch_backend.CHUNK_SCORES = 1 << 14
 
 
-def measure(rank: int, world: int, cu: list[int], inner: int, recompute_kv: bool, schedule: str = "pipelined") -> dict:
-
+def measured_pass(world: int, cu: list[int], inner: int, recompute_kv: bool, schedule: str) -> tuple:
+    """This rank's plan and groups, its local queries, the op's peak bytes over one forward
+    and backward (after a warm-up that compiles and caches the programs) and the formula."""
     import megatron_sap as sap
     from megatron_sap.memory import track_peak_memory
     from sap_cases import groups_for, make_inputs
 
-    small_kernel_chunks()
     groups = groups_for(inner, world // inner)
     plan = sap.plan_sequences(cu, outer_size=world // inner, inner_size=inner)
     q, k, v, dout = (t.float() for t in make_inputs(cu, HEADS, KV_HEADS, DIM, seed=0))
@@ -44,9 +44,15 @@ def measure(rank: int, world: int, cu: list[int], inner: int, recompute_kv: bool
         out.backward(grad)
         del out
     model = plan.memory_bytes(groups.outer_rank, plan.cost_model.with_shape(HEADS, KV_HEADS, DIM, 4), schedule, recompute_kv)
+    return plan, groups, ql, kl, vl, peak.peak_bytes, model
+
+
+def measure(rank: int, world: int, cu: list[int], inner: int, recompute_kv: bool, schedule: str = "pipelined") -> dict:
+    small_kernel_chunks()
+    plan, groups, ql, _, _, peak, model = measured_pass(world, cu, inner, recompute_kv, schedule)
     gradients = 3 * ql.numel() * 4  # dq, dk, dv returned to autograd (q-sized upper bound each)
     output = ql.numel() * 4
-    return {"peak": peak.peak_bytes, "model": model, "io": gradients + output,
+    return {"peak": peak, "model": model, "io": gradients + output,
             "kernel": kernel_workspace(plan, groups.outer_rank, schedule)}
 
 
@@ -132,26 +138,10 @@ def gathered_copies(plan, outer_rank: int, schedule: str) -> int:
 
 
 def measure_around_kernels(rank: int, world: int, cu: list[int], inner: int, recompute_kv: bool, schedule: str) -> dict:
-    import megatron_sap as sap
-    from megatron_sap.memory import track_peak_memory
-    from sap_cases import groups_for, make_inputs
-
-    groups = groups_for(inner, world // inner)
-    plan = sap.plan_sequences(cu, outer_size=world // inner, inner_size=inner)
-    q, k, v, dout = (t.float() for t in make_inputs(cu, HEADS, KV_HEADS, DIM, seed=0))
-    idx = plan.local_indices(groups.cp_rank)
-    ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
-    grad = dout[idx].clone()
     with counting_kernels():
-        sap.sap_attention(ql, kl, vl, plan, groups, schedule=schedule).backward(grad)  # warm-up
-        ql.grad = kl.grad = vl.grad = None
-        with track_peak_memory() as peak:
-            out = sap.sap_attention(ql, kl, vl, plan, groups, recompute_kv=recompute_kv, schedule=schedule)
-            out.backward(grad)
-            del out
-    model = plan.memory_bytes(groups.outer_rank, plan.cost_model.with_shape(HEADS, KV_HEADS, DIM, 4), schedule, recompute_kv)
+        plan, groups, ql, kl, vl, peak, model = measured_pass(world, cu, inner, recompute_kv, schedule)
     returned = (2 * ql.numel() + kl.numel() + vl.numel()) * 4  # the output and dq, dk, dv
-    return {"peak": peak.peak_bytes, "model": max(model["forward"], model["backward"]), "returned": returned,
+    return {"peak": peak, "model": max(model["forward"], model["backward"]), "returned": returned,
             "copies": gathered_copies(plan, groups.outer_rank, schedule)}
 
 
