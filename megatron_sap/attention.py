@@ -525,7 +525,7 @@ def _all_reduce(values: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceO
     except Exception as exc:  # a dead or stuck rank: the backend's error type varies (gloo, NCCL)
         raise RuntimeError(
             f"SAP {check} (all-reduce of {of} over CP ranks {list(groups.cp_ranks)}, from cp_rank {groups.cp_rank}) "
-            f"failed: {exc}. A rank died or is stuck, or {cause}"
+            f"failed: {exc}. A rank died or is stuck (or raised on its own inputs before this check: see its error), or {cause}"
         ) from exc
 
 
@@ -646,6 +646,28 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
     mark_ready(groups.cp_group if over is None else over)  # the CP group (and the outer group at U = 1), or the host group
 
 
+def _peers_check_this_plan(plan: object, groups: object) -> bool:
+    """Whether the other CP ranks, called with `plan` as this rank was, are about to run the
+    agreement check (`_check_agreement`): a plan of several ranks that this group has not
+    checked yet (ranks that keep a checked plan skip the check, and one that announced its
+    failure there would wait for them until the group's timeout)."""
+    if (not isinstance(groups, SAPGroups) or groups.world_size <= 1 or groups.cp_group is None
+            or not isinstance(plan, Plan)):
+        return False
+    last = _LAST_CHECKED.get(groups.cp_group)
+    return last is None or last[0] != plan.signature()
+
+
+def _tell_peers_of_failure(error: BaseException, groups: SAPGroups, over: dist.ProcessGroup | None = None) -> None:
+    """`announce_failure`, for a rank about to raise `error`: where telling the peers fails
+    too (they are gone), that is noted on `error`, which stays the one to see."""
+    try:
+        announce_failure(groups, over)
+    except Exception as told:  # the backend's error type varies (gloo, NCCL)
+        if hasattr(error, "add_note"):  # Python 3.11 on
+            error.add_note(f"(telling the other CP ranks failed too: {told})")
+
+
 def announce_failure(groups: SAPGroups, over: dist.ProcessGroup | None = None) -> None:
     """Take part in the agreement check the other CP ranks are running as a rank that could
     not prepare its micro-batch (bad input, a plan it could not make): they raise at once,
@@ -727,7 +749,10 @@ def sap_attention(
     program exchanges nothing returns its result for the plan it kept), so a caller that
     can hand one rank a cached plan while another plans a new batch (without Megatron's
     batch split, which checks every micro-batch) should call `verify_plan_agreement` per
-    micro-batch for a clear message on every rank.
+    micro-batch for a clear message on every rank. A rank whose inputs fail this function's
+    own checks on a plan the group has not checked (and `check_finite` off) first takes part
+    in the check its peers are about to run, as a failed rank (`announce_failure`): they raise
+    at once, naming it, instead of waiting for it until the group's timeout.
     `check_finite` (default: the MEGATRON_SAP_CHECK_FINITE variable, "1" for on): raise on
     every rank when q, k or v of any rank holds NaN or Inf (one all-reduce and a host sync;
     on alike on every rank).
@@ -737,28 +762,34 @@ def sap_attention(
     (`planning.program.head_chunks`); ranks that ask for different counts fail the
     agreement check.
     """
-    if not check_bool(causal, "causal"):
-        raise ValueError("sap_attention computes causal attention only (causal=False is not supported)")
-    _check_inputs(q, k, v, plan, groups)
-    check_schedule(schedule, allow_auto=True)
-    check_bool(recompute_kv, "recompute_kv")
-    check_bool(check_agreement, "check_agreement")
-    if check_finite is not None and not isinstance(check_finite, bool):
-        raise TypeError(f"check_finite must be True, False or None (MEGATRON_SAP_CHECK_FINITE), got {check_finite!r}")
-    U = 1 if groups is None else groups.inner_size
-    outer = _Outer(groups)
-    heads = _head_chunks(inner_chunks, plan, outer.rank, U, q.shape[1], k.shape[1], recompute_kv)
-    # checked as a count only where it is not what "auto" gives (which the plan and shape decide alike)
-    auto = inner_chunks == "auto" or len(heads) == plan.chunks_for_heads(q.shape[1], k.shape[1], outer.rank,
-                                                                         recompute_kv)
-    scale = resolve_softmax_scale(q.shape[2], softmax_scale, q.dtype)
-    # The backend and dtype are checked here, before any exchange is posted: an error
-    # raised between posting and waiting would leave the peers' transfers pending.
-    backend = resolve_backend(backend, q.device, q.dtype, q.shape[2])
+    finite = check_finite if check_finite is not None else os.environ.get("MEGATRON_SAP_CHECK_FINITE") == "1"
+    try:
+        if not check_bool(causal, "causal"):
+            raise ValueError("sap_attention computes causal attention only (causal=False is not supported)")
+        _check_inputs(q, k, v, plan, groups)
+        check_schedule(schedule, allow_auto=True)
+        check_bool(recompute_kv, "recompute_kv")
+        check_bool(check_agreement, "check_agreement")
+        if check_finite is not None and not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite must be True, False or None (MEGATRON_SAP_CHECK_FINITE), got {check_finite!r}")
+        U = 1 if groups is None else groups.inner_size
+        outer = _Outer(groups)
+        heads = _head_chunks(inner_chunks, plan, outer.rank, U, q.shape[1], k.shape[1], recompute_kv)
+        # checked as a count only where it is not what "auto" gives (which the plan and shape decide alike)
+        auto = inner_chunks == "auto" or len(heads) == plan.chunks_for_heads(q.shape[1], k.shape[1], outer.rank,
+                                                                             recompute_kv)
+        scale = resolve_softmax_scale(q.shape[2], softmax_scale, q.dtype)
+        # The backend and dtype are checked here, before any exchange is posted: an error
+        # raised between posting and waiting would leave the peers' transfers pending.
+        backend = resolve_backend(backend, q.device, q.dtype, q.shape[2])
+    except Exception as error:
+        if check_agreement is True and finite is False and _peers_check_this_plan(plan, groups):
+            _tell_peers_of_failure(error, groups)
+        raise
     # The checks' collectives go where q is (NCCL's on the current GPU: `collective_device`),
     # not to another GPU that happens to be current.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        if check_finite if check_finite is not None else os.environ.get("MEGATRON_SAP_CHECK_FINITE") == "1":
+        if finite:
             _check_finite(q, k, v, groups)
         if groups is not None and groups.world_size > 1 and check_agreement:
             scale_key = _LAST_SCALE[groups.cp_group] = _scale_key(scale, q.shape[2])

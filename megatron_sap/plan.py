@@ -77,6 +77,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--lengths-from and --lengths-file need --tokens")
     if args.cu_seqlens and args.tokens is not None:
         parser.error("--tokens only applies to --lengths-from/--lengths-file; --cu-seqlens gives T itself")
+    if args.cu_seqlens and args.seed != 0:
+        parser.error("--seed only applies to --lengths-from/--lengths-file (the packing); --cu-seqlens is one row as given")
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.tokens is not None and args.tokens < 1:
@@ -117,8 +119,10 @@ def read_lengths(path: Path) -> np.ndarray:
     try:
         with warnings.catch_warnings():  # an empty file: reported below
             warnings.simplefilter("ignore", UserWarning)
-            lengths = np.load(path) if path.suffix == ".npy" else np.loadtxt(path, dtype=np.int64, ndmin=1)
+            lengths = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.loadtxt(path, dtype=np.int64, ndmin=1)
     except (OSError, ValueError) as err:
+        if path.suffix == ".npy" and "pickled" in str(err):  # numpy's word for a file that is no .npy array
+            err = "not a .npy array file (numpy.save's format); name a text file of lengths otherwise"
         raise ValueError(f"cannot read document lengths from {path}: {err}") from None
     if lengths.ndim != 1 or lengths.size == 0 or not np.issubdtype(lengths.dtype, np.integer) or (lengths < 0).any():
         raise ValueError(f"{path} must hold a non-empty list of non-negative integer document lengths")
@@ -330,6 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if folder is not None and not folder.is_dir():  # said before any work, not after the layout
         print(f"error: cannot write the picture to {args.png}: no directory {folder}", file=sys.stderr)
         return 2
+    if args.png is not None and (args.png.is_dir() or not args.png.name):
+        print(f"error: cannot write the picture to {args.png!s}: it names a directory, not a file", file=sys.stderr)
+        return 2
     outer = args.cp_size if args.cp_size is not None else args.outer_size
     if outer >= SLOW_OUTER_SIZE:
         print(f"note: up to {outer} outer ranks: the report times every rank's program together, which takes "
@@ -356,7 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if args.cp_size is None and args.inner_size > rank_model.gpus_per_node:
+    if args.tensor_parallel_size > model.gpus_per_node:
+        print(f"warning: a TP group of {args.tensor_parallel_size} GPUs spans nodes of {model.gpus_per_node}: the "
+              f"layouts are modelled with one CP rank a node", file=sys.stderr)
+    elif args.cp_size is None and args.inner_size > rank_model.gpus_per_node:
         print(f"warning: an inner group of {args.inner_size} CP ranks (x TP {args.tensor_parallel_size}) spans nodes "
               f"of {model.gpus_per_node} GPUs: its all-to-alls would cross nodes", file=sys.stderr)
     if args.cp_size is not None:

@@ -78,11 +78,22 @@ def is_positive_int(value: object) -> bool:
     return not isinstance(value, (bool, np.bool_)) and isinstance(value, numbers.Integral) and value >= 1
 
 
+def _zero_dim_integer(value: object) -> object:
+    """A 0-d integer (not bool) numpy array or tensor as a Python int; anything else as it is."""
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
+        return value.item()
+    if (isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_meta
+            and not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool)):
+        return int(value.item())
+    return value
+
+
 def positive_int(value: object, name: str) -> int:
-    """`value` as an int, checked by `is_positive_int`."""
-    if not is_positive_int(value):
+    """`value` as an int, checked by `is_positive_int` (a 0-d integer array or tensor taken
+    as its value, as `Plan`'s methods take ranks)."""
+    if not is_positive_int(_zero_dim_integer(value)):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+    return int(_zero_dim_integer(value))
 
 
 def check_inner_chunks(value: object, recompute_kv: bool = False) -> int | str:

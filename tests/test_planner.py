@@ -1830,6 +1830,9 @@ def test_cli_writes_the_png_it_names_or_says_why_not(tmp_path, capsys):
     unwritable.write_text("")
     assert plan_cli([*"--cu-seqlens 0,3000,8192 --outer-size 2 --png".split(), str(unwritable / "x.png")]) == 2
     assert f"error: cannot write the picture to {unwritable / 'x.png'}" in capsys.readouterr().err
+    assert plan_cli([*"--cu-seqlens 0,3000,8192 --outer-size 2 --png".split(), str(tmp_path)]) == 2
+    said = capsys.readouterr()  # a directory: refused before planning too
+    assert f"error: cannot write the picture to {tmp_path}: it names a directory" in said.err and said.out == ""
 
 
 def test_cli_says_png_needs_matplotlib_before_planning(tmp_path, capsys, monkeypatch):
@@ -1842,6 +1845,16 @@ def test_cli_says_png_needs_matplotlib_before_planning(tmp_path, capsys, monkeyp
     captured = capsys.readouterr()
     assert 'error: --png needs matplotlib (pip install -e ".[bench]")' in captured.err
     assert captured.out == "" and not png.exists()
+
+
+def test_cli_warns_of_a_tp_group_across_nodes(capsys):
+    """TP over more GPUs than a node holds leaves one CP rank a node (the model's GPUs per
+    node over TP, at least 1): said, with either way of giving the layout."""
+    for layout in (["--cp-size", "4"], ["--outer-size", "4"]):
+        assert plan_cli(["--cu-seqlens", "0,4096", *layout, "--tensor-parallel-size", "16"]) == 0
+        assert "warning: a TP group of 16 GPUs spans nodes of 8" in capsys.readouterr().err
+    assert plan_cli(["--cu-seqlens", "0,4096", "--outer-size", "4", "--tensor-parallel-size", "8"]) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_cli_warns_of_an_inner_group_across_nodes_and_of_megatrons_2cp_rule(capsys):
@@ -1916,6 +1929,7 @@ def test_cli_needs_tokens_with_lengths_from(capsys):
     "argv, message",
     [
         (["--lengths-from", "stdlib", "--tokens", "4096", "--seed", "-1", "--outer-size", "2"], "--seed must be >= 0, got -1"),
+        (["--cu-seqlens", "0,4096", "--seed", "5", "--outer-size", "2"], "--seed only applies to --lengths-from"),
         (["--lengths-from", "stdlib", "--tokens", "0", "--outer-size", "2"], "--tokens must be >= 1, got 0"),
         (["--cu-seqlens", "0,8192", "--outer-size", "2", "--tensor-parallel-size", "-2"],
          "--tensor-parallel-size must be >= 1, got -2"),
@@ -2010,15 +2024,31 @@ def test_layouts_under_tp_are_modelled_per_tp_rank():
         assert r.modelled_s == plan.stats()["modelled_time_s"]
 
 
-@pytest.mark.parametrize("content, message", [("", "non-empty"), ("10\n-3\n", "non-negative"), ("1.5\n", "cannot read document lengths")])
-def test_cli_rejects_bad_lengths_files(tmp_path, content, message, capsys):
-    path = tmp_path / "lengths.txt"
+@pytest.mark.parametrize("name, content, message", [
+    ("lengths.txt", "", "non-empty"),
+    ("lengths.txt", "10\n-3\n", "non-negative"),
+    ("lengths.txt", "1.5\n", "cannot read document lengths"),
+    ("lengths.npy", "10\n20\n", "not a .npy array file"),  # text named .npy: not numpy's word "pickled"
+])
+def test_cli_rejects_bad_lengths_files(tmp_path, name, content, message, capsys):
+    path = tmp_path / name
     path.write_text(content)
     assert plan_cli(["--lengths-file", str(path), "--tokens", "64", "--cp-size", "2"]) == 2
     assert message in capsys.readouterr().err
 
 
 # ---- cache regressions --------------------------------------------------------------------------
+def test_sizes_may_be_zero_dim_integer_tensors_and_arrays():
+    """As `Plan`'s methods take ranks: 0-d integer tensors and arrays are their values; 0-d
+    floats and bools, and 1-element 1-d tensors, are refused."""
+    plan = sap.plan_sequences([0, 8, 16], outer_size=torch.tensor(2), inner_size=np.array(2), cache=None)
+    assert (plan.outer_size, plan.inner_size) == (2, 2) and type(plan.outer_size) is int
+    assert plan == sap.plan_sequences([0, 8, 16], outer_size=2, inner_size=2, cache=None)
+    for bad in (torch.tensor(2.0), torch.tensor(True), torch.tensor([2]), np.array(True), torch.tensor(0)):
+        with pytest.raises(ValueError, match="outer_size must be a positive integer"):
+            sap.plan_sequences([0, 8, 16], outer_size=bad, cache=None)
+
+
 @pytest.mark.parametrize("outer", [2.0, True])
 def test_cache_hit_does_not_skip_size_validation(outer):
     """A size that plan_sequences rejects without a cache must not be served from it:

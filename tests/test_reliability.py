@@ -663,6 +663,56 @@ def test_a_rank_with_a_bad_batch_makes_the_others_raise_at_once(pool4: WorkerPoo
     assert sorted(sum((r["then"] for r in results), [])) == list(range(16))
 
 
+def one_bad_attention_job(rank: int, world: int, inner: int, bad: str) -> dict:
+    """Every rank attends with a fresh plan, rank 1 with inputs that fail `sap_attention`'s
+    own checks (`bad` says which), over groups whose timeout (120 s) outlasts the job's;
+    then every rank attends again with valid ones."""
+    import datetime
+
+    import megatron_sap as sap
+
+    groups = sap.init_sap_groups(inner_size=inner, outer_size=world // inner, timeout=datetime.timedelta(seconds=120))
+    cu = [0, 10, 24, 40, 64]
+    plan = sap.plan_sequences(cu, outer_size=world // inner, inner_size=inner, cache=None)
+    q, k, v, dout = _local_inputs(plan, groups.cp_rank, cu, 4, 2, seed=3)
+    kwargs: dict = {}
+    if rank == 1:
+        if bad == "rows":
+            q = q[:-1]
+        elif bad == "heads":
+            q = q[:, :3]
+        elif bad == "layout":
+            plan = sap.plan_sequences(cu, outer_size=world, inner_size=1, cache=None) if inner > 1 else \
+                sap.plan_sequences(cu, outer_size=world // 2, inner_size=2, cache=None)
+        else:
+            kwargs = {"softmax_scale": float("nan")}
+    try:
+        sap.sap_attention(q, k, v, plan, groups, **kwargs).backward(dout)
+        outcome = "ok"
+    except (ValueError, RuntimeError) as error:
+        outcome = f"{type(error).__name__}: {error}"
+    plan = sap.plan_sequences([0, 7, 64], outer_size=world // inner, inner_size=inner, cache=None)
+    q, k, v, dout = _local_inputs(plan, groups.cp_rank, [0, 7, 64], 4, 2, seed=4)
+    sap.sap_attention(q, k, v, plan, groups).backward(dout)
+    return {"outcome": outcome, "then": "ok"}
+
+
+@pytest.mark.parametrize("bad", ["rows", "heads", "layout", "scale"])
+@pytest.mark.parametrize("inner", [1, 2])
+def test_a_rank_whose_attention_inputs_fail_makes_the_others_raise_at_once(pool4: WorkerPool, bad: str,
+                                                                            inner: int) -> None:
+    """A rank whose q, k, v, plan or options fail `sap_attention`'s checks on a plan the group
+    has not checked raises its own error, and its peers, about to check that plan, name it at
+    once (before, they waited in the agreement check until the group's timeout); the group
+    stays usable."""
+    results = pool4.run(one_bad_attention_job, inner, bad, timeout=30)
+    assert results[1]["outcome"].startswith("ValueError"), results[1]
+    for rank in (0, 2, 3):
+        assert "CP rank 1 of [0, 1, 2, 3] (the highest that failed) could not prepare this micro-batch" in \
+            results[rank]["outcome"], results[rank]
+    assert [r["then"] for r in results] == ["ok"] * 4
+
+
 # ---- NCCL's order: each group's batched P2P calls run one after another -------------------------
 
 

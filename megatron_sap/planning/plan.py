@@ -54,8 +54,9 @@ STEP_CHOICE_RANKS = 8
 # Up to this many CP ranks (and STEP_CHOICE_RANKS outer ranks) the choice is timed on the
 # step-level models too (0.3-0.9 ms at 8 outer ranks), and where they time it over
 # RECHECK_MARGIN beyond the fastest estimate, the candidate they end soonest is timed
-# against it with every rank's program, all ranks together (see `_fresh_plan`). Beyond 16
-# CP ranks the baselines are far slower than any candidate.
+# against it with every rank's program, all ranks together (see `_fresh_plan`). Beyond,
+# that recheck would gain 1.4% on average (up to 22%) for 1.6-3x the planning time, past the
+# 5 ms target at P = 64 (docs/planner.md, "Choice"); `choose_by="timeline"` offers it.
 RECHECK_RANKS = 16
 RECHECK_MARGIN = 0.05
 # The head chunks `Plan.inner_chunks` weighs beside 1 (where the heads split so). More
