@@ -713,6 +713,36 @@ def test_a_rank_whose_attention_inputs_fail_makes_the_others_raise_at_once(pool4
     assert [r["then"] for r in results] == ["ok"] * 4
 
 
+def bad_inputs_on_a_checked_plan_job(rank: int, world: int) -> str:
+    """Every rank attends with a plan (checked), then rank 1 alone calls again with the same
+    plan and a q of the wrong size, over groups whose timeout (120 s) outlasts the job's."""
+    import datetime
+
+    import megatron_sap as sap
+
+    groups = sap.init_sap_groups(inner_size=1, outer_size=world, timeout=datetime.timedelta(seconds=120))
+    cu = [0, 10, 24, 40, 60]
+    plan = sap.plan_sequences(cu, outer_size=world, inner_size=1, cache=None)
+    q, k, v, dout = _local_inputs(plan, groups.cp_rank, cu, 4, 2, seed=5)
+    sap.sap_attention(q, k, v, plan, groups).backward(dout)
+    if rank != 1:
+        return "skipped"
+    try:
+        sap.sap_attention(q[:-1], k, v, plan, groups)
+    except ValueError as error:
+        return f"ValueError: {error}"
+    return "ok"
+
+
+def test_a_rank_failing_its_inputs_on_a_checked_plan_raises_alone(pool4: WorkerPool) -> None:
+    """Where the group checked the plan already, its peers do not enter the agreement check
+    again (a later layer): the rank raises its own error at once rather than wait there for
+    them until the group's timeout."""
+    results = pool4.run(bad_inputs_on_a_checked_plan_job, timeout=30)
+    assert results[1].startswith("ValueError: q has 14 tokens"), results[1]
+    assert results[0] == results[2] == results[3] == "skipped"
+
+
 # ---- NCCL's order: each group's batched P2P calls run one after another -------------------------
 
 
