@@ -23,7 +23,7 @@ import hashlib
 import math
 import os
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -487,12 +487,20 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
     check_heads(q.shape[1], k.shape[1], inner)
 
 
-def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: SAPGroups | None) -> None:
+# What a rank reports in the finite check's all-reduce: its inputs are finite, hold NaN or
+# Inf, or failed `sap_attention`'s own checks (it takes part only to tell the others).
+_FINITE, _NOT_FINITE, _FAILED_CHECKS = 0, 1, 2
+
+
+def _check_finite(q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None,
+                  groups: SAPGroups | None) -> None:
     """Raise on every rank of the CP group when any rank's q, k or v holds NaN or Inf: one
-    all-reduce of each rank's count (and a host sync), so that the ranks without them do not
-    go on into exchanges that their peer has left. Every rank must check alike."""
+    all-reduce of each rank's finding (and a host sync), so that the ranks without them do not
+    go on into exchanges that their peer has left. Every rank must check alike. A rank whose
+    inputs failed `sap_attention`'s own checks takes part with q, k, v None (`_FAILED_CHECKS`):
+    the others raise, naming it, and it raises its own error."""
     problem = None
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, t in () if q is None else (("q", q), ("k", k), ("v", v)):
         bad = ~torch.isfinite(t)
         if bad.any():
             token, head, _ = (int(i) for i in torch.nonzero(bad)[0])
@@ -502,10 +510,15 @@ def _check_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: SAP
     others: list[int] = []
     if groups is not None and groups.world_size > 1:
         counts = torch.zeros(groups.world_size, dtype=torch.int64, device=collective_device(groups.cp_group))
-        counts[groups.cp_rank] = problem is not None
+        counts[groups.cp_rank] = _FAILED_CHECKS if q is None else _NOT_FINITE if problem is not None else _FINITE
         _all_reduce(counts, groups.cp_group, dist.ReduceOp.SUM, groups, "finite check", "NaN/Inf findings",
                     "not every rank checks (check_finite / MEGATRON_SAP_CHECK_FINITE must be alike on all CP ranks)")
-        others = [r for r, c in enumerate(counts.tolist()) if c and r != groups.cp_rank]
+        found = counts.tolist()
+        failed = [r for r, c in enumerate(found) if c == _FAILED_CHECKS and r != groups.cp_rank]
+        if failed and q is not None:
+            raise RuntimeError(f"cp_ranks {failed} of {list(groups.cp_ranks)} could not prepare their attention "
+                               f"inputs (sap_attention's checks); their own errors name the problem")
+        others = [r for r, c in enumerate(found) if c == _NOT_FINITE and r != groups.cp_rank]
     if problem is not None:
         also = f"; cp_ranks {others} have some too" if others else ""
         raise ValueError(f"{problem}{also} (MEGATRON_SAP_CHECK_FINITE / check_finite is on)")
@@ -646,23 +659,28 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
     mark_ready(groups.cp_group if over is None else over)  # the CP group (and the outer group at U = 1), or the host group
 
 
+def _has_peers(groups: object) -> bool:
+    """Whether `groups` are SAPGroups of several CP ranks with process groups to reach them."""
+    return isinstance(groups, SAPGroups) and groups.world_size > 1 and groups.cp_group is not None
+
+
 def _peers_check_this_plan(plan: object, groups: object) -> bool:
     """Whether the other CP ranks, called with `plan` as this rank was, are about to run the
     agreement check (`_check_agreement`): a plan of several ranks that this group has not
     checked yet (ranks that keep a checked plan skip the check, and one that announced its
     failure there would wait for them until the group's timeout)."""
-    if (not isinstance(groups, SAPGroups) or groups.world_size <= 1 or groups.cp_group is None
-            or not isinstance(plan, Plan)):
+    if not _has_peers(groups) or not isinstance(plan, Plan):
         return False
     last = _LAST_CHECKED.get(groups.cp_group)
     return last is None or last[0] != plan.signature()
 
 
-def _tell_peers_of_failure(error: BaseException, groups: SAPGroups, over: dist.ProcessGroup | None = None) -> None:
-    """`announce_failure`, for a rank about to raise `error`: where telling the peers fails
-    too (they are gone), that is noted on `error`, which stays the one to see."""
+def _tell_peers_of_failure(error: BaseException, tell: Callable[[], None]) -> None:
+    """Run `tell` (this rank's part in a check its peers are about to run, as a failed rank)
+    for a rank about to raise `error`: where telling them fails too (they are gone), that is
+    noted on `error`, which stays the one to see."""
     try:
-        announce_failure(groups, over)
+        tell()
     except Exception as told:  # the backend's error type varies (gloo, NCCL)
         if hasattr(error, "add_note"):  # Python 3.11 on
             error.add_note(f"(telling the other CP ranks failed too: {told})")
@@ -750,8 +768,9 @@ def sap_attention(
     can hand one rank a cached plan while another plans a new batch (without Megatron's
     batch split, which checks every micro-batch) should call `verify_plan_agreement` per
     micro-batch for a clear message on every rank. A rank whose inputs fail this function's
-    own checks on a plan the group has not checked (and `check_finite` off) first takes part
-    in the check its peers are about to run, as a failed rank (`announce_failure`): they raise
+    own checks first takes part, as a failed rank, in the check its peers are about to run:
+    with `check_finite` on, the finite check, which they run on every call; else, where the
+    group has not checked its plan yet, the agreement check (`announce_failure`). They raise
     at once, naming it, instead of waiting for it until the group's timeout.
     `check_finite` (default: the MEGATRON_SAP_CHECK_FINITE variable, "1" for on): raise on
     every rank when q, k or v of any rank holds NaN or Inf (one all-reduce and a host sync;
@@ -783,8 +802,10 @@ def sap_attention(
         # raised between posting and waiting would leave the peers' transfers pending.
         backend = resolve_backend(backend, q.device, q.dtype, q.shape[2])
     except Exception as error:
-        if check_agreement is True and finite is False and _peers_check_this_plan(plan, groups):
-            _tell_peers_of_failure(error, groups)
+        if finite is True and _has_peers(groups):  # the peers run the finite check on every call
+            _tell_peers_of_failure(error, lambda: _check_finite(None, None, None, groups))
+        elif check_agreement is True and finite is False and _peers_check_this_plan(plan, groups):
+            _tell_peers_of_failure(error, lambda: announce_failure(groups))
         raise
     # The checks' collectives go where q is (NCCL's on the current GPU: `collective_device`),
     # not to another GPU that happens to be current.

@@ -663,10 +663,11 @@ def test_a_rank_with_a_bad_batch_makes_the_others_raise_at_once(pool4: WorkerPoo
     assert sorted(sum((r["then"] for r in results), [])) == list(range(16))
 
 
-def one_bad_attention_job(rank: int, world: int, inner: int, bad: str) -> dict:
+def one_bad_attention_job(rank: int, world: int, inner: int, bad: str, check_finite: bool = False) -> dict:
     """Every rank attends with a fresh plan, rank 1 with inputs that fail `sap_attention`'s
     own checks (`bad` says which), over groups whose timeout (120 s) outlasts the job's;
-    then every rank attends again with valid ones."""
+    then every rank attends again with valid ones. `check_finite`: on every call, and the
+    bad call on the plan every rank checked already (the finite check runs on every call)."""
     import datetime
 
     import megatron_sap as sap
@@ -675,7 +676,9 @@ def one_bad_attention_job(rank: int, world: int, inner: int, bad: str) -> dict:
     cu = [0, 10, 24, 40, 64]
     plan = sap.plan_sequences(cu, outer_size=world // inner, inner_size=inner, cache=None)
     q, k, v, dout = _local_inputs(plan, groups.cp_rank, cu, 4, 2, seed=3)
-    kwargs: dict = {}
+    if check_finite:
+        sap.sap_attention(q, k, v, plan, groups, check_finite=True).backward(dout)
+    kwargs: dict = {"check_finite": check_finite}
     if rank == 1:
         if bad == "rows":
             q = q[:-1]
@@ -685,7 +688,7 @@ def one_bad_attention_job(rank: int, world: int, inner: int, bad: str) -> dict:
             plan = sap.plan_sequences(cu, outer_size=world, inner_size=1, cache=None) if inner > 1 else \
                 sap.plan_sequences(cu, outer_size=world // 2, inner_size=2, cache=None)
         else:
-            kwargs = {"softmax_scale": float("nan")}
+            kwargs["softmax_scale"] = float("nan")
     try:
         sap.sap_attention(q, k, v, plan, groups, **kwargs).backward(dout)
         outcome = "ok"
@@ -693,7 +696,7 @@ def one_bad_attention_job(rank: int, world: int, inner: int, bad: str) -> dict:
         outcome = f"{type(error).__name__}: {error}"
     plan = sap.plan_sequences([0, 7, 64], outer_size=world // inner, inner_size=inner, cache=None)
     q, k, v, dout = _local_inputs(plan, groups.cp_rank, [0, 7, 64], 4, 2, seed=4)
-    sap.sap_attention(q, k, v, plan, groups).backward(dout)
+    sap.sap_attention(q, k, v, plan, groups, check_finite=check_finite).backward(dout)
     return {"outcome": outcome, "then": "ok"}
 
 
@@ -710,6 +713,20 @@ def test_a_rank_whose_attention_inputs_fail_makes_the_others_raise_at_once(pool4
     for rank in (0, 2, 3):
         assert "CP rank 1 of [0, 1, 2, 3] (the highest that failed) could not prepare this micro-batch" in \
             results[rank]["outcome"], results[rank]
+    assert [r["then"] for r in results] == ["ok"] * 4
+
+
+@pytest.mark.parametrize("bad", ["rows", "layout"])
+def test_with_the_finite_check_a_rank_whose_inputs_fail_makes_the_others_raise_at_once(pool4: WorkerPool,
+                                                                                        bad: str) -> None:
+    """With `check_finite` on, every rank runs the finite check on every call: a rank whose
+    inputs fail takes part in it as a failed rank, even on a plan the group checked before,
+    and its peers name it at once."""
+    results = pool4.run(one_bad_attention_job, 2, bad, True, timeout=30)
+    assert results[1]["outcome"].startswith("ValueError"), results[1]
+    for rank in (0, 2, 3):
+        assert "cp_ranks [1] of [0, 1, 2, 3] could not prepare their attention inputs" in results[rank]["outcome"], \
+            results[rank]
     assert [r["then"] for r in results] == ["ok"] * 4
 
 
