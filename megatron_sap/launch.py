@@ -31,6 +31,8 @@ def main(argv: list[str]) -> None:
         if argv[0].startswith("/pretrain") and not os.environ.get("MEGATRON_LM_PATH"):
             why += " (MEGATRON_LM_PATH is not set: `$MEGATRON_LM_PATH/pretrain_gpt.py` read as `/pretrain_gpt.py`)"
         raise SystemExit(f"training script {argv[0]!r} {why}\n{USAGE}")
+    if any(arg in ("-h", "--help") for arg in argv[1:]):
+        print_sap_flags()  # Megatron-LM's own --help, which the script prints next, parses without them
     roots = [str(script.parent)]
     if os.environ.get("MEGATRON_LM_PATH"):
         roots.insert(0, str(Path(os.environ["MEGATRON_LM_PATH"]).resolve()))
@@ -53,6 +55,20 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"cannot install the SAP hooks: {err}") from err
     sys.argv = [str(script), *argv[1:]]
     runpy.run_path(str(script), run_name="__main__")
+
+
+def print_sap_flags() -> None:
+    """The `--sap-*` flags the launcher adds (`add_sap_args`): `pretrain_gpt.py --help` lists
+    Megatron-LM's own flags only, as its first parse has no extra provider (docs/megatron.md)."""
+    import argparse
+
+    from megatron_sap.megatron.arguments import add_sap_args
+
+    parser = add_sap_args(argparse.ArgumentParser(prog="python -m megatron_sap.launch <script>", add_help=False,
+                                                  usage=argparse.SUPPRESS))
+    print("SAP flags, which the launcher adds (Megatron-LM's own follow):")
+    print(parser.format_help())
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -894,6 +894,9 @@ def test_launcher_help_and_a_missing_megatron_lm(tmp_path) -> None:
     assert shown.returncode == 0 and shown.stdout.startswith("usage: python -m megatron_sap.launch")
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("print('ran')\n")
+    # The script's --help (Megatron-LM's) lists its own flags only: the launcher lists SAP's first.
+    shown = run(str(script), "--help", MEGATRON_LM_PATH="")
+    assert shown.stdout.startswith("SAP flags, which the launcher adds") and "--sap-inner-chunks" in shown.stdout
     # megatron-core 0.19's wheel ships a `megatron.training` too, which needs Python 3.12: where it
     # cannot be imported, the launcher must refuse it as well.
     probe = subprocess.run([sys.executable, "-W", "ignore", "-c",
@@ -1249,7 +1252,7 @@ def test_an_unknown_cost_preset_raises_when_set_not_at_the_first_batch() -> None
     assert set_sap_options(cost_preset="h200").cost_preset == "h200"
 
 
-def test_inner_chunks_flag_reaches_the_options_and_refuses_what_cannot_run() -> None:
+def test_inner_chunks_flag_reaches_the_options_and_refuses_what_cannot_run(capsys) -> None:
     """--sap-inner-chunks (default auto) sets the head chunks SAP layers run the Ulysses
     all-to-alls in; counts that cannot run (with --sap-recompute-kv, at inner size 1, heads
     that do not split) fail at start-up, not at the first attention."""
@@ -1259,12 +1262,13 @@ def test_inner_chunks_flag_reaches_the_options_and_refuses_what_cannot_run() -> 
         parser.add_argument(flag, type=int, default=default)
     try:
         assert sap_settings_from_args(parser.parse_args([])).options.inner_chunks == "auto"
-        for bad in ("0", "two", "-1"):
+        for bad, said in (("0", "got 0"), ("two", "got 'two'"), ("-1", "got -1")):
             with pytest.raises(SystemExit):
                 parser.parse_args(["--sap-inner-chunks", bad])
+            assert f"--sap-inner-chunks must be 'auto' or a positive int, {said}" in capsys.readouterr().err
         cp8 = ["--context-parallel-size", "8", "--sap-inner-size", "8"]
         assert sap_settings_from_args(parser.parse_args([*cp8, "--sap-inner-chunks", "2"])).options.inner_chunks == 2
-        with pytest.raises(ValueError, match="needs recompute_kv off"):
+        with pytest.raises(ValueError, match="--sap-inner-chunks 2 needs --sap-recompute-kv off"):
             sap_settings_from_args(parser.parse_args([*cp8, "--sap-inner-chunks", "2", "--sap-recompute-kv"]))
         with pytest.raises(ValueError, match="needs --sap-inner-size > 1"):
             sap_settings_from_args(parser.parse_args(["--context-parallel-size", "2", "--sap-inner-chunks", "2"]))

@@ -26,9 +26,13 @@ ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 def _inner_chunks(value: str) -> int | str:
     """--sap-inner-chunks: "auto" or a positive int (`check_inner_chunks`)."""
     try:
-        return check_inner_chunks(value if value == "auto" or not value.isdigit() else int(value))
+        number = int(value)
+    except ValueError:
+        number = None
+    try:
+        return check_inner_chunks(value if value == "auto" or number is None else number)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(str(exc).replace("inner_chunks", "--sap-inner-chunks", 1)) from None
 
 
 def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -203,6 +207,9 @@ def sap_settings_from_args(args: argparse.Namespace) -> SAPSettings:
                              f"(Ulysses) size {inner}: {exc}") from None
     chunks = args.sap_inner_chunks
     if chunks not in ("auto", 1):
+        if args.sap_recompute_kv:
+            raise ValueError(f"--sap-inner-chunks {chunks} needs --sap-recompute-kv off (every chunk would fetch the "
+                             f"K/V again)")
         if inner == 1:
             raise ValueError(f"--sap-inner-chunks {chunks} chunks the Ulysses all-to-alls: it needs --sap-inner-size > 1")
         if shape is not None and head_chunks(shape[0], shape[1], inner, chunks) is None:
