@@ -206,7 +206,7 @@ def _refuse_unsupported(args: Any) -> None:
         )
     if getattr(args, "sft", False) and tp > 1 and packed_get_batch():
         raise ValueError(
-            f"SAP with --sft needs TP 1 (got TP={tp}): Megatron-LM 0.16.1's get_batch_on_this_tp_rank sends the SFT "
+            f"SAP with --sft needs TP 1 (got TP={tp}): Megatron-LM core_v0.16 and v0.17's get_batch_on_this_tp_rank send the SFT "
             "batch's cu_seqlens and max_seqlen from the source TP rank in more broadcasts than the other TP ranks "
             "receive, so they would hang or read wrong boundaries; pretraining data with --reset-position-ids "
             "--reset-attention-mask works at any TP"

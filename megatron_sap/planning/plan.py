@@ -853,8 +853,9 @@ def plan_sequences(
     Every rank holds exactly T / P tokens. Candidate placements (sequence-aware greedy
     at several load slacks and two split modes, a spread greedy pass, zigzag over all
     ranks, contiguous, every document whole, contiguous slices of the documents in two
-    balancing orders, and over 32 outer ranks or more the greedy passes that fill the
-    last rooms in a chain) are evaluated with the cost model; the one
+    balancing orders, and the greedy passes that fill the last rooms in a chain: below 32
+    outer ranks weighing the ranks by their projected loads, from 32 by their loads) are
+    evaluated with the cost model; the one
     with the lowest modelled forward+backward layer time wins (within 1%, the one that
     moves fewer bytes; up to STEP_CHOICE_RANKS outer ranks, of those no other is as fast
     with fewer bytes, the one the step-level models of all ranks together end soonest;
