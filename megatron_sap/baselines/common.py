@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_sap.planning.cost_model import LINK_INTER, LINK_INTRA, CostModel
-from megatron_sap.validation import check_qkv, cu_seqlens_to_list, positive_int
+from megatron_sap.validation import check_qkv, cu_seqlens_to_list, is_positive_int
 
 # Recent torch renames the fused collectives (deprecating the old names); older releases lack the new ones.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -93,8 +93,9 @@ def check_layout(layout: BaselineLayout, method: str, world_size: int, q: Tensor
 
 
 def check_world_size(world_size: int) -> None:
-    """Reject a world size a layout cannot be built for."""
-    positive_int(world_size, "world_size")
+    """Reject a world size a layout cannot be built for (an int: the callers use it as given)."""
+    if not is_positive_int(world_size):
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
 
 
 def contiguous_layout(cu_seqlens: Tensor | Sequence[int], world_size: int, method: str) -> BaselineLayout:

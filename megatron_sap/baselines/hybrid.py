@@ -47,7 +47,8 @@ STEP = "a2a+p2p inner all-to-all"  # names the collective when a peer fails
 def layout(cu_seqlens: Tensor | Sequence[int], world_size: int, inner_size: int = 1) -> ZigzagLayout:
     """Token placement of `a2a+p2p`: the `p2p` zigzag over all P ranks."""
     check_world_size(world_size)
-    if world_size % positive_int(inner_size, "inner_size"):
+    inner_size = positive_int(inner_size, "inner_size")
+    if world_size % inner_size:
         raise ValueError(f"inner_size ({inner_size}) must divide world_size ({world_size})")
     return zigzag_layout(cu_seqlens, world_size, method=NAME, inner_size=inner_size)
 
