@@ -802,10 +802,13 @@ def sap_attention(
         # raised between posting and waiting would leave the peers' transfers pending.
         backend = resolve_backend(backend, q.device, q.dtype, q.shape[2])
     except Exception as error:
-        if finite is True and _has_peers(groups):  # the peers run the finite check on every call
-            _tell_peers_of_failure(error, lambda: _check_finite(None, None, None, groups))
-        elif check_agreement is True and finite is False and _peers_check_this_plan(plan, groups):
-            _tell_peers_of_failure(error, lambda: announce_failure(groups))
+        # on q's GPU where it has one, as the peers' checks run (below)
+        cuda = isinstance(q, torch.Tensor) and q.is_cuda
+        with torch.cuda.device(q.device) if cuda else contextlib.nullcontext():
+            if finite is True and _has_peers(groups):  # the peers run the finite check on every call
+                _tell_peers_of_failure(error, lambda: _check_finite(None, None, None, groups))
+            elif check_agreement is True and finite is False and _peers_check_this_plan(plan, groups):
+                _tell_peers_of_failure(error, lambda: announce_failure(groups))
         raise
     # The checks' collectives go where q is (NCCL's on the current GPU: `collective_device`),
     # not to another GPU that happens to be current.
