@@ -675,7 +675,7 @@ def _peers_check_this_plan(plan: object, groups: object) -> bool:
     return last is None or last[0] != plan.signature()
 
 
-def _tell_peers_of_failure(error: BaseException, tell: Callable[[], None]) -> None:
+def tell_peers_of_failure(error: BaseException, tell: Callable[[], None]) -> None:
     """Run `tell` (this rank's part in a check its peers are about to run, as a failed rank)
     for a rank about to raise `error`: where telling them fails too (they are gone), that is
     noted on `error`, which stays the one to see."""
@@ -806,9 +806,9 @@ def sap_attention(
         cuda = isinstance(q, torch.Tensor) and q.is_cuda
         with torch.cuda.device(q.device) if cuda else contextlib.nullcontext():
             if finite is True and _has_peers(groups):  # the peers run the finite check on every call
-                _tell_peers_of_failure(error, lambda: _check_finite(None, None, None, groups))
+                tell_peers_of_failure(error, lambda: _check_finite(None, None, None, groups))
             elif check_agreement is True and finite is False and _peers_check_this_plan(plan, groups):
-                _tell_peers_of_failure(error, lambda: announce_failure(groups))
+                tell_peers_of_failure(error, lambda: announce_failure(groups))
         raise
     # The checks' collectives go where q is (NCCL's on the current GPU: `collective_device`),
     # not to another GPU that happens to be current.

@@ -19,7 +19,7 @@ import megatron_sap as sap
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_sap.attention import announce_failure, last_softmax_scale, verify_plan_agreement
+from megatron_sap.attention import announce_failure, last_softmax_scale, tell_peers_of_failure, verify_plan_agreement
 from megatron_sap.validation import cu_seqlens_to_list
 
 from .groups import _sap_groups, host_twin, sap_groups_from_parallel_state
@@ -181,11 +181,7 @@ def _failures_told_to_peers(groups: Optional["sap.SAPGroups"]) -> Iterator[None]
         yield
     except Exception as error:
         if groups is not None and get_sap_options().check_agreement:
-            try:
-                announce_failure(groups, over=host_twin(groups.cp_group))
-            except Exception as told:  # the peers are gone: this rank's own error is the one to see
-                if hasattr(error, "add_note"):  # Python 3.11 on
-                    error.add_note(f"(telling the other CP ranks failed too: {told})")
+            tell_peers_of_failure(error, lambda: announce_failure(groups, over=host_twin(groups.cp_group)))
         raise
 
 
