@@ -518,6 +518,8 @@ def _check_finite(q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tenso
         if failed and q is not None:
             raise RuntimeError(f"cp_ranks {failed} of {list(groups.cp_ranks)} could not prepare their attention "
                                f"inputs (sap_attention's checks); their own errors name the problem")
+        if q is None:  # a rank that failed its checks: its own error follows
+            return
         others = [r for r, c in enumerate(found) if c == _NOT_FINITE and r != groups.cp_rank]
     if problem is not None:
         also = f"; cp_ranks {others} have some too" if others else ""

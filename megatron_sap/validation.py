@@ -91,18 +91,19 @@ def _zero_dim_integer(value: object) -> object:
 def positive_int(value: object, name: str) -> int:
     """`value` as an int, checked by `is_positive_int` (a 0-d integer array or tensor taken
     as its value, as `Plan`'s methods take ranks)."""
-    if not is_positive_int(_zero_dim_integer(value)):
+    number = _zero_dim_integer(value)
+    if not is_positive_int(number):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(_zero_dim_integer(value))
+    return int(number)
 
 
-def check_inner_chunks(value: object, recompute_kv: bool = False) -> int | str:
-    """An `inner_chunks` value: "auto", or a positive int (as an int) that, above 1, does
-    not go with `recompute_kv` (each chunk would fetch the K/V again)."""
+def check_inner_chunks(value: object, recompute_kv: bool = False, name: str = "inner_chunks") -> int | str:
+    """An `inner_chunks` value (`name` in errors, such as its flag): "auto", or a positive int
+    (as an int) that, above 1, does not go with `recompute_kv` (each chunk would fetch the K/V again)."""
     if value == "auto":
         return "auto"
     if not is_positive_int(value):
-        raise ValueError(f"inner_chunks must be 'auto' or a positive int, got {value!r}")
+        raise ValueError(f"{name} must be 'auto' or a positive int, got {value!r}")
     if value > 1 and recompute_kv:
         raise ValueError(f"inner_chunks={value} needs recompute_kv off (every chunk would fetch the K/V again)")
     return int(value)

@@ -30,9 +30,9 @@ def _inner_chunks(value: str) -> int | str:
     except ValueError:
         number = None
     try:
-        return check_inner_chunks(value if value == "auto" or number is None else number)
+        return check_inner_chunks(value if value == "auto" or number is None else number, name="--sap-inner-chunks")
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).replace("inner_chunks", "--sap-inner-chunks", 1)) from None
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_sap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
