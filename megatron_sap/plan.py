@@ -246,6 +246,7 @@ def describe(plan: Plan) -> str:
     documents, empty = sum(1 for n in lengths if n), sum(1 for n in lengths if not n)
     kv_mb = model.inner_kv_bytes_per_token(plan.inner_size) / 1e6
     chunks = "" if stats["inner_chunks"] == 1 else f", all-to-alls in {stats['inner_chunks']} head chunks"
+    chunks = (", exchanges as ring shifts" if plan.ring_exchanges else "") + chunks
     lines = [
         f"batch: T={plan.total_tokens} tokens, {documents} document{'' if documents == 1 else 's'}"
         f"{f' and {empty} empty' if empty else ''} "

@@ -43,6 +43,18 @@ def random_cu_seqlens(rng: random.Random, total: int, kind: str) -> list[int]:
     return cu
 
 
+def force_ring_exchanges(plan):
+    """`plan`, its outer ranks exchanging as ring shifts whatever it chose (plans weigh them
+    at odd outer sizes only): its choice made, then overridden, its programs compiled anew."""
+    from types import MappingProxyType
+
+    plan.exchange_order()
+    plan._order = plan._levels = plan._backward_order = plan._backward_levels = MappingProxyType({})
+    plan._ring = True
+    plan._programs.clear()
+    return plan
+
+
 def make_inputs(cu: list[int], heads: int, kv_heads: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
     """q, k, v and an upstream gradient for the whole packed batch, float64."""
     gen = torch.Generator().manual_seed(seed)
@@ -101,13 +113,14 @@ def run_rank(
     gpus_per_node: int | None = None,
     inner_chunks: int | str = "auto",
     cost_overrides: dict | None = None,
+    ring: bool = False,
 ) -> dict:
     """One rank's forward and backward of sap_attention; returns its slices and gradients.
     `schedule`: sap_attention's, or "mixed" (pipelined on even outer ranks, gathered on odd).
     `tile`: plan with that kernel tile instead of the default model's (small tiles split
     the short documents of these tests into whole-tile chunks); `gpus_per_node`: plan
     with nodes of that many ranks; `cost_overrides`: other fields of the planning cost
-    model; `inner_chunks`: sap_attention's (the count run is in the result: "chunks_run",
+    model; `ring`: a fresh plan whose outer ranks exchange as ring shifts, whatever it chose; `inner_chunks`: sap_attention's (the count run is in the result: "chunks_run",
     the head chunks of each chunked op that ran, none where the op ran unchunked)."""
     from dataclasses import replace
 
@@ -121,7 +134,9 @@ def run_rank(
     model = replace(model, tile=tile or model.tile, gpus_per_node=gpus_per_node or model.gpus_per_node,
                     **(cost_overrides or {}))
     plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cost_model=model,
-                              cache=PlanCache() if fresh_plan else sap.planning.DEFAULT_CACHE)
+                              cache=PlanCache() if fresh_plan or ring else sap.planning.DEFAULT_CACHE)
+    if ring:
+        force_ring_exchanges(plan)
     q, k, v, dout = make_inputs(cu, heads, kv_heads, dim, seed)
     if perturb_doc is not None:
         lo, hi = cu[perturb_doc], cu[perturb_doc + 1]
@@ -145,6 +160,7 @@ def run_rank(
         "dv": vl.grad,
         "plan_inner_chunks": plan.inner_chunks(groups.outer_rank, recompute_kv),
         "chunks_run": chunks_run,
+        "ring_exchanges": plan.ring_exchanges,
     }
     if count_bytes:
         result["p2p_bytes"] = log.total_bytes("p2p")

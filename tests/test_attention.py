@@ -113,6 +113,35 @@ def test_world6_mixed_layouts(pool6, inner):
                                 schedule=rng.choice(["pipelined", "gathered", "mixed"]), recompute_kv=rng.random() < 0.3)
 
 
+def test_odd_outer_sizes_exchange_as_the_plan_chooses(pool3):
+    """Three outer ranks: plans choose pairwise rounds or ring shifts (each rank sending to
+    one peer and receiving from another in a step); both kinds occur here and match the
+    reference."""
+    rng = random.Random(33)
+    chosen = set()
+    for case in range(8):
+        cu = random_cu_seqlens(rng, 3 * rng.randint(40, 200), rng.choice(["one", "long", "mixture"]))
+        results = pool3.run(run_rank, cu, 1, 4, 2, 8, "float64", case, None, tile=rng.choice([None, 16]))
+        chosen |= {r["ring_exchanges"] for r in results}
+        got, ref = assemble(results, cu[-1]), reference(cu, 4, 2, 8, case, None)
+        for name, value in got.items():
+            assert (value - ref[name]).abs().max().item() <= TOL["float64"] * max(1.0, ref[name].abs().max().item())
+    assert chosen == {False, True}
+
+
+@pytest.mark.parametrize("recompute_kv", [False, True])
+@pytest.mark.parametrize("schedule", ["pipelined", "gathered", "mixed"])
+def test_ring_exchanges_match_reference(pool6, schedule, recompute_kv):
+    """Ring shifts forced at 6 x 1, 3 x 2 and 2 x 3 (odd and even outer sizes), in every
+    schedule, with and without recomputed K/V: outputs and gradients are the reference's."""
+    rng = random.Random(60 + len(schedule) + recompute_kv)
+    for inner in (1, 2, 3):
+        cu = random_cu_seqlens(rng, 6 * rng.randint(8, 48), rng.choice(KINDS))
+        check_against_reference(pool6, cu, inner, 6, 3 if inner == 3 else 2, 8, "float64", seed=inner,
+                                ring=True, tile=rng.choice([None, 4, 16]), schedule=schedule,
+                                recompute_kv=recompute_kv)
+
+
 @pytest.mark.parametrize("inner", [1, 2])
 def test_world4_whole_tile_chunks(pool4, inner):
     """With an 8-token tile the planner splits even these short documents into chunks of

@@ -28,6 +28,9 @@ def test_every_exchanging_pair_has_one_place(batch):
     exchanging = {(a, b) for a in range(outer) for b in range(a + 1, outer)
                   if layout.needed(a, b) or layout.needed(b, a)}
     order = plan.exchange_order()
+    if plan.ring_exchanges:  # ring shifts instead (odd outer sizes): no order of pairs
+        assert outer % 2 and not order
+        return
     assert set(order) == exchanging
     assert sorted(order.values()) == list(range(len(exchanging)))
 
@@ -151,9 +154,9 @@ def test_the_ring_layout_runs_as_fast_as_the_rings_model_in_matching_rounds():
 
 def test_the_plans_order_is_read_only():
     """Plans are shared through the cache: their exchange order cannot be changed in place."""
-    plan = sap.plan_sequences([0, 3 * 1024], outer_size=3, cache=None)
+    plan = sap.plan_sequences([0, 4 * 1024], outer_size=4, cache=None)
     order = plan.exchange_order()
-    assert plan.exchange_order() is order and len(order) == 3
+    assert plan.exchange_order() is order and len(order) == 6
     with pytest.raises(TypeError):
         order[0, 1] = 5
 
@@ -203,10 +206,10 @@ def test_paced_forward_is_the_timelines_pipelined_forward(corpus):
                 exchanges, kernels, local = timeline._step_costs(program, inner, model)
                 local_s.append(local)
                 for step, x, k in zip(program.transfers, exchanges, kernels):
-                    peer = timeline._peer(step)
+                    peer = step.send_peer if step.send_peer is not None else step.recv_peer
                     step_s[r][peer] = k
                     pair = (min(r, peer), max(r, peer))
-                    exchange_s[pair] = max(exchange_s.get(pair, 0.0), x)
+                    exchange_s[pair] = max(exchange_s.get(pair, 0.0), *x)
             paced = paced_exchange_order(exchange_s, step_s, local_s)
             differ += paced != link
             for order in (link, paced):

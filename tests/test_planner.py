@@ -1857,6 +1857,16 @@ def test_cli_warns_of_a_tp_group_across_nodes(capsys):
     assert "warning" not in capsys.readouterr().err
 
 
+def test_cli_says_where_the_exchanges_are_ring_shifts(capsys):
+    """One document over three outer ranks: every rank needs every other's K/V, which
+    ring shifts carry in two steps where pairs need three rounds; the report says so, and
+    at four ranks (pairs in perfect matchings) it does not."""
+    assert plan_cli(["--cu-seqlens", "0,24576", "--outer-size", "3"]) == 0
+    assert "executor's schedule, exchanges as ring shifts;" in capsys.readouterr().out
+    assert plan_cli(["--cu-seqlens", "0,24576", "--outer-size", "4"]) == 0
+    assert "ring shifts" not in capsys.readouterr().out
+
+
 def test_cli_warns_of_an_inner_group_across_nodes_and_of_megatrons_2cp_rule(capsys):
     assert plan_cli(["--cu-seqlens", "0,8192", "--outer-size", "1", "--inner-size", "8", "--tensor-parallel-size", "2"]) == 0
     assert "spans nodes of 8 GPUs" in capsys.readouterr().err

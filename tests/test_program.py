@@ -2,6 +2,8 @@
 in one process with index bookkeeping (no process groups, no kernels)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ from megatron_sap.planning.placement import build_all
 from megatron_sap.planning.plan import DEFAULT_SLACKS
 from megatron_sap.planning.program import exchange_round
 from megatron_sap.planning.timeline import joint_schedule
+from sap_cases import force_ring_exchanges
 from test_planner import cu_seqlens_for, expected_mask
 
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -89,14 +92,17 @@ def simulate(plan: sap.Plan, schedule: str = "pipelined") -> list[np.ndarray]:
         source = [rows[r]]  # the gathered calls' key rows: local, then each step's received rows
         rounds = [t.round for t in program.transfers]
         assert len(set(rounds)) == len(rounds) and all(0 <= s < R for s in rounds)
-        # Steps follow the plan's one order of rank pairs, which every rank runs.
-        order = plan.exchange_order()
-        positions = [order[min(r, (d - r) % R), max(r, (d - r) % R)] for d in rounds]
-        assert positions == sorted(positions)
+        if plan.ring_exchanges:  # shift d: send to r + d, receive from r - d, in shift order
+            assert rounds == sorted(rounds) and 0 not in rounds and not plan.exchange_order()
+        else:  # steps follow the plan's one order of rank pairs, which every rank runs
+            order = plan.exchange_order()
+            positions = [order[min(r, (d - r) % R), max(r, (d - r) % R)] for d in rounds]
+            assert positions == sorted(positions)
         for transfer in program.transfers:
             d = transfer.round
-            src = dst = (d - r) % R  # the round's partner, both ways
-            assert src != r
+            # the peers: a shift's two, or the round's partner both ways
+            dst, src = ((r + d) % R, (r - d) % R) if plan.ring_exchanges else ((d - r) % R,) * 2
+            assert src != r and dst != r
             # The send side matches the peer's receive in the same round.
             if transfer.send_rows is None:
                 assert transfer.send_peer is None
@@ -155,6 +161,40 @@ def check_programs(plan: sap.Plan) -> None:
 def test_programs_realise_the_work(batch):
     cu, outer = batch
     check_programs(sap.plan_sequences(cu, outer_size=outer, cache=None))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(outer_batches(), st.sampled_from([1, 2]))
+def test_ring_exchanges_realise_the_work(batch, inner):
+    """Exchanges as ring shifts (which plans weigh at odd outer sizes), forced on plans of
+    any outer size: every message meets its peer's in the same shift, the work is done
+    exactly once, and the ranks' programs run together without waiting forever."""
+    cu, outer = batch
+    total = cu[-1]
+    if total % (outer * inner):
+        cu = [*cu[:-1], total + (-total) % (outer * inner)]
+    check_programs(force_ring_exchanges(sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cache=None)))
+
+
+def test_ring_shifts_take_one_step_fewer_than_pairwise_rounds_at_odd_sizes():
+    """Where every rank needs K/V from every other (one document over an odd number of
+    ranks, zigzag), pairwise exchanges need R rounds (no perfect matching: one rank idles
+    in each), ring shifts R - 1 steps; with the exchanges longer than the kernels the ring
+    is faster all ranks together by about one exchange, and the plan takes it."""
+    model = replace(CostModel.preset("h100"), inter_node_gbps=2.0, intra_node_gbps=2.0)
+    for R in (3, 5):
+        cu = [0, 2048 * R]
+        plan = sap.plan_sequences(cu, outer_size=R, cost_model=model, cache=None)
+        pairs = compile_all(plan.placement, "pipelined", tile=model.tile)
+        ring = compile_all(plan.placement, "pipelined", tile=model.tile, ring=True)
+        assert all(len(p.transfers) == R - 1 for p in pairs + ring)
+        assert sorted({t.round for p in pairs for t in p.transfers}) == list(range(R))
+        assert sorted({t.round for p in ring for t in p.transfers}) == list(range(1, R))
+        pair_s, ring_s = (max(t.forward_s for t in joint_schedule(p, 1, plan.capacity, model)) for p in (pairs, ring))
+        assert ring_s < pair_s * (R - 0.5) / R
+        assert plan.ring_exchanges
+        even = sap.plan_sequences([0, 2048 * (R + 1)], outer_size=R + 1, cost_model=model, cache=None)
+        assert not even.ring_exchanges  # weighed at odd outer sizes only
 
 
 @settings(max_examples=30, deadline=None)
@@ -318,10 +358,11 @@ def run_posted_in_order(plan, programs, events, windowed=None) -> None:
 
     R = plan.outer_size
     at = [0] * R
-    queue: list[list[tuple[str, frozenset]]] = [[] for _ in range(R)]  # posted, not done: (kind, pair)
+    queue: list[list[tuple[str, int, int]]] = [[] for _ in range(R)]  # posted, not done: (kind, round, step)
+    moved: set[tuple[str, int, int, int]] = set()  # (kind, round, rank, peer): their message is done
     done: list[set[tuple[str, int]]] = [set() for _ in range(R)]
     seen: list[list[tuple[str, int]]] = [[] for _ in range(R)]
-    peer = [[t.send_peer if t.send_peer is not None else t.recv_peer for t in p.transfers] for p in programs]
+    peers = [[{q for q in (t.send_peer, t.recv_peer) if q is not None} for t in p.transfers] for p in programs]
     windowed = windowed or [False] * R
     progress = True
     while progress:
@@ -330,7 +371,7 @@ def run_posted_in_order(plan, programs, events, windowed=None) -> None:
             while at[a] < len(events[a]):
                 kind, i = events[a][at[a]]
                 if kind in (FETCH, RETURN):
-                    queue[a].append((kind, frozenset((a, peer[a][i]))))
+                    queue[a].append((kind, programs[a].transfers[i].round, i))
                 elif kind == COMPUTE and any(e == (FETCH, i) for e in seen[a]) and (FETCH, i) not in done[a]:
                     break
                 elif kind == COLLECT and (RETURN, i) not in done[a]:
@@ -338,15 +379,21 @@ def run_posted_in_order(plan, programs, events, windowed=None) -> None:
                 seen[a].append((kind, i))
                 at[a] += 1
                 progress = True
-        for a in range(R):  # exchanges at the head of both their ranks' queues complete
+        # a message goes once the step is at the head of both its ranks' queues (a ring
+        # shift's step has two, with two peers); a step is done with all its messages
+        for a in range(R):
+            if queue[a]:
+                kind, round_, i = queue[a][0]
+                for b in peers[a][i]:
+                    if queue[b] and queue[b][0][:2] == (kind, round_):
+                        moved |= {(kind, round_, a, b), (kind, round_, b, a)}
+        for a in range(R):
             while queue[a]:
-                kind, pair = queue[a][0]
-                (b,) = pair - {a}
-                if not queue[b] or queue[b][0] != (kind, pair):
+                kind, round_, i = queue[a][0]
+                if any((kind, round_, a, b) not in moved for b in peers[a][i]):
                     break
-                for r in (a, b):
-                    queue[r].pop(0)
-                    done[r].add((kind, peer[r].index(a + b - r)))
+                queue[a].pop(0)
+                done[a].add((kind, i))
                 progress = True
     stuck = [a for a in range(R) if at[a] < len(events[a]) or queue[a]]
     assert not stuck, f"outer ranks {stuck} wait for each other"
@@ -484,11 +531,15 @@ def test_backward_in_its_own_order_is_posted_in_one_order_all_ranks_follow():
 
 def test_backward_posted_by_each_rank_s_own_step_count_would_wait_in_a_cycle():
     """The check above catches the order that fails on NCCL: refetches and returns interleaved
-    by each rank's own step count (one 98-token document over seven ranks)."""
+    by each rank's own step count (one 98-token document over seven ranks, exchanging pairwise
+    in the order paced by the kernels; the plan itself runs ring shifts, whose steps every
+    rank counts alike)."""
+    from megatron_sap.planning.plan import step_seconds
     from megatron_sap.planning.program import COLLECT, COMPUTE, FETCH, LOCAL, RETURN
 
     plan = sap.plan_sequences([0, 98], outer_size=7, cache=None)
-    programs = [plan.backward_program(r, recompute_kv=True) for r in range(7)]
+    paced = step_seconds(plan.placement, plan.evaluation, plan.cost_model, 1).paced_order()
+    programs = compile_all(plan.placement, "pipelined", paced, tile=plan.cost_model.tile)
 
     def own_count(program):
         n, ahead = len(program.transfers), 2

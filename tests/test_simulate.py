@@ -15,7 +15,7 @@ from megatron_sap.planning.placement import build_all
 from megatron_sap.planning.plan import DEFAULT_SLACKS
 from megatron_sap.reference import dense_attention
 from megatron_sap.simulate import simulate_plan
-from sap_cases import make_inputs, random_cu_seqlens
+from sap_cases import force_ring_exchanges, make_inputs, random_cu_seqlens
 
 
 @pytest.mark.parametrize("outer", [1, 2, 5, 8, 16])
@@ -25,6 +25,18 @@ def test_simulated_programs_match_reference(outer, kind):
     cu = random_cu_seqlens(rng, outer * rng.randint(8, 40), kind)
     sim = simulation_matching_reference(cu, sap.plan_sequences(cu, outer_size=outer, cache=None), seed=outer)
     assert len(sim.forward_seconds) == outer and len(sim.backward_seconds) == outer
+
+
+@pytest.mark.parametrize("outer", [3, 5, 6, 7])
+@pytest.mark.parametrize("schedule", ["pipelined", "gathered"])
+def test_ring_exchanges_match_reference(outer, schedule):
+    """Programs whose exchanges are ring shifts (forced, at odd and even outer sizes), run
+    in turn with each step's rows taken from its receive peer's send in the same shift."""
+    rng = random.Random(outer * 10 + len(schedule))
+    for kind in ("one", "long", "mixture"):
+        cu = random_cu_seqlens(rng, outer * rng.randint(8, 40), kind)
+        plan = force_ring_exchanges(sap.plan_sequences(cu, outer_size=outer, cache=None))
+        simulation_matching_reference(cu, plan, seed=outer, schedule=schedule)
 
 
 def simulation_matching_reference(cu: list[int], plan: sap.Plan, seed: int, heads: int = 4, kv_heads: int = 2,

@@ -14,7 +14,7 @@ from megatron_sap.bench.data import document_lengths
 from megatron_sap.bench.packing import pack
 from megatron_sap.planning.order import (exchange_order, exchange_seconds, layer_seconds, matching_order,
                                          paced_exchange_order)
-from megatron_sap.planning.program import compile_program
+from megatron_sap.planning.program import compile_all, compile_program
 from megatron_sap.planning.timeline import joint_schedule, plan_schedule, rank_schedule
 
 
@@ -124,7 +124,8 @@ def test_one_hardware_queue_by_hand():
     plan = sap.plan_sequences([0, 3 * n], outer_size=3, cost_model=model, cache=None)
     program = plan.program(0, schedule="pipelined")
     assert len(program.transfers) == 2 and all(t.recv_tokens for t in program.transfers)
-    (x0, x1), (c0, c1), local = _step_costs(program, 1, model)
+    sides, (c0, c1), local = _step_costs(program, 1, model)
+    x0, x1 = map(max, sides)
     assert max(x0, x1) < min(c0, c1, local) / 5
     holder = alone(plan, schedule="pipelined")[0]
     assert holder.forward_s == pytest.approx(max(x0, local) + max(x1, c0) + c1)
@@ -205,11 +206,16 @@ def order_options(plan):
              ("link", "pipelined"): together_s(plan, link, "pipelined"),
              ("paced", "pipelined"): together_s(plan, paced, "pipelined"),
              ("matching", "pipelined"): together_s(plan, matching, "pipelined")}
-    return {"link": link, "paced": paced, "matching": matching}, times
+    if plan.outer_size % 2 and plan.outer_size > 1:  # odd: ring shifts too, in either schedule
+        for schedule in ("pipelined", "gathered"):
+            programs = compile_all(plan.placement, schedule, tile=plan.cost_model.tile, ring=True)
+            times["ring", schedule] = max(t.total_s for t in joint_schedule(programs, plan.inner_size, plan.capacity,
+                                                                           plan.cost_model))
+    return {"link": link, "paced": paced, "matching": matching, "ring": {}}, times
 
 
 @pytest.mark.parametrize("cu, outer_size, inner_size, chosen, paced_gain", [
-    ([0, 416, 694, 1342, 2347, 2604, 3072], 3, 1, ("link", "pipelined"), None),
+    ([0, 416, 694, 1342, 2347, 2604, 3072], 3, 1, ("ring", "pipelined"), None),
     ([0, 3948, 8334, 11608, 12288], 6, 1, ("matching", "pipelined"), None),
     ([0, 198, 297, 2195, 2667, 3072], 6, 1, ("paced", "pipelined"), 0.9),
     ([0, 3072], 3, 1, None, None),
@@ -220,9 +226,10 @@ def test_auto_runs_the_order_and_schedule_all_ranks_together_finish_soonest(cu, 
                                                                              paced_gain):
     """Up to JOINT_SCHEDULE_RANKS outer ranks, every rank runs the exchange order and
     schedule in which all ranks together finish soonest, of the link order in either
-    schedule and the paced and matching orders in the pipelined one (the first on a tie); the plan's
-    time is that one's. On the first row the slowest rank alone would choose the gathered
-    schedule; on the second the matching order wins (3% faster than the paced one, 12%
+    schedule and the paced and matching orders in the pipelined one, and at odd outer sizes
+    ring shifts in either schedule (the first on a tie); the plan's time is that one's. On the
+    first row ring shifts win (5.6% faster than the pairs' best; exchanging pairwise, the
+    slowest rank alone would choose the gathered schedule); on the second the matching order wins (3% faster than the paced one, 12%
     faster than the link order's best); on the third the paced order, by 12% over the link order's best."""
     plan = sap.plan_sequences(cu, outer_size=outer_size, inner_size=inner_size, cache=None)
     orders, times = order_options(plan)
@@ -344,16 +351,22 @@ def test_programs_that_would_wait_forever_are_refused():
     """Three ranks that each exchange with both others, each running its exchanges in a
     different rotation: every rank waits for a peer that waits for the third."""
     plan = sap.plan_sequences([0, 3 * 1024], outer_size=3, cache=None)
-    programs = [plan.program(r, schedule="pipelined") for r in range(3)]
-    assert all(len(p.transfers) == 2 for p in programs)
-    joint_schedule(programs, 1, plan.capacity, plan.cost_model)  # the plan's own order runs
-    peers = [[t.send_peer if t.send_peer is not None else t.recv_peer for t in p.transfers] for p in programs]
+    programs = compile_all(plan.placement, "pipelined", tile=plan.cost_model.tile)  # pairwise, by round
+    assert all(len(p.transfers) == 2 and all(t.send_peer == t.recv_peer for t in p.transfers) for p in programs)
+    joint_schedule(programs, 1, plan.capacity, plan.cost_model)  # one order of pairs runs
     cyclic = []
     for r, program in enumerate(programs):  # rank r first meets r + 1
-        steps = program.transfers if peers[r][0] == (r + 1) % 3 else program.transfers[::-1]
+        steps = program.transfers if program.transfers[0].send_peer == (r + 1) % 3 else program.transfers[::-1]
         cyclic.append(dataclasses.replace(program, transfers=tuple(steps)))
     with pytest.raises(RuntimeError, match="wait for each other"):
         joint_schedule(cyclic, 1, plan.capacity, plan.cost_model)
+    # Ring shifts: rank 0 taking its second shift first waits for rank 1's (which waits for
+    # rank 0's first), where in shift order all run.
+    ring = compile_all(plan.placement, "pipelined", tile=plan.cost_model.tile, ring=True)
+    joint_schedule(ring, 1, plan.capacity, plan.cost_model)
+    ring[0] = dataclasses.replace(ring[0], transfers=ring[0].transfers[::-1])
+    with pytest.raises(RuntimeError, match="wait for each other"):
+        joint_schedule(ring, 1, plan.capacity, plan.cost_model)
 
 
 def test_head_chunked_all_to_alls_by_hand():

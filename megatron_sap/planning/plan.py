@@ -38,12 +38,16 @@ DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.25, 1.0)
 GATHERED_PREFERENCE = 0.02
 # Up to this many outer ranks the plan times every rank's programs together
 # (`timeline.joint_schedule`) in four options, the link order in either schedule and the
-# paced and matching orders pipelined, and runs the fastest (`Plan._choose_together`): 2-12
+# paced and matching orders pipelined (at odd outer sizes ring shifts too, in either
+# schedule), and runs the fastest (`Plan._choose_together`): 2-12
 # ms per fresh plan at 8 outer ranks, 3-41 ms at 16 with the first three (docs/planner.md,
 # "Where the ranks wait for each other"), about a third more with the fourth; beyond, the
 # schedule the slowest rank alone runs faster and, pipelined, the order the step-level
 # models end sooner (`Plan._choose_by_steps`; compiling all ranks grows as R^2).
 JOINT_SCHEDULE_RANKS = 16
+# The name of the ring shifts (`program.ring_exchanges`) among the exchange orders that
+# `Plan._choose_together` weighs, at odd outer sizes only (pairwise: R rounds, the shifts R - 1).
+RING = "ring"
 DEFAULT_COST_MODEL = CostModel.preset("h100")
 TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on the step-level models, then bytes moved
 # Up to this many outer ranks the candidates within TIME_TOLERANCE of the fastest estimate
@@ -167,6 +171,7 @@ class Plan:
     _levels: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
     _backward_order: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
     _backward_levels: Mapping[tuple[int, int], int] | None = field(default=None, repr=False)
+    _ring: bool = field(default=False, repr=False)  # exchanges as ring shifts (`ring_exchanges`)
     _programs: dict[tuple[int, str, str], RankProgram] = field(default_factory=dict, repr=False)
     _indices: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     # what the step-level models read, where the choice among the candidates worked it out
@@ -323,7 +328,8 @@ class Plan:
         """An outer rank's program in `schedule`, compiled on the CPU (not cached)."""
         with _gc_paused():
             return compile_program(self.placement, outer_rank, self._get_layout(), schedule, self.exchange_order(),
-                                   self._exchange_levels(), self._backward_exchange_levels(), tile=self.cost_model.tile)
+                                   self._exchange_levels(), self._backward_exchange_levels(), tile=self.cost_model.tile,
+                                   ring=self.ring_exchanges)
 
     def _get_layout(self) -> _Layout:
         if self._layout is None:
@@ -336,10 +342,20 @@ class Plan:
         are shared through the cache): the link order (`order.exchange_order`), the one
         paced by the kernels (`order.paced_exchange_order`) or, up to JOINT_SCHEDULE_RANKS
         outer ranks, the round-robin one (`order.matching_order`), chosen with the schedule
-        (`_choose`)."""
+        (`_choose`); empty where the ranks exchange as ring shifts (`ring_exchanges`)."""
         if self._order is None:
             self._choose(None)
         return self._order
+
+    @property
+    def ring_exchanges(self) -> bool:
+        """Whether the outer ranks exchange as ring shifts (`program.ring_exchanges`: in
+        step d each sends to rank r + d and receives from r - d) instead of pairwise in
+        `exchange_order()`. Weighed at odd outer sizes up to JOINT_SCHEDULE_RANKS, where the
+        pairwise exchanges need R rounds against the shifts' R - 1, and chosen with the
+        schedule (`_choose_together`)."""
+        self.exchange_order()
+        return self._ring
 
     def _exchange_levels(self) -> Mapping[tuple[int, int], int]:
         """`program.exchange_levels` of the exchange order (set with it, read-only)."""
@@ -416,7 +432,9 @@ class Plan:
         programs timed together (`timeline.joint_schedule`), keeping the K/V: the `link`
         order in either schedule, or in the pipelined one the order paced by the kernels
         (`order.paced_exchange_order`, built for the pipelined forward) or the round-robin
-        one (`order.matching_order`); the first of those on a tie (`_StepSeconds.orders`). Of
+        one (`order.matching_order`), and at odd outer sizes ring shifts in either schedule
+        (`program.ring_exchanges`: R - 1 steps where pairs need R rounds; their orders
+        empty); the first of those on a tie (`_StepSeconds.orders`). Of
         the programs compiled the plan keeps only `keep_rank`'s, in the order and schedule it
         will run (another rank's, or one it will not run, would go with the plan wherever it
         is pickled)."""
@@ -424,16 +442,21 @@ class Plan:
         # each: the forward order, its levels, the backward's order and its levels
         ordered = {name: self._orders_of(order, steps) for name, order in orders.items()}
         options = [("link", "gathered"), ("link", "pipelined"), ("paced", "pipelined"), ("matching", "pipelined")]
+        if self.outer_size % 2 and self.outer_size > 1:
+            ordered[RING] = (MappingProxyType({}),) * 4
+            options += [(RING, "pipelined"), (RING, "gathered")]
         best = None
         for name, schedule in (option for option in options if option[0] in ordered):
             order, levels, _, backward_levels = ordered[name]
             with _gc_paused():
                 programs = [compile_program(self.placement, r, self._get_layout(), schedule, order, levels,
-                                            backward_levels, tile=self.cost_model.tile) for r in range(self.outer_size)]
+                                            backward_levels, tile=self.cost_model.tile, ring=name == RING)
+                            for r in range(self.outer_size)]
             times = joint_schedule(programs, self.inner_size, self.capacity, self.cost_model)
-            if best is None or max(t.total_s for t in times) < max(t.total_s for t in best[2]):
-                best = (ordered[name], schedule, times, programs)
-        (self._order, self._levels, self._backward_order, self._backward_levels), schedule, times, programs = best
+            if best is None or max(t.total_s for t in times) < max(t.total_s for t in best[3]):
+                best = (name, ordered[name], schedule, times, programs)
+        name, (self._order, self._levels, self._backward_order, self._backward_levels), schedule, times, programs = best
+        self._ring = name == RING
         chunks = 1
         for c in inner_chunk_choices(self.cost_model, self.inner_size)[1:]:
             chunked = joint_schedule(programs, self.inner_size, self.capacity, self.cost_model, inner_chunks=c)

@@ -19,7 +19,12 @@ documents. Structure, for outer rank r:
   order of the rank pairs that every rank runs (`Plan.exchange_order`: `order.exchange_order`,
   `order.paced_exchange_order` or `order.matching_order`), which keeps ranks from waiting
   long for each other;
-  any such order is free of deadlock.
+  any such order is free of deadlock. Where R is odd the ranks have no perfect matching:
+  pairwise exchanges need R rounds, one rank idle in each. There a plan may run ring
+  shifts instead (`ring_exchanges`, `Plan.ring_exchanges`): in step d (1 to R - 1) rank r
+  sends r + d what it needs and receives from r - d (mod R), one message out and one in,
+  so R - 1 steps carry every pair's traffic, each direction in a step of its own. All
+  ranks take the steps in shift order, which is free of deadlock too.
 
 The backward pass runs the same steps with the roles reversed: the gradients of the
 received rows go back to their owner, which adds them at `send_rows`. It takes them in
@@ -581,25 +586,34 @@ def exchange_levels(order: Mapping[tuple[int, int], int]) -> dict[tuple[int, int
 def compile_program(placement: Placement, rank: int, layout: _Layout | None = None,
                     schedule: str = "pipelined", order: Mapping[tuple[int, int], int] | None = None,
                     levels: Mapping[tuple[int, int], int] | None = None,
-                    backward_levels: Mapping[tuple[int, int], int] | None = None, tile: int = 1) -> RankProgram:
+                    backward_levels: Mapping[tuple[int, int], int] | None = None, tile: int = 1,
+                    ring: bool = False) -> RankProgram:
     """The program of outer rank `rank` for `placement`, in `schedule` (see `SCHEDULES`),
     its exchanges in `order` (the position of each pair (a, b), a < b, that exchanges
     anything: `order.exchange_order`; default: by exchange round), each at its level
     (`exchange_levels(order)`, given or computed; by round: the round), and backward at
     its level in `backward_levels` (`exchange_levels` of the backward's order; default:
-    the same as forward). `tile`: the kernels' tile, in tokens (`_document_runs`)."""
+    the same as forward). `ring`: the exchanges are ring shifts instead (`ring_exchanges`;
+    `order` and the levels unused). `tile`: the kernels' tile, in tokens (`_document_runs`)."""
     check_schedule(schedule)
     layout = layout or _Layout(placement)
     R = placement.num_ranks
     pieces = placement.ranks[rank]
-    exchanges = []  # (round, peer, pieces sent, pieces received) of each step
-    for round_, peer in sorted((exchange_round(rank, peer, R), peer) for peer in layout.peers(rank)):
-        send, recv = layout.needed(rank, peer), layout.needed(peer, rank)
-        if send or recv:
-            exchanges.append((round_, peer, send, recv))
-    if order is not None:
-        exchanges.sort(key=lambda e: order[min(rank, e[1]), max(rank, e[1])])
-        levels = exchange_levels(order) if levels is None else levels
+    if ring:
+        exchanges = ring_exchanges(layout, rank)
+        forward_levels = back_levels = [round_ for round_, *_ in exchanges]
+    else:
+        exchanges = []  # (round, send peer, receive peer, pieces sent, pieces received) of each step
+        for round_, peer in sorted((exchange_round(rank, peer, R), peer) for peer in layout.peers(rank)):
+            send, recv = layout.needed(rank, peer), layout.needed(peer, rank)
+            if send or recv:
+                exchanges.append((round_, peer, peer, send, recv))
+        if order is not None:
+            exchanges.sort(key=lambda e: order[min(rank, e[1]), max(rank, e[1])])
+            levels = exchange_levels(order) if levels is None else levels
+        pairs = [(min(rank, peer), max(rank, peer)) for _, peer, _, _, _ in exchanges]
+        forward_levels = [e[0] for e in exchanges] if order is None else [levels[pair] for pair in pairs]
+        back_levels = forward_levels if backward_levels is None else [backward_levels[pair] for pair in pairs]
     if schedule == "pipelined":
         local_calls: list[KernelCall] = []
         if pieces:
@@ -610,28 +624,44 @@ def compile_program(placement: Placement, rank: int, layout: _Layout | None = No
             run_of = {p: i for i, run in enumerate(runs) for p in run}
             local_calls.extend(_full_calls(layout, rank, [(p, layout.rows(p)) for p in pieces], run_of))
         step_calls = []
-        for _, _, _, recv in exchanges:
+        for *_, recv in exchanges:
             offsets = accumulate((p.length for p in recv), initial=0)
             step_calls.append(_full_calls(layout, rank, [(p, range(o, o + p.length)) for p, o in zip(recv, offsets)]))
     else:
-        local_calls, step_calls = _prefix_calls(layout, rank, [recv for _, _, _, recv in exchanges])
-    pairs = [(min(rank, peer), max(rank, peer)) for _, peer, _, _ in exchanges]
-    forward_levels = [round_ for round_, _, _, _ in exchanges] if order is None else [levels[pair] for pair in pairs]
-    back_levels = forward_levels if backward_levels is None else [backward_levels[pair] for pair in pairs]
+        local_calls, step_calls = _prefix_calls(layout, rank, [recv for *_, recv in exchanges])
     transfers = tuple(
         Transfer(
             round=round_,
             level=level,
             backward_level=back,
-            send_peer=peer if send else None,
+            send_peer=to if send else None,
             send_ranges=tuple(layout.rows(p) for p in send) if send else None,
-            recv_peer=peer if recv else None,
+            recv_peer=source if recv else None,
             recv_tokens=sum(p.length for p in recv),
             calls=tuple(calls),
         )
-        for (round_, peer, send, recv), calls, level, back in zip(exchanges, step_calls, forward_levels, back_levels)
+        for (round_, to, source, send, recv), calls, level, back in zip(exchanges, step_calls, forward_levels, back_levels)
     )
     return RankProgram(rank, placement.capacity, tuple(local_calls), transfers, schedule)
+
+
+def ring_exchanges(layout: _Layout, rank: int) -> list[tuple[int, int, int, list[Piece], list[Piece]]]:
+    """The steps of `rank` as ring shifts: in step d (1 to R - 1, its round and level) it
+    sends rank r + d what that rank needs and receives from rank r - d (mod R) what it
+    needs, skipping steps with neither. Every directed pair of ranks has its step, so R - 1
+    steps carry everything, each rank sending on one link direction and receiving on the
+    other at once; pairwise exchanges need R rounds where R is odd (no perfect matching).
+    Each: (round, send peer, receive peer, pieces sent, pieces received)."""
+    R = layout.placement.num_ranks
+    peers = layout.peers(rank)
+    steps = []
+    for d in range(1, R):
+        to, source = (rank + d) % R, (rank - d) % R
+        send = layout.needed(rank, to) if to in peers else []
+        recv = layout.needed(source, rank) if source in peers else []
+        if send or recv:
+            steps.append((d, to, source, send, recv))
+    return steps
 
 
 def _prefix_calls(layout: _Layout, rank: int,
@@ -671,8 +701,11 @@ def _prefix_calls(layout: _Layout, rank: int,
 
 
 def compile_all(placement: Placement, schedule: str = "pipelined",
-                order: Mapping[tuple[int, int], int] | None = None, tile: int = 1) -> list[RankProgram]:
-    """Programs of every outer rank, exchanges in `order` (default: by round)."""
+                order: Mapping[tuple[int, int], int] | None = None, tile: int = 1,
+                ring: bool = False) -> list[RankProgram]:
+    """Programs of every outer rank, exchanges in `order` (default: by round) or as ring
+    shifts (`ring`)."""
     layout = _Layout(placement)
     levels = None if order is None else exchange_levels(order)
-    return [compile_program(placement, r, layout, schedule, order, levels, tile=tile) for r in range(placement.num_ranks)]
+    return [compile_program(placement, r, layout, schedule, order, levels, tile=tile, ring=ring)
+            for r in range(placement.num_ranks)]

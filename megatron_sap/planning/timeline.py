@@ -21,10 +21,12 @@ gradients go back one step after another, the local calls under the first return
 events the executor runs (`RankProgram.forward_events`, `backward_events`).
 
 Exchanges of one rank go one after another (one NCCL stream per group); an exchange
-takes its larger side (send or receive) over its link plus a latency per message, and
-starts once the kernels queued before it are done (NCCL's stream waits for them when it
-is posted). The GPU has one hardware queue, as Megatron-LM runs with CP before Blackwell
-(CUDA_DEVICE_MAX_CONNECTIONS=1): a kernel queued after an exchange starts no sooner than
+takes its larger side (send or receive) over its link plus a latency per message (with
+ring shifts, `program.ring_exchanges`, its send and its receive have peers of their own:
+each message starts once the rank and that peer have posted the step, and the step is
+done with the later of the two), and starts once the kernels queued before it are done
+(NCCL's stream waits for them when it is posted). The GPU has one hardware queue, as
+Megatron-LM runs with CP before Blackwell (CUDA_DEVICE_MAX_CONNECTIONS=1): a kernel queued after an exchange starts no sooner than
 that exchange leaves the rank's queue, once the rank's stream is free and the kernels
 queued before it are done (its NCCL kernel then waits for the peer while it runs; with
 more queues the kernels can only start sooner). Kernel calls
@@ -34,8 +36,9 @@ are tile-rounded per segment, as the kernels run them; the pipelined schedule's 
 `rank_schedule` times one rank alone, as if its peers were always ready (what the choice
 of schedule compares, on the plan's slowest rank, beyond `plan.JOINT_SCHEDULE_RANKS` outer
 ranks). `joint_schedule` times all outer ranks together (what it compares up to those): an
-exchange starts only when both its ranks have posted it, the kernels queued before it
-are done (NCCL's stream waits for them when it is posted) and their streams are free, so
+exchange starts only when both its ranks have posted it (a ring shift's message: its
+two), the kernels queued before it are done (NCCL's stream waits for them when it is
+posted) and their streams are free, so
 a rank that is late holds up its partner. The benchmarks report the joint times for SAP.
 Neither is bounded by the planner's estimate (`evaluate` also spreads a rank's transfers
 over its steps, and charges a rank that only sends its compute alone).
@@ -72,15 +75,18 @@ def _call_pairs(call: KernelCall, model: CostModel) -> int:
     return sum(model.block_pairs(q, k, call.causal) for q, k in call.seqlens)
 
 
-def _exchange_s(program: RankProgram, step: Transfer, inner_size: int, model: CostModel) -> float:
-    """Seconds of one exchange: its larger side over its link, a latency per message."""
+def _exchange_s(program: RankProgram, step: Transfer, inner_size: int, model: CostModel) -> tuple[float, float]:
+    """Seconds of one step's message with its send peer and with its receive peer (0 where
+    there is none), each over its link with its latency. Backward the gradients go the
+    other way, the same tokens with the same peers."""
     kv_bytes = model.inner_kv_bytes_per_token(inner_size)
-    sides = []
-    for tokens, peer in ((step.send_tokens, step.send_peer), (step.recv_tokens, step.recv_peer)):
-        if tokens:
-            link = model.link_between(program.rank * inner_size, peer * inner_size)
-            sides.append(model.transfer_seconds(tokens * kv_bytes, link))
-    return max(sides, default=0.0)
+
+    def seconds(tokens: int, peer: int | None) -> float:
+        if not tokens:
+            return 0.0
+        return model.transfer_seconds(tokens * kv_bytes, model.link_between(program.rank * inner_size, peer * inner_size))
+
+    return seconds(step.send_tokens, step.send_peer), seconds(step.recv_tokens, step.recv_peer)
 
 
 def _kernel_s(program: RankProgram, calls: Sequence[KernelCall], inner_size: int, model: CostModel) -> float:
@@ -93,10 +99,12 @@ def _kernel_s(program: RankProgram, calls: Sequence[KernelCall], inner_size: int
 _STEP_COSTS: WeakKeyDictionary = WeakKeyDictionary()  # program -> {(inner_size, model): `_step_costs`}
 
 
-def _step_costs(program: RankProgram, inner_size: int, model: CostModel) -> tuple[list[float], list[float], float]:
-    """(seconds of each step's exchange, forward seconds of each step's calls, of the local
-    calls) of `program`, worked out once: a program is timed forward and backward, and
-    may be timed with the others, alone, or both."""
+def _step_costs(program: RankProgram, inner_size: int,
+                model: CostModel) -> tuple[list[tuple[float, float]], list[float], float]:
+    """(seconds of each step's messages with its send and its receive peer, forward
+    seconds of each step's calls, of the local calls) of `program`, worked out once: a
+    program is timed forward and backward, and may be timed with the others, alone, or
+    both."""
     per_model = _STEP_COSTS.setdefault(program, {})
     key = (inner_size, model)
     if key not in per_model:
@@ -118,17 +126,14 @@ def rank_schedule(program: RankProgram, inner_size: int, capacity: int, model: C
     return times
 
 
-def _peer(step: Transfer) -> int:
-    return step.send_peer if step.send_peer is not None else step.recv_peer
-
-
 def _run(programs: Sequence[RankProgram], units: Sequence[Sequence[Unit]], backward: bool,
          inner_size: int, model: CostModel, alone: bool, inner: _Chunks | None = None) -> list[float]:
     """When each rank is done with its `units` of one pass (`RankProgram.forward_events` or
     `backward_events`, through `RankProgram.chunked`), all run together (`alone`: each as if
     its peers were always ready). A rank's exchanges run one after another on its stream,
-    each once both ranks have posted it and the kernels queued before it on either rank are
-    done (NCCL waits for the compute stream when an exchange is posted); kernels wait until
+    each message once both its ranks have posted the step (a step is done with its later
+    message: a ring shift's go to two peers) and the kernels queued before it on either
+    rank are done (NCCL waits for the compute stream when an exchange is posted); kernels wait until
     the exchange queued last before them has left their rank's queue (its stream free, the
     kernels before it done: one hardware queue), a step's calls for its K/V where fetched, a
     collect for its returned gradients. With head chunks (`inner`) the passes start once
@@ -139,10 +144,10 @@ def _run(programs: Sequence[RankProgram], units: Sequence[Sequence[Unit]], backw
     R = len(programs)
     factor = model.backward_factor if backward else 1.0
     costs = [_step_costs(p, inner_size, model) for p in programs]
-    x = [exchanges for exchanges, _, _ in costs]
+    sides = [messages for messages, _, _ in costs]
     step_s = [[factor * s for s in kernels] for _, kernels, _ in costs]
     local_s = [factor * local for _, _, local in costs]
-    step_of = [{_peer(s): i for i, s in enumerate(p.transfers)} for p in programs]
+    posted: list[dict[tuple[str, int], float]] = [{} for _ in range(R)]  # (kind, round) -> when it started
     at = [0] * R
     begin = 0.0 if inner is None else inner.first_s(backward)
     compute, link, gate = [begin] * R, [begin] * R, [begin] * R  # gate: when the exchange posted last started
@@ -159,18 +164,19 @@ def _run(programs: Sequence[RankProgram], units: Sequence[Sequence[Unit]], backw
                 share = 1.0 if chunk == ALL_HEADS else 1.0 / inner.chunks
                 ready = compute[a] if chunk == ALL_HEADS else max(compute[a], arrived[a][chunk])
                 if kind in (FETCH, RETURN):
+                    step = programs[a].transfers[i]
+                    key = (kind, step.round)
+                    if key not in posted[a]:
+                        posted[a][key] = gate[a] = max(link[a], compute[a], gate[a])
                     if alone:
-                        gate[a] = max(link[a], compute[a], gate[a])
-                        done[a][kind, i] = link[a] = gate[a] + x[a][i]
+                        end = gate[a] + max(sides[a][i])
                     else:
-                        b = _peer(programs[a].transfers[i])
-                        j = step_of[b][a]
-                        if at[b] == len(units[b]) or units[b][at[b]][:2] != (kind, j):
-                            break  # not posted by the peer yet
-                        gate[a], gate[b] = max(link[a], compute[a], gate[a]), max(link[b], compute[b], gate[b])
-                        end = max(gate[a], gate[b]) + max(x[a][i], x[b][j])
-                        link[a] = link[b] = done[a][kind, i] = done[b][kind, j] = end
-                        at[b] += 1
+                        peers = [(peer, seconds) for peer, seconds in zip((step.send_peer, step.recv_peer), sides[a][i])
+                                 if peer is not None]
+                        if any(key not in posted[peer] for peer, _ in peers):
+                            break  # not posted by a peer yet
+                        end = max(max(gate[a], posted[peer][key]) + seconds for peer, seconds in peers)
+                    done[a][kind, i] = link[a] = end
                 elif kind == POST:
                     gate[a] = max(inner_free[a], compute[a], gate[a])
                     inner_free[a] = gate[a] + inner.post_s(i, chunk)
