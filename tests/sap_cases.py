@@ -45,13 +45,19 @@ def random_cu_seqlens(rng: random.Random, total: int, kind: str) -> list[int]:
 
 def force_ring_exchanges(plan):
     """`plan`, its outer ranks exchanging as ring shifts whatever it chose (plans weigh them
-    at odd outer sizes only): its choice made, then overridden, its programs compiled anew."""
+    at odd outer sizes only): its choice made, then overridden, its programs compiled anew
+    and, where the plan keeps the times it chose by, those timed again."""
     from types import MappingProxyType
+
+    from megatron_sap.planning.timeline import plan_schedule
 
     plan.exchange_order()
     plan._order = plan._levels = plan._backward_order = plan._backward_levels = MappingProxyType({})
     plan._ring = True
     plan._programs.clear()
+    schedule, times, chunks = plan._chosen
+    if times is not None:
+        plan._chosen = (schedule, plan_schedule(plan, inner_chunks=chunks), chunks)
     return plan
 
 
