@@ -125,7 +125,9 @@ class Transfer:
     `recv_tokens` rows from `recv_peer` (outer ranks; None when that side is empty), then
     run `calls`."""
 
-    round: int  # exchange round s: the peer is (s - rank) mod R on both sides (the messages' tag)
+    # exchange round s: the peer is (s - rank) mod R on both sides; ring shifts: the shift d,
+    # sending to rank + d and receiving from rank - d (mod R). The messages' tag.
+    round: int
     level: int  # the pair's level in the exchange order, the same on both sides (`exchange_levels`)
     backward_level: int  # its level in the order the backward runs the exchanges (`Plan.backward_exchange_order`)
     send_peer: int | None
@@ -288,8 +290,8 @@ class RankProgram:
         both ranks of an exchange share: the refetch at level - RECOMPUTE_KV_AHEAD, the calls
         and the return at the level, the wait for the return at level + RECOMPUTE_KV_AHEAD;
         the local calls follow the first refetches (with one hardware queue they start once all
-        but the last of those are done). A rank meets one peer per level at
-        most, so it holds the K/V of at most RECOMPUTE_KV_AHEAD + 1 steps and as many steps'
+        but the last of those are done). A rank has one step per level at most
+        (a peer, or with ring shifts one to send to and one to receive from), so it holds the K/V of at most RECOMPUTE_KV_AHEAD + 1 steps and as many steps'
         returning gradients, and every rank posts its exchanges in one global order."""
         steps = sorted(range(len(self.transfers)), key=lambda i: self.transfers[i].backward_level)
         collects = [(COLLECT, i) for i in steps]
