@@ -132,8 +132,9 @@ def test_odd_outer_sizes_exchange_as_the_plan_chooses(pool3):
 @pytest.mark.parametrize("recompute_kv", [False, True])
 @pytest.mark.parametrize("schedule", ["pipelined", "gathered", "mixed"])
 def test_ring_exchanges_match_reference(pool6, schedule, recompute_kv):
-    """Ring shifts forced at 6 x 1, 3 x 2 and 2 x 3 (odd and even outer sizes), in every
-    schedule, with and without recomputed K/V: outputs and gradients are the reference's."""
+    """Ring shifts forced at 1 x 6, 2 x 3 and 3 x 2 (inner x outer: outer sizes 6, 3 and 2),
+    in every schedule, with and without recomputed K/V: outputs and gradients are the
+    reference's."""
     rng = random.Random(60 + len(schedule) + recompute_kv)
     for inner in (1, 2, 3):
         cu = random_cu_seqlens(rng, 6 * rng.randint(8, 48), rng.choice(KINDS))
