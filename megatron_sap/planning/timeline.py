@@ -164,13 +164,14 @@ def _run(programs: Sequence[RankProgram], units: Sequence[Sequence[Unit]], backw
                 share = 1.0 if chunk == ALL_HEADS else 1.0 / inner.chunks
                 ready = compute[a] if chunk == ALL_HEADS else max(compute[a], arrived[a][chunk])
                 if kind in (FETCH, RETURN):
-                    step = programs[a].transfers[i]
-                    key = (kind, step.round)
-                    if key not in posted[a]:
-                        posted[a][key] = gate[a] = max(link[a], compute[a], gate[a])
                     if alone:
+                        gate[a] = max(link[a], compute[a], gate[a])
                         end = gate[a] + max(sides[a][i])
                     else:
+                        step = programs[a].transfers[i]
+                        key = (kind, step.round)
+                        if key not in posted[a]:  # posted now; the rank waits here until its peers have too
+                            posted[a][key] = gate[a] = max(link[a], compute[a], gate[a])
                         peers = [(peer, seconds) for peer, seconds in zip((step.send_peer, step.recv_peer), sides[a][i])
                                  if peer is not None]
                         if any(key not in posted[peer] for peer, _ in peers):
