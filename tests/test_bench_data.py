@@ -328,6 +328,18 @@ def test_the_mixed_baseline_is_weighed_at_every_inner_size_on_one_node_too():
     assert baseline_layouts("p2p", 8, h100) == [1] and baseline_layouts("a2a", 8, h100) == [8]
 
 
+def test_sap_is_weighed_at_the_mixed_baselines_inner_sizes_and_flat():
+    from megatron_sap.bench.scale import baseline_layouts, sap_layouts
+    from megatron_sap.planning.cost_model import CostModel
+
+    h100 = CostModel.preset("h100")
+    for P in (4, 8, 16, 32, 64):
+        assert sap_layouts(P, h100) == [1] + baseline_layouts("a2a+p2p", P, h100)
+    assert sap_layouts(128, h100) == [2, 4, 8]  # at most 64 outer ranks
+    assert sap_layouts(1024, h100) == [8]  # one node's worth always
+    assert sap_layouts(8, h100.with_shape(32, 2, 128)) == [1, 2]
+
+
 def test_gpu_section_renders_the_gpu_check_report(tmp_path):
     from megatron_sap.bench.gpu_report import gpu_section
     from megatron_sap.bench.planning_time import as_records

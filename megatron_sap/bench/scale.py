@@ -174,12 +174,6 @@ def evaluate_method(
                        candidate=common, **mean)
 
 
-def node_inner_sizes(P: int, model: CostModel) -> list[int]:
-    """Head-parallel degrees U > 1 a two-level layout can use across nodes at P ranks:
-    `head_parallel_sizes`, across nodes only."""
-    return head_parallel_sizes(P, model) if P > model.gpus_per_node else []
-
-
 def head_parallel_sizes(P: int, model: CostModel) -> list[int]:
     """Head-parallel degrees U > 1 within a node: powers of two up to one node's worth,
     capped by the KV heads, dividing P."""
@@ -188,11 +182,12 @@ def head_parallel_sizes(P: int, model: CostModel) -> list[int]:
 
 
 def sap_layouts(P: int, model: CostModel) -> list[int]:
-    """Inner sizes U that SAP is evaluated with at P ranks: flat (U=1) and, across
-    nodes, every `node_inner_sizes` degree; both with at most MAX_FLAT_SAP_RANKS outer
-    ranks, except one node's worth, which is always weighed."""
+    """Inner sizes U that SAP is evaluated with at P ranks: flat (U=1) and every
+    `head_parallel_sizes` degree, on one node too (as ``a2a+p2p`` is: a user may launch
+    either there); each with at most MAX_FLAT_SAP_RANKS outer ranks, except one node's
+    worth, which is always weighed."""
     node = min(model.gpus_per_node, model.num_kv_heads)
-    return [U for U in [1, *node_inner_sizes(P, model)] if P // U <= MAX_FLAT_SAP_RANKS or U == node]
+    return [U for U in [1, *head_parallel_sizes(P, model)] if P // U <= MAX_FLAT_SAP_RANKS or U == node]
 
 
 def baseline_layouts(method: str, P: int, model: CostModel) -> list[int]:
