@@ -3,8 +3,9 @@
 The real megatron-core GPTModel (local spec with SAP core attention, RoPE, GQA 4:2, SwiGLU,
 RMSNorm, 2 layers, fp32, CPU) runs a packed row of real documents (byte-tokenised CPython
 stdlib sources, one of them a single token) once with CP=1 and plain varlen attention, and once
-on 4 gloo ranks with SAP (1x4 and 2x2). Per-token losses, the all-reduced gradients of every
-parameter, and the parameters after three Adam steps must agree to float32 tolerance. With
+on 4 gloo ranks with SAP (1x4 and 2x2), or on 3 (1x3, exchanging as ring shifts). Per-token
+losses, the all-reduced gradients of every parameter, and the parameters after three Adam
+steps must agree to float32 tolerance. With
 tensor parallelism 2 beside SAP (CP 2), with and without sequence parallelism, the loss curve
 must match CP=1. SAP with selective or full activation recomputation trains like CP=1, and
 Megatron-Core's own DDP and `finalize_model_grads` reduce SAP's gradients to CP=1's.
@@ -24,10 +25,12 @@ from dist_pool import make_pool_fixture
 pytest.importorskip("megatron.core")
 
 pool4 = make_pool_fixture(4, timeout=300, destroy_job_groups=True)
+pool3 = make_pool_fixture(3, timeout=300, destroy_job_groups=True)
 
 STEPS = 3
 LR = 1e-3
 DOC_LENGTHS = (301, 17, 64, 95, 1, 34)  # 512 tokens: long, short, one-token documents
+ODD_DOC_LENGTHS = (400, 17, 64, 30, 1, 1)  # 513 = 3 x 171 tokens: at CP 3 two ring shifts a rank
 
 
 def _train(steps: int, batch: dict, cu: list[int], initial: dict | None, **config_fields) -> dict:
@@ -53,9 +56,10 @@ def _train(steps: int, batch: dict, cu: list[int], initial: dict | None, **confi
     return record
 
 
-def run_rank(rank: int, world_size: int, inner: int, outer: int, **config_fields) -> dict:
+def run_rank(rank: int, world_size: int, inner: int, outer: int, doc_lengths: tuple[int, ...] = DOC_LENGTHS,
+             **config_fields) -> dict:
     """CP=1 reference (every rank alone, data-parallel replicas), then SAP with CP = inner*outer
-    (with `config_fields` in its model's config)."""
+    (with `config_fields` in its model's config) on a row of `doc_lengths`."""
     from megatron.core import parallel_state
 
     from megatron_sap.megatron.demo_train import packed_batch, stdlib_documents
@@ -63,7 +67,7 @@ def run_rank(rank: int, world_size: int, inner: int, outer: int, **config_fields
     from megatron_sap.megatron.plans import plan_for
 
     torch.set_num_threads(1)
-    tokens, cu = stdlib_documents(DOC_LENGTHS)
+    tokens, cu = stdlib_documents(doc_lengths)
     batch = packed_batch(tokens, cu)
     try:
         initialize_sap_parallel(inner_size=1)
@@ -73,16 +77,26 @@ def run_rank(rank: int, world_size: int, inner: int, outer: int, **config_fields
 
         groups = initialize_sap_parallel(inner_size=inner, outer_size=outer)
         sap = _train(STEPS, batch, cu, reference["initial"], **config_fields)
-        indices = plan_for(torch.tensor(cu, dtype=torch.int32), resolve_groups(None)).local_indices(groups.cp_rank)
+        plan = plan_for(torch.tensor(cu, dtype=torch.int32), resolve_groups(None))
+        indices = plan.local_indices(groups.cp_rank)
         layout = (groups.inner_size, groups.outer_size)
     finally:
         parallel_state.destroy_model_parallel()
-    return {"reference": reference, "sap": sap, "indices": indices, "layout": layout, "total": cu[-1]}
+    return {"reference": reference, "sap": sap, "indices": indices, "layout": layout, "total": cu[-1],
+            "ring": plan.ring_exchanges}
 
 
 @pytest.mark.parametrize("inner,outer", [(1, 4), (2, 2), (4, 1)], ids=["1x4", "2x2", "4x1"])
 def test_gpt_sap_cp4_equals_cp1(pool4, inner: int, outer: int) -> None:
     _assert_sap_trains_like_cp1(pool4.run(run_rank, inner, outer), inner, outer)
+
+
+def test_gpt_sap_at_an_odd_cp_size_equals_cp1(pool3) -> None:
+    """CP = 3, where the plan exchanges as ring shifts (`Plan.ring_exchanges`), each rank sending
+    to one peer and receiving from another in each step."""
+    results = pool3.run(run_rank, 1, 3, doc_lengths=ODD_DOC_LENGTHS)
+    assert all(r["ring"] for r in results)
+    _assert_sap_trains_like_cp1(results, 1, 3)
 
 
 def run_chunked_rank(rank: int, world_size: int, inner: int, outer: int) -> dict:
