@@ -245,15 +245,15 @@ def describe(plan: Plan) -> str:
     lengths = [b - a for a, b in zip(plan.cu_seqlens, plan.cu_seqlens[1:])]
     documents, empty = sum(1 for n in lengths if n), sum(1 for n in lengths if not n)
     kv_mb = model.inner_kv_bytes_per_token(plan.inner_size) / 1e6
-    chunks = "" if stats["inner_chunks"] == 1 else f", all-to-alls in {stats['inner_chunks']} head chunks"
-    chunks = (", exchanges as ring shifts" if plan.ring_exchanges else "") + chunks
+    how_run = (", exchanges as ring shifts" if plan.ring_exchanges else "") + (
+        "" if stats["inner_chunks"] == 1 else f", all-to-alls in {stats['inner_chunks']} head chunks")
     lines = [
         f"batch: T={plan.total_tokens} tokens, {documents} document{'' if documents == 1 else 's'}"
         f"{f' and {empty} empty' if empty else ''} "
         f"(longest {max(lengths)}, {sum(1 for n in lengths if n > plan.local_tokens)} longer than T/P={plan.local_tokens})",
         f"layout: P={plan.world_size} CP ranks = outer R={plan.outer_size} x inner U={plan.inner_size}; "
         f"{plan.capacity} tokens per outer rank; cost model {model.name!r}",
-        f"chosen: {plan.strategy}: modelled {stats['modelled_time_s'] * 1e3:.3f} ms (executor's schedule{chunks}; "
+        f"chosen: {plan.strategy}: modelled {stats['modelled_time_s'] * 1e3:.3f} ms (executor's schedule{how_run}; "
         f"planner's estimate {stats['planner_estimate_s'] * 1e3:.3f} ms), "
         f"ideal {stats['ideal_time_s'] * 1e3:.3f} ms (x{stats['modelled_time_s'] / stats['ideal_time_s']:.2f}), "
         f"pair imbalance {stats['imbalance']:.3f}",
