@@ -185,6 +185,43 @@ def test_paced_order_waits_for_the_step_in_flight():
     assert sorted(order, key=order.get) == [(0, 1), (2, 3), (0, 2), (1, 3), (1, 2), (0, 3)]
 
 
+def _soonest_pair_by_scanning(exchange_s, step_s, local_s):
+    """The paced order by its definition, every remaining pair weighed at every take: the
+    one that can start soonest (the later of its ranks' free times), then the longer
+    exchange, then the lower ranks; a take moves its ranks as `paced_forward` does."""
+    R = len(local_s)
+    link, computed, free, previous = [0.0] * R, [0.0] * R, [0.0] * R, [None] * R
+    left, order = set(exchange_s), {}
+    while left:
+        a, b = min(left, key=lambda p: (max(free[p[0]], free[p[1]]), -exchange_s[p], p))
+        start = max(free[a], free[b])
+        left.remove((a, b))
+        order[a, b] = len(order)
+        for r, peer in ((a, b), (b, a)):
+            computed[r] = free[r] + (local_s[r] if previous[r] is None else step_s[r][previous[r]])
+            previous[r] = peer
+        link[a] = link[b] = start + exchange_s[a, b]
+        free[a], free[b] = max(link[a], computed[a]), max(link[b], computed[b])
+    return order
+
+
+def test_paced_order_takes_the_soonest_pair_every_time():
+    """Random pair sets (sparse and complete, up to 14 ranks), exchange and kernel seconds
+    with many ties (zeros, equal values): the paced order is the definition's, pair by pair,
+    and its rank ends follow from it (`paced_forward` given that order)."""
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        R = int(rng.integers(1, 15))
+        density = rng.choice([0.2, 0.6, 1.0])
+        values = lambda *shape: rng.choice([0.0, 0.5, 1.0, 2.0, float(rng.random())], size=shape)  # noqa: E731
+        exchange_s = {(a, b): float(values()) for a in range(R) for b in range(a + 1, R) if rng.random() < density}
+        step_s, local_s = values(R, R).tolist(), values(R).tolist()
+        order, ends = paced_forward(exchange_s, step_s, local_s)
+        expected = _soonest_pair_by_scanning(exchange_s, step_s, local_s)
+        assert list(order.items()) == list(expected.items())
+        assert ends == paced_forward(exchange_s, step_s, local_s, expected)[1]
+
+
 @pytest.mark.parametrize("corpus", ["stdlib", "sharegpt"])
 def test_paced_forward_is_the_timelines_pipelined_forward(corpus):
     """Fed the compiled programs' own costs, the paced order's model of the pipelined forward
