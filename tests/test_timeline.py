@@ -293,6 +293,39 @@ def test_beyond_joint_schedule_ranks_the_slowest_rank_chooses_the_schedule_and_t
     assert dict(sap.plan_sequences(cu, outer_size=32, cost_model=model, cache=None).exchange_order()) == orders["link"]
 
 
+def test_a_row_with_every_pair_of_64_outer_ranks_exchanging_is_paced():
+    """A 1M-token ShareGPT row at `1 x 64` whose ranks all exchange with each other (2,016
+    pairs, over the 1,024 up to which the paced order was once weighed): the plan runs the
+    paced order, which all ranks together run in at most 0.7x the link order's time."""
+    model = CostModel.preset("h100")
+    cu = pack(document_lengths("sharegpt"), 1 << 20, 1, seed=0)[0]
+    plan = sap.plan_sequences(cu, outer_size=64, cost_model=model, cache=None)
+    orders, times = order_options(plan)
+    assert len(orders["link"]) == 64 * 63 // 2
+    assert plan.schedule(0) == "pipelined"
+    assert dict(plan.exchange_order()) == orders["paced"]
+    assert times["paced", "pipelined"] <= 0.7 * times["link", "pipelined"]
+
+
+def test_beyond_always_paced_pairs_a_plan_whose_ranks_do_not_wait_keeps_the_link_order(monkeypatch):
+    """One 128K-token document zigzagged over 64 outer ranks: every pair exchanges (2,016, over
+    ALWAYS_PACED_PAIRS), every rank alike, and the link order's step-level model is within
+    RECHECK_MARGIN of the estimate: the paced order, which could only tie, is not built."""
+    from megatron_sap.planning import plan as plan_module
+
+    def not_built(*args):
+        raise AssertionError("the paced order was built")
+
+    monkeypatch.setattr(plan_module, "paced_exchange_order", not_built)
+    model = CostModel.preset("h100")
+    plan = sap.plan_sequences([0, 128 * 1024], outer_size=64, cost_model=model, cache=None)
+    link = exchange_order(plan.evaluation.traffic_tokens, model, 1)
+    assert len(link) == 64 * 63 // 2 > plan_module.ALWAYS_PACED_PAIRS
+    assert step_model_seconds(plan, link) <= plan.evaluation.makespan_s * (1 + plan_module.RECHECK_MARGIN)
+    assert plan.schedule(0) == "pipelined"
+    assert dict(plan.exchange_order()) == link
+
+
 def test_choosing_the_schedule_together_keeps_only_the_asking_ranks_programs():
     """Timing every rank's programs for `auto` compiles them all in every option; the plan
     keeps the asking rank's in the order and schedule it runs only (pickled from a loader's

@@ -27,8 +27,9 @@ every pair exchanges and computes alike (the zigzag layout, a KV ring's) every r
 one peer a round in lockstep, as the ring's steps go, where the simulated orders can pair a
 rank with a peer still busy with another. Which order runs is chosen on the compiled
 programs timed together (all three, up to 16 outer ranks), or beyond by the step-level
-models (`layer_seconds`; the link and paced orders, up to MAX_PACED_PAIRS pairs: there the
-matching order all but never wins and costs milliseconds to weigh) (`Plan.exchange_order`).
+models (`layer_seconds`; the link and paced orders, the paced one beyond ALWAYS_PACED_PAIRS
+pairs only where the ranks wait in the link order: there the matching order all but never
+wins and costs milliseconds to weigh) (`Plan.exchange_order`).
 
 Backward the same pairs exchange again, the gradients of the rows each step received
 going back, but a step's return can start only once both its ranks have computed their
@@ -51,9 +52,14 @@ from .program import exchange_round
 # Every pair of up to 128 outer ranks (P = 1,024 at 8 inner ranks); beyond, round order:
 # the simulation's cost grows with pairs x peers (10-70 ms at 2,400-8,128 pairs, docs/planner.md).
 MAX_ORDERED_PAIRS = 8192
-# Beyond this many exchanging pairs no paced order is built: its simulation grows as pairs
-# x ranks (0.5-20 ms up to 1,600 pairs, 42 ms at 2,016, 430 ms at 8,128; docs/planner.md).
-MAX_PACED_PAIRS = 1024
+# Up to this many exchanging pairs the paced order is always weighed beside the link order
+# (`Plan.exchange_order`); beyond, up to MAX_PACED_PAIRS, only where the step-level model of
+# the link order sees the ranks wait for each other (docs/planner.md, "The order of the
+# exchanges"): building and weighing it takes 20-50 ms at 1,000-2,016 pairs, 150 ms at 8,128.
+ALWAYS_PACED_PAIRS = 1024
+# As far as the link order is simulated (every pair of up to 128 outer ranks); beyond,
+# the 32,640 pairs of 256 outer ranks would take about 1.1 s.
+MAX_PACED_PAIRS = MAX_ORDERED_PAIRS
 
 
 def exchange_seconds(traffic_tokens: np.ndarray, model: CostModel, inner_size: int) -> dict[tuple[int, int], float]:
@@ -193,21 +199,22 @@ def _take_soonest(exchange_s: Mapping[tuple[int, int], float], free: list[float]
     soonest `free[x]` with x's first peer already free by then, in one fixed order of x's
     peers (the longest exchange first, then the lower rank: the ties' order). A take changes
     that for its two ranks (their peers are left to search again from the first) and for
-    the ranks whose first free peer was one of them, which search on from it: the peers
-    before it in their order were busy and, as `free` only grows, still are. Each rank's
+    the ranks whose first free peer was one of them and is now busy, which search on from
+    it: the peers before it in their order were busy and, as `free` only grows, still are. Each rank's
     choice waits in a heap until it is the soonest or out of date; the order is the one a
     heap of every pair, re-keyed as the ranks' times grow, gives, without re-keying them
     all (that costs pairs x ranks: 5.4 s at 32,640 pairs, this 0.7 s)."""
     R = len(free)
     by_length: list[list[tuple[float, int]]] = [[] for _ in range(R)]
-    seconds: list[dict[int, float]] = [{} for _ in range(R)]
     for (a, b), s in exchange_s.items():
         by_length[a].append((-s, b))
         by_length[b].append((-s, a))
-        seconds[a][b] = seconds[b][a] = s
-    peers = [[q for _, q in sorted(mine)] for mine in by_length]
+    for mine in by_length:
+        mine.sort()
+    peers = [[q for _, q in mine] for mine in by_length]
+    minus_s = [[m for m, _ in mine] for mine in by_length]  # -seconds of each peer's exchange
     found = [0] * R  # the position in peers[x] of x's first peer free by free[x] (len(peers[x]): none)
-    chosen: list[int | None] = [None] * R  # that peer
+    chosen = [-1] * R  # that peer (-1: none)
     waiting: list[set[int]] = [set() for _ in range(R)]  # the ranks whose chosen peer this rank is
     version = [0] * R
     heap: list[tuple[float, float, int, int, int, int]] = []
@@ -216,14 +223,16 @@ def _take_soonest(exchange_s: Mapping[tuple[int, int], float], free: list[float]
         mine, at = peers[x], free[x]
         while i < len(mine) and free[mine[i]] > at:
             i += 1
-        if chosen[x] is not None:
+        if chosen[x] >= 0:
             waiting[chosen[x]].discard(x)
-        found[x], version[x] = i, version[x] + 1
-        chosen[x] = mine[i] if i < len(mine) else None
-        if chosen[x] is not None:
-            q = chosen[x]
+        found[x] = i
+        version[x] += 1
+        if i < len(mine):
+            q = chosen[x] = mine[i]
             waiting[q].add(x)
-            heapq.heappush(heap, (at, -seconds[x][q], min(x, q), max(x, q), x, version[x]))
+            heapq.heappush(heap, (at, minus_s[x][i], min(x, q), max(x, q), x, version[x]))
+        else:
+            chosen[x] = -1
 
     for x in range(R):
         search(x, 0)
@@ -232,13 +241,15 @@ def _take_soonest(exchange_s: Mapping[tuple[int, int], float], free: list[float]
         if seen != version[x]:
             continue  # x has chosen again since
         take(a, b, start, -minus_seconds)
-        peers[a].remove(b)
-        peers[b].remove(a)
-        moved = (waiting[a] | waiting[b]) - {a, b}
+        for r, q in ((a, b), (b, a)):
+            i = peers[r].index(q)
+            del peers[r][i], minus_s[r][i]
+        moved = waiting[a] | waiting[b]
         search(a, 0)
         search(b, 0)
         for x in moved:
-            search(x, found[x])
+            if x != a and x != b and free[chosen[x]] > free[x]:  # its peer is busy now
+                search(x, found[x])
 
 
 def layer_seconds(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tuple[int, int], float],

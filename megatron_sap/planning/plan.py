@@ -20,7 +20,7 @@ import torch
 from ..validation import check_bool, check_divisible, cu_seqlens_to_list, positive_int
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, inner_peer_links, step_pairs, ulysses_cost, whole_documents_s
-from .order import (MAX_PACED_PAIRS, backward_order, exchange_order, exchange_seconds, layer_seconds, matching_order,
+from .order import (ALWAYS_PACED_PAIRS, MAX_PACED_PAIRS, backward_order, exchange_order, exchange_seconds, layer_seconds, matching_order,
                     paced_exchange_order)
 from .candidates import candidates
 from .placement import Build, Placement
@@ -404,7 +404,9 @@ class Plan:
         wait for no kernel, so the ranks do not wait for each other's kernels, which a rank
         run alone cannot show. Then, pipelined, the paced order where the step-level models
         end the layer sooner (`order.layer_seconds`, built for the pipelined schedule; the
-        link order on a tie), up to MAX_PACED_PAIRS pairs; gathered, the link order. Of the
+        link order on a tie), weighed up to ALWAYS_PACED_PAIRS pairs, and up to
+        MAX_PACED_PAIRS where the link order's ranks wait for each other
+        (`_waits_beyond_s`); gathered, the link order. Of the
         programs compiled the plan keeps `keep_rank`'s where it is the slowest rank and
         runs them."""
         orders = self._orders_of(link, steps)
@@ -417,15 +419,25 @@ class Plan:
                  for s, p in programs.items()}
         schedule = "gathered" if alone["gathered"] <= alone["pipelined"] * (1 + GATHERED_PREFERENCE) else "pipelined"
         if schedule == "pipelined" and len(link) <= MAX_PACED_PAIRS:
-            paced = steps.paced_order()
-            if paced != link and steps.layer_seconds(paced) < steps.layer_seconds(link):
-                orders = self._orders_of(paced, steps)
+            link_s = steps.layer_seconds(link)
+            if len(link) <= ALWAYS_PACED_PAIRS or link_s > self._waits_beyond_s():
+                paced = steps.paced_order()
+                if paced != link and steps.layer_seconds(paced) < link_s:
+                    orders = self._orders_of(paced, steps)
         self._order, self._levels, self._backward_order, self._backward_levels = orders
         chunks = min(inner_chunk_choices(self.cost_model, self.inner_size), key=lambda c: rank_schedule(
             programs[schedule], self.inner_size, self.capacity, self.cost_model, inner_chunks=c).total_s)
         self._chosen = (schedule, None, chunks)
         if keep_rank == slowest and orders[0] is order:
             self._programs.setdefault((keep_rank, "cpu", schedule), programs[schedule])
+
+    def _waits_beyond_s(self) -> float:
+        """The step-level time of the layer beyond which its ranks wait for each other more
+        than the estimate allows: the estimate less the all-to-alls (which the step-level
+        models leave out), RECHECK_MARGIN over. Under it the paced order gained nothing
+        on the rows measured (docs/planner.md, "The order of the exchanges")."""
+        a2a_s = ulysses_cost(self.cost_model, self.capacity, self.inner_size, self.outer_size)[1]
+        return (self.evaluation.makespan_s - a2a_s) * (1 + RECHECK_MARGIN)
 
     def _choose_together(self, keep_rank: int | None, link: dict[tuple[int, int], int], steps: _StepSeconds) -> None:
         """Choose the exchange order and the schedule every rank runs by all ranks' compiled
