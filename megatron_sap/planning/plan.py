@@ -20,8 +20,8 @@ import torch
 from ..validation import check_bool, check_divisible, cu_seqlens_to_list, positive_int
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, inner_peer_links, step_pairs, ulysses_cost, whole_documents_s
-from .order import (ALWAYS_PACED_PAIRS, MAX_PACED_PAIRS, backward_order, exchange_order, exchange_seconds, layer_seconds, matching_order,
-                    paced_exchange_order)
+from .order import (ALWAYS_PACED_PAIRS, MAX_PACED_PAIRS, backward_order, exchange_order, exchange_seconds,
+                    layer_seconds, matching_order, paced_exchange_order)
 from .candidates import candidates
 from .placement import Build, Placement
 from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _index_tensor, _Layout,
@@ -419,10 +419,10 @@ class Plan:
                  for s, p in programs.items()}
         schedule = "gathered" if alone["gathered"] <= alone["pipelined"] * (1 + GATHERED_PREFERENCE) else "pipelined"
         if schedule == "pipelined" and len(link) <= MAX_PACED_PAIRS:
-            link_s = steps.layer_seconds(link)
-            if len(link) <= ALWAYS_PACED_PAIRS or link_s > self._waits_beyond_s():
+            link_s = steps.layer_seconds(link) if len(link) > ALWAYS_PACED_PAIRS else None
+            if link_s is None or link_s > self._waits_beyond_s():
                 paced = steps.paced_order()
-                if paced != link and steps.layer_seconds(paced) < link_s:
+                if paced != link and steps.layer_seconds(paced) < (steps.layer_seconds(link) if link_s is None else link_s):
                     orders = self._orders_of(paced, steps)
         self._order, self._levels, self._backward_order, self._backward_levels = orders
         chunks = min(inner_chunk_choices(self.cost_model, self.inner_size), key=lambda c: rank_schedule(
