@@ -58,7 +58,7 @@ MAX_ORDERED_PAIRS = 8192
 # exchanges"): building and weighing it takes 20-50 ms at 1,000-2,016 pairs, 150 ms at 8,128.
 ALWAYS_PACED_PAIRS = 1024
 # As far as the link order is simulated (every pair of up to 128 outer ranks); beyond,
-# the 32,640 pairs of 256 outer ranks would take about 1.1 s.
+# the 32,640 pairs of 256 outer ranks would take about 1.2 s a plan.
 MAX_PACED_PAIRS = MAX_ORDERED_PAIRS
 
 
