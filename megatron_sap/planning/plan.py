@@ -87,6 +87,13 @@ def check_choose_by(choose_by: str) -> str:
     return choose_by
 
 
+def misjudged(level_s: float, estimate_s: float) -> bool:
+    """Whether the step-level models (with the all-to-alls, which they leave out) time a
+    layer over its estimate by more than RECHECK_MARGIN (relative) and TIME_RESOLUTION_S
+    (absolute): its ranks wait for each other beyond what the estimate sees."""
+    return level_s > estimate_s + max(estimate_s * RECHECK_MARGIN, TIME_RESOLUTION_S)
+
+
 def at_bound(time_s: float, bound_s: float) -> bool:
     """Whether a modelled layer time is within TIME_TOLERANCE (relative) or
     TIME_RESOLUTION_S (absolute, whichever is larger) of the lower bound: no other
@@ -405,8 +412,9 @@ class Plan:
         run alone cannot show. Then, pipelined, the paced order where the step-level models
         end the layer sooner (`order.layer_seconds`, built for the pipelined schedule; the
         link order on a tie), weighed up to ALWAYS_PACED_PAIRS pairs, and up to
-        MAX_PACED_PAIRS where the link order's ranks wait for each other
-        (`_waits_beyond_s`); gathered, the link order. Of the
+        MAX_PACED_PAIRS where the link order's ranks wait for each other (`misjudged`:
+        under it the paced order gained nothing on the rows measured, docs/planner.md, "The
+        order of the exchanges"); gathered, the link order. Of the
         programs compiled the plan keeps `keep_rank`'s where it is the slowest rank and
         runs them."""
         orders = self._orders_of(link, steps)
@@ -420,7 +428,8 @@ class Plan:
         schedule = "gathered" if alone["gathered"] <= alone["pipelined"] * (1 + GATHERED_PREFERENCE) else "pipelined"
         if schedule == "pipelined" and len(link) <= MAX_PACED_PAIRS:
             link_s = steps.layer_seconds(link) if len(link) > ALWAYS_PACED_PAIRS else None
-            if link_s is None or link_s > self._waits_beyond_s():
+            a2a_s = ulysses_cost(self.cost_model, self.capacity, self.inner_size, self.outer_size)[1]
+            if link_s is None or misjudged(link_s + a2a_s, self.evaluation.makespan_s):
                 paced = steps.paced_order()
                 if paced != link and steps.layer_seconds(paced) < (steps.layer_seconds(link) if link_s is None else link_s):
                     orders = self._orders_of(paced, steps)
@@ -430,14 +439,6 @@ class Plan:
         self._chosen = (schedule, None, chunks)
         if keep_rank == slowest and orders[0] is order:
             self._programs.setdefault((keep_rank, "cpu", schedule), programs[schedule])
-
-    def _waits_beyond_s(self) -> float:
-        """The step-level time of the layer beyond which its ranks wait for each other more
-        than the estimate allows: the estimate less the all-to-alls (which the step-level
-        models leave out), RECHECK_MARGIN over. Under it the paced order gained nothing
-        on the rows measured (docs/planner.md, "The order of the exchanges")."""
-        a2a_s = ulysses_cost(self.cost_model, self.capacity, self.inner_size, self.outer_size)[1]
-        return (self.evaluation.makespan_s - a2a_s) * (1 + RECHECK_MARGIN)
 
     def _choose_together(self, keep_rank: int | None, link: dict[tuple[int, int], int], steps: _StepSeconds) -> None:
         """Choose the exchange order and the schedule every rank runs by all ranks' compiled
@@ -1087,7 +1088,7 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
     # (docs/planner.md, "Choice").
     level_s = min(steps_of(placement, ev) + a2a_s, fastest * (1 + TIMELINE_BAND))  # the models leave the all-to-alls out
     plan._steps = steps[placement.strategy]
-    if level_s <= fastest + max(fastest * RECHECK_MARGIN, TIME_RESOLUTION_S):
+    if not misjudged(level_s, fastest):
         return finished(plan)
     search(lambda: level_s, outmove=False, stop_at_bound=False)
     for name in considered:
