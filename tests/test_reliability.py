@@ -812,28 +812,33 @@ def in_order_p2p(stuck_after_s: float):
     return undo
 
 
-def in_order_job(rank: int, world: int, cu: list[int], recompute_kv: bool, schedules: list[str]) -> float:
+def in_order_job(rank: int, world: int, cu: list[int], recompute_kv: bool,
+                 schedules: list[str]) -> dict[str, torch.Tensor]:
     """Forward and backward on one outer group of `world` ranks with batched P2P run in order per
-    group, this rank in `schedules[rank]`: the largest error against the dense reference."""
+    group, this rank in `schedules[rank]`: its rows' positions, output and input gradients."""
     import megatron_sap as sap
     from megatron_sap.planning import PlanCache
 
     groups = groups_for(1, world)
     plan = sap.plan_sequences(cu, outer_size=world, cache=PlanCache())
     q, k, v, dout = make_inputs(cu, 4, 2, 8, seed=len(cu))
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    ref = dense_attention(q, k, v, torch.tensor(cu))[0]
-    expected = torch.autograd.grad(ref, (q, k, v), dout)
     idx = plan.local_indices(groups.cp_rank)
-    local = [t.detach()[idx].requires_grad_() for t in (q, k, v)]
+    local = [t[idx].requires_grad_() for t in (q, k, v)]
     undo = in_order_p2p(stuck_after_s=20.0)
     try:
         out = sap.sap_attention(*local, plan, groups, recompute_kv=recompute_kv, schedule=schedules[rank])
         out.backward(dout[idx])
     finally:
         undo()
-    errors = [(out - ref[idx]).abs().max()] + [(t.grad - g[idx]).abs().max() for t, g in zip(local, expected)]
-    return max(e.item() for e in errors)
+    return {"indices": idx, "out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
+
+
+def in_order_reference(cu: list[int]) -> dict[str, torch.Tensor]:
+    """`in_order_job`'s inputs through the dense reference: the output and input gradients."""
+    q, k, v, dout = make_inputs(cu, 4, 2, 8, seed=len(cu))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = dense_attention(q, k, v, torch.tensor(cu))[0]
+    return dict(zip(("out", "dq", "dk", "dv"), (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))))
 
 
 pool6 = make_pool_fixture(6, timeout=120)
@@ -849,6 +854,10 @@ def test_exchanges_complete_when_each_group_runs_its_batches_in_order(pool6: Wor
     rng = random.Random(66)
     rows = [[0, 96], [0, 3072]] + [random_cu_seqlens(rng, 6 * rng.randint(16, 96), kind) for kind in ("long", "mixture")]
     for cu in rows:
+        ref = in_order_reference(cu)
         for schedules in (["pipelined"] * 6, ["gathered"] * 6, ["pipelined", "gathered", "auto"] * 2):
-            errors = pool6.run(in_order_job, cu, recompute_kv, schedules, timeout=180)  # 14-25 s a job alone on 2 cores
-            assert max(errors) < 1e-10, (cu, schedules, errors)
+            results = pool6.run(in_order_job, cu, recompute_kv, schedules, timeout=180)
+            for r in results:
+                for name in ("out", "dq", "dk", "dv"):
+                    error = (r[name] - ref[name][r["indices"]]).abs().max().item()
+                    assert error < 1e-10, (cu, schedules, name, error)
