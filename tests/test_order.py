@@ -152,6 +152,28 @@ def test_the_ring_layout_runs_as_fast_as_the_rings_model_in_matching_rounds():
     assert steps.layer_seconds(link) > 1.005 * ring  # the order this plan ran before
 
 
+def test_beyond_the_joint_schedule_a_plan_whose_every_pair_exchanges_weighs_the_matching_order():
+    """Four documents over 32 ranks (one of 180K tokens in a 256K row): every pair of ranks
+    exchanges, as on a KV ring. Beyond JOINT_SCHEDULE_RANKS the plan's order was the better
+    of the link and paced orders on the step-level models, in which ranks met peers still
+    busy with others: 1.02x the p2p ring's model. The matching order is weighed there too
+    where every pair exchanges, and the plan runs under the ring's model."""
+    from megatron_sap import baselines
+    from megatron_sap.planning.plan import JOINT_SCHEDULE_RANKS
+
+    cu, model = [0, 179660, 206120, 234539, 262144], CostModel.preset("h100")
+    plan = sap.plan_sequences(cu, outer_size=32, cost_model=model, cache=None)
+    assert plan.outer_size > JOINT_SCHEDULE_RANKS
+    steps = plan._step_seconds()
+    assert steps.every_pair_exchanges
+    matching = matching_order(steps.exchange_s, 32)
+    assert dict(plan.exchange_order()) == matching
+    link = exchange_order(plan.evaluation.traffic_tokens, model, 1)
+    assert steps.layer_seconds(matching) < min(steps.layer_seconds(link), steps.layer_seconds(steps.paced_order()))
+    ring = baselines.get("p2p").model_stats(cu, 32, model)["modelled_time_s"]
+    assert plan.stats()["modelled_time_s"] <= ring
+
+
 def test_the_plans_order_is_read_only():
     """Plans are shared through the cache: their exchange order cannot be changed in place."""
     plan = sap.plan_sequences([0, 4 * 1024], outer_size=4, cache=None)

@@ -28,8 +28,9 @@ one peer a round in lockstep, as the ring's steps go, where the simulated orders
 rank with a peer still busy with another. Which order runs is chosen on the compiled
 programs timed together (all three, up to 16 outer ranks), or beyond by the step-level
 models (`layer_seconds`; the link and paced orders, the paced one beyond ALWAYS_PACED_PAIRS
-pairs only where the ranks wait in the link order: there the matching order all but never
-wins and costs milliseconds to weigh) (`Plan.exchange_order`).
+pairs only where the ranks wait in the link order, and the matching order where every pair
+of ranks exchanges: elsewhere it all but never wins and costs milliseconds to weigh)
+(`Plan.exchange_order`).
 
 Backward the same pairs exchange again, the gradients of the rows each step received
 going back, but a step's return can start only once both its ranks have computed their

@@ -119,10 +119,17 @@ class _StepSeconds(NamedTuple):
         """`order.paced_exchange_order` of these steps."""
         return paced_exchange_order(self.exchange_s, self.forward, self.local)
 
+    @property
+    def every_pair_exchanges(self) -> bool:
+        """Whether every two outer ranks exchange (a zigzag layout's, a long document's over
+        all ranks): where the matching order can keep every rank in lockstep."""
+        ranks = len(self.local)
+        return len(self.exchange_s) == ranks * (ranks - 1) // 2
+
     def orders(self, link: dict[tuple[int, int], int], matching: bool = True) -> dict[str, dict[tuple[int, int], int]]:
         """The exchange orders weighed, by name: the `link` order, the paced one and (with
-        `matching`, as up to JOINT_SCHEDULE_RANKS outer ranks) the matching one
-        (`order.matching_order`), each only where it differs from those before it."""
+        `matching`) the matching one (`order.matching_order`), each only where it differs
+        from those before it."""
         orders = {"link": link}
         candidates = [("paced", self.paced_order())]
         if matching:
@@ -144,8 +151,10 @@ class _StepSeconds(NamedTuple):
         split's chain of exchanges, say); the all-to-alls, the same for every candidate, are
         left out. The matching order, which the plan weighs too (`orders`), is left out here:
         in the choice among candidates it changed 2 of 728 rows' layouts for the worse (by up
-        to 1%) and none for the better (docs/planner.md, "The matching order")."""
-        orders = self.orders(exchange_order(traffic_tokens, model, inner_size), matching=False)
+        to 1%) and none for the better (docs/planner.md, "The matching order"); it is weighed
+        where every pair of ranks exchanges, as the plan's own choice of order does beyond
+        JOINT_SCHEDULE_RANKS."""
+        orders = self.orders(exchange_order(traffic_tokens, model, inner_size), matching=self.every_pair_exchanges)
         return min(self.layer_seconds(order) for order in orders.values())
 
 
@@ -347,8 +356,9 @@ class Plan:
         """The position of every exchanging pair of outer ranks (a, b), a < b, in the order
         every rank runs its exchanges (`planning.order`; computed once, read-only: plans
         are shared through the cache): the link order (`order.exchange_order`), the one
-        paced by the kernels (`order.paced_exchange_order`) or, up to JOINT_SCHEDULE_RANKS
-        outer ranks, the round-robin one (`order.matching_order`), chosen with the schedule
+        paced by the kernels (`order.paced_exchange_order`) or the round-robin one
+        (`order.matching_order`; beyond JOINT_SCHEDULE_RANKS outer ranks where every pair of
+        them exchanges), chosen with the schedule
         (`_choose`); empty where the ranks exchange as ring shifts (`ring_exchanges`)."""
         if self._order is None:
             self._choose(None)
@@ -414,7 +424,9 @@ class Plan:
         link order on a tie), weighed up to ALWAYS_PACED_PAIRS pairs, and up to
         MAX_PACED_PAIRS where the link order's ranks wait for each other (`misjudged`:
         under it the paced order gained nothing on the rows measured, docs/planner.md, "The
-        order of the exchanges"); gathered, the link order. Of the
+        order of the exchanges"), and the matching order where every pair of ranks exchanges
+        (`_StepSeconds.every_pair_exchanges`: a long document over all ranks, whose ring-like
+        steps it keeps in lockstep); gathered, the link order. Of the
         programs compiled the plan keeps `keep_rank`'s where it is the slowest rank and
         runs them."""
         orders = self._orders_of(link, steps)
@@ -429,10 +441,20 @@ class Plan:
         if schedule == "pipelined" and len(link) <= MAX_PACED_PAIRS:
             link_s = steps.layer_seconds(link) if len(link) > ALWAYS_PACED_PAIRS else None
             a2a_s = ulysses_cost(self.cost_model, self.capacity, self.inner_size, self.outer_size)[1]
+            others = []
             if link_s is None or misjudged(link_s + a2a_s, self.evaluation.makespan_s):
-                paced = steps.paced_order()
-                if paced != link and steps.layer_seconds(paced) < (steps.layer_seconds(link) if link_s is None else link_s):
-                    orders = self._orders_of(paced, steps)
+                others.append(steps.paced_order())
+            if steps.every_pair_exchanges:
+                others.append(matching_order(steps.exchange_s, self.outer_size))
+            others = [o for o in others if o != link]
+            if others:
+                best, best_s = link, steps.layer_seconds(link) if link_s is None else link_s
+                for other in others:
+                    other_s = steps.layer_seconds(other)
+                    if other_s < best_s:
+                        best, best_s = other, other_s
+                if best is not link:
+                    orders = self._orders_of(best, steps)
         self._order, self._levels, self._backward_order, self._backward_levels = orders
         chunks = min(inner_chunk_choices(self.cost_model, self.inner_size), key=lambda c: rank_schedule(
             programs[schedule], self.inner_size, self.capacity, self.cost_model, inner_chunks=c).total_s)
