@@ -149,11 +149,11 @@ class _StepSeconds(NamedTuple):
         `traffic_tokens`) or the paced one, whichever ends sooner. Unlike the estimate, it
         sees a rank wait for a peer busy with its own kernels or exchanges (a contiguous
         split's chain of exchanges, say); the all-to-alls, the same for every candidate, are
-        left out. The matching order, which the plan weighs too (`orders`), is left out here:
-        in the choice among candidates it changed 2 of 728 rows' layouts for the worse (by up
-        to 1%) and none for the better (docs/planner.md, "The matching order"); it is weighed
-        where every pair of ranks exchanges, as the plan's own choice of order does beyond
-        JOINT_SCHEDULE_RANKS."""
+        left out. The matching order, which the plan weighs too (`orders`), is weighed here
+        only where every pair of ranks exchanges, as the plan's own choice of order does
+        beyond JOINT_SCHEDULE_RANKS: weighed everywhere, in the choice among candidates it
+        changed 2 of 728 rows' layouts for the worse (by up to 1%) and none for the better
+        (docs/planner.md, "The matching order")."""
         orders = self.orders(exchange_order(traffic_tokens, model, inner_size), matching=self.every_pair_exchanges)
         return min(self.layer_seconds(order) for order in orders.values())
 
