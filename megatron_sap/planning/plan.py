@@ -53,16 +53,31 @@ TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on the ste
 # Up to this many outer ranks the candidates within TIME_TOLERANCE of the fastest estimate
 # compete on the step-level models of all ranks together (`order.layer_seconds`: 0.4-0.9 ms a
 # candidate at 8 outer ranks), then on the bytes they move; beyond, on bytes (at 16 outer ranks
-# the models gained nothing on average, docs/planner.md "Choice").
+# the models gained nothing on average, docs/planner.md "Choice"), but on rows of a few long
+# documents (`step_checks`).
 STEP_CHOICE_RANKS = 8
 # Up to this many CP ranks (and STEP_CHOICE_RANKS outer ranks) the choice is timed on the
 # step-level models too (0.3-0.9 ms at 8 outer ranks), and where they time it over
 # RECHECK_MARGIN beyond the fastest estimate, the candidate they end soonest is timed
 # against it with every rank's program, all ranks together (see `_fresh_plan`). Beyond,
 # that recheck would gain 1.4% on average (up to 22%) for 1.6-3x the planning time, past the
-# 5 ms target at P = 64 (docs/planner.md, "Choice"); `choose_by="timeline"` offers it.
+# 5 ms target at P = 64 (docs/planner.md, "Choice"); `choose_by="timeline"` offers it. Rows
+# of a few long documents are rechecked at any size (`step_checks`).
 RECHECK_RANKS = 16
 RECHECK_MARGIN = 0.05
+# Beyond STEP_CHOICE_RANKS outer ranks both run on rows of a few long documents
+# (`step_checks`): where the fastest candidate holds at most STEP_CHECK_PIECES pieces an outer
+# rank and its estimate is at least STEP_CHECK_PAIR_S per pair of outer ranks (twice what the
+# step-level models of one candidate take per pair on the benchmark's CPU: 10 ms at 32 outer
+# ranks, every pair exchanging), so that the models are cheap next to the layer. There the
+# estimate misjudges the most (documents spread over many ranks, whose ranks wait for each
+# other): on rows of one to six long documents at 16-64 CP ranks the near candidate moving
+# the fewest bytes ran up to 1.15x the a2a+p2p baseline's model, all ranks together. Rows
+# of many pieces are left out: on the corpora's 1M-token rows the checks took 3-10x the
+# planning time and the models misranked a few plans (docs/planner.md, "The matching order").
+# Beyond JOINT_SCHEDULE_RANKS the recheck takes the models' candidate without timing it.
+STEP_CHECK_PAIR_S = 40e-6
+STEP_CHECK_PIECES = 8
 # The head chunks `Plan.inner_chunks` weighs beside 1 (where the heads split so). More
 # chunks hide more of the all-to-alls under the kernels but add an all-to-all (U - 1
 # messages) per pass and run each kernel call on fewer heads, whose cost per call the
@@ -92,6 +107,18 @@ def misjudged(level_s: float, estimate_s: float) -> bool:
     layer over its estimate by more than RECHECK_MARGIN (relative) and TIME_RESOLUTION_S
     (absolute): its ranks wait for each other beyond what the estimate sees."""
     return level_s > estimate_s + max(estimate_s * RECHECK_MARGIN, TIME_RESOLUTION_S)
+
+
+def step_checks(outer_size: int, world: int, estimate_s: float, pieces: int) -> tuple[bool, bool]:
+    """(Whether the near candidates compete on the step-level models, whether a choice
+    they time over its estimate is rechecked): up to STEP_CHOICE_RANKS outer ranks (the
+    recheck up to RECHECK_RANKS CP ranks); beyond, on a row of a few long documents: the
+    fastest candidate's `pieces` at most STEP_CHECK_PIECES an outer rank, and its estimate
+    `estimate_s` at least STEP_CHECK_PAIR_S per pair of outer ranks."""
+    if outer_size <= STEP_CHOICE_RANKS:
+        return True, world <= RECHECK_RANKS
+    few_long = pieces <= STEP_CHECK_PIECES * outer_size and estimate_s >= STEP_CHECK_PAIR_S * outer_size * (outer_size - 1) / 2
+    return few_long, few_long
 
 
 def at_bound(time_s: float, bound_s: float) -> bool:
@@ -919,7 +946,8 @@ def plan_sequences(
     with fewer bytes, the one the step-level models of all ranks together end soonest;
     up to RECHECK_RANKS CP ranks, where those models time the choice over RECHECK_MARGIN
     beyond its estimate, the candidate they end soonest is timed against it with every
-    rank's program, all ranks together, and the sooner wins).
+    rank's program, all ranks together, and the sooner wins; beyond, both on rows of a few
+    long documents, `step_checks`, the recheck beyond 16 outer ranks by those models alone).
     The search stops at the first candidate within 1% or 10 us of
     the lower bound (every document computed whole, spread evenly, no communication but
     the Ulysses all-to-alls), which no other candidate could beat by more than that; a
@@ -1097,10 +1125,12 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
         chosen.stepped = stepped if len(stepped) > 1 else {}
         return chosen
 
-    _, placement, ev = _estimate_choice(evaluated, fastest, steps_of if outer_size <= STEP_CHOICE_RANKS else None)
+    first = min(evaluated, key=lambda ipe: (ipe[2].makespan_s, ipe[0]))[1]
+    step_choice, recheck = step_checks(outer_size, world, fastest, sum(map(len, first.ranks)))
+    _, placement, ev = _estimate_choice(evaluated, fastest, steps_of if step_choice else None)
     plan = Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks,
                 _steps=steps.get(placement.strategy))
-    if outer_size > STEP_CHOICE_RANKS or world > RECHECK_RANKS:
+    if not recheck:
         return finished(plan)
     # Where the step-level models see the choice's ranks wait for each other well beyond
     # its estimate (RECHECK_MARGIN, and TIME_RESOLUTION_S), the estimate misjudged it: the
@@ -1124,6 +1154,8 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
         return finished(plan)
     rival = Plan(tuple(cu), outer_size, inner_size, model, other, other_ev, considered, pruned, slacks,
                  _steps=steps[other.strategy])
+    if outer_size > JOINT_SCHEDULE_RANKS:  # beyond, the plans choose their exchange orders by these models too
+        return finished(rival)
     timed = {p.strategy: max(rank.total_s for rank in p._default_schedule_times(model)) for p in (plan, rival)}
     chosen = rival if timed[other.strategy] < timed[placement.strategy] else plan
     chosen.timed = timed
