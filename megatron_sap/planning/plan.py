@@ -66,18 +66,19 @@ STEP_CHOICE_RANKS = 8
 RECHECK_RANKS = 16
 RECHECK_MARGIN = 0.05
 # Beyond STEP_CHOICE_RANKS outer ranks both run on rows of a few long documents
-# (`step_checks`): where the fastest candidate holds at most STEP_CHECK_PIECES pieces an outer
-# rank and its estimate is at least STEP_CHECK_PAIR_S per pair of outer ranks (twice what the
-# step-level models of one candidate take per pair on the benchmark's CPU: 10 ms at 32 outer
-# ranks, every pair exchanging), so that the models are cheap next to the layer. There the
-# estimate misjudges the most (documents spread over many ranks, whose ranks wait for each
-# other): on rows of one to six long documents at 16-64 CP ranks the near candidate moving
-# the fewest bytes ran up to 1.15x the a2a+p2p baseline's model, all ranks together. Rows
-# of many pieces are left out: on the corpora's 1M-token rows the checks took 3-10x the
-# planning time and the models misranked a few plans (docs/planner.md, "The matching order").
-# Beyond JOINT_SCHEDULE_RANKS the recheck takes the models' candidate without timing it.
-STEP_CHECK_PAIR_S = 40e-6
-STEP_CHECK_PIECES = 8
+# (`step_checks`): no more documents than outer ranks (the mean document at least one rank's
+# share), and a fastest estimate of at least STEP_CHECK_PAIR_S per pair of outer ranks, about
+# what the step-level models of one candidate take per pair on the benchmark's CPU (10 ms at
+# 32 outer ranks, every pair exchanging), so that the checks cost a layer or two while they
+# can gain a few percent of every layer. There the estimate misjudges the most (documents
+# spread over many ranks, whose ranks wait for each other): on rows of one to six long
+# documents at 16-64 CP ranks the near candidate moving the fewest bytes ran up to 1.15x the
+# a2a+p2p baseline's model, all ranks together. Rows of many documents are left out: on the
+# corpora's 1M-token rows the checks took 3-10x the planning time and the models misranked a
+# few plans; the 128K-token rows at P = 64 keep their median planning time (docs/planner.md,
+# "The matching order"). Beyond JOINT_SCHEDULE_RANKS the recheck takes the models' candidate
+# without timing it.
+STEP_CHECK_PAIR_S = 20e-6
 # The head chunks `Plan.inner_chunks` weighs beside 1 (where the heads split so). More
 # chunks hide more of the all-to-alls under the kernels but add an all-to-all (U - 1
 # messages) per pass and run each kernel call on fewer heads, whose cost per call the
@@ -109,15 +110,15 @@ def misjudged(level_s: float, estimate_s: float) -> bool:
     return level_s > estimate_s + max(estimate_s * RECHECK_MARGIN, TIME_RESOLUTION_S)
 
 
-def step_checks(outer_size: int, world: int, estimate_s: float, pieces: int) -> tuple[bool, bool]:
+def step_checks(outer_size: int, world: int, estimate_s: float, documents: int) -> tuple[bool, bool]:
     """(Whether the near candidates compete on the step-level models, whether a choice
     they time over its estimate is rechecked): up to STEP_CHOICE_RANKS outer ranks (the
-    recheck up to RECHECK_RANKS CP ranks); beyond, on a row of a few long documents: the
-    fastest candidate's `pieces` at most STEP_CHECK_PIECES an outer rank, and its estimate
-    `estimate_s` at least STEP_CHECK_PAIR_S per pair of outer ranks."""
+    recheck up to RECHECK_RANKS CP ranks); beyond, on a row of a few long documents: at
+    most one of its (non-empty) `documents` an outer rank, and a fastest estimate
+    `estimate_s` of at least STEP_CHECK_PAIR_S per pair of outer ranks."""
     if outer_size <= STEP_CHOICE_RANKS:
         return True, world <= RECHECK_RANKS
-    few_long = pieces <= STEP_CHECK_PIECES * outer_size and estimate_s >= STEP_CHECK_PAIR_S * outer_size * (outer_size - 1) / 2
+    few_long = documents <= outer_size and estimate_s >= STEP_CHECK_PAIR_S * outer_size * (outer_size - 1) / 2
     return few_long, few_long
 
 
@@ -1125,8 +1126,7 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
         chosen.stepped = stepped if len(stepped) > 1 else {}
         return chosen
 
-    first = min(evaluated, key=lambda ipe: (ipe[2].makespan_s, ipe[0]))[1]
-    step_choice, recheck = step_checks(outer_size, world, fastest, sum(map(len, first.ranks)))
+    step_choice, recheck = step_checks(outer_size, world, fastest, sum(1 for n in lengths if n))
     _, placement, ev = _estimate_choice(evaluated, fastest, steps_of if step_choice else None)
     plan = Plan(tuple(cu), outer_size, inner_size, model, placement, ev, considered, pruned, slacks,
                 _steps=steps.get(placement.strategy))
