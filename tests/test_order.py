@@ -169,7 +169,7 @@ def test_beyond_the_joint_schedule_a_plan_whose_every_pair_exchanges_weighs_the_
     matching = matching_order(steps.exchange_s, 32)
     assert dict(plan.exchange_order()) == matching
     link = exchange_order(plan.evaluation.traffic_tokens, model, 1)
-    assert steps.layer_seconds(matching) < min(steps.layer_seconds(link), steps.layer_seconds(steps.paced_order()))
+    assert steps.layer_seconds(matching) < min(steps.layer_seconds(link), steps.layer_seconds(steps.paced))
     ring = baselines.get("p2p").model_stats(cu, 32, model)["modelled_time_s"]
     assert plan.stats()["modelled_time_s"] <= ring
 

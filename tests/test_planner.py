@@ -1338,7 +1338,7 @@ def pruned_count(seed: int, outer: int, inner: int) -> int:
         def steps(p, ev):
             if outer > STEP_CHOICE_RANKS:
                 return 0.0
-            return step_seconds(p, ev, model, inner).level_seconds(ev.traffic_tokens, model, inner)
+            return step_seconds(p, ev, model, inner).level_seconds()
         chosen = min(front, key=lambda pe: (steps(*pe), pe[1].traffic_total, pe[1].makespan_s))[0]
         assert plan.placement.ranks == chosen.ranks
     return len(plan.pruned)
@@ -1492,8 +1492,7 @@ def test_step_level_choice_keeps_ranks_from_waiting_for_each_other():
     assert plan.strategy in near and plan.strategy != by_bytes
     placements = {p.strategy: p for p in candidates_of(cu, outer, inner)}
     other = sap.Plan(tuple(cu), outer, inner, model, placements[by_bytes], near[by_bytes], {})
-    level = lambda p: step_seconds(p.placement, p.evaluation, model, inner).level_seconds(  # noqa: E731
-        p.evaluation.traffic_tokens, model, inner)
+    level = lambda p: step_seconds(p.placement, p.evaluation, model, inner).level_seconds()  # noqa: E731
     assert level(plan) < level(other)
     assert plan.stats()["modelled_time_s"] < 0.9 * other.stats()["modelled_time_s"]
     # The near candidates weighed, the chosen one the soonest; the step-level models time it

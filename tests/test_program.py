@@ -538,7 +538,7 @@ def test_backward_posted_by_each_rank_s_own_step_count_would_wait_in_a_cycle():
     from megatron_sap.planning.program import COLLECT, COMPUTE, FETCH, LOCAL, RETURN
 
     plan = sap.plan_sequences([0, 98], outer_size=7, cache=None)
-    paced = step_seconds(plan.placement, plan.evaluation, plan.cost_model, 1).paced_order()
+    paced = step_seconds(plan.placement, plan.evaluation, plan.cost_model, 1).paced
     programs = compile_all(plan.placement, "pipelined", paced, tile=plan.cost_model.tile)
 
     def own_count(program):

@@ -81,8 +81,11 @@ def exchange_order(traffic_tokens: np.ndarray, model: CostModel, inner_size: int
     all ranks run their exchanges in (see the module docstring; round order beyond
     MAX_ORDERED_PAIRS pairs); `traffic_tokens[s, d]` is the forward K/V tokens outer rank
     s sends d."""
-    R = len(traffic_tokens)
-    exchange_s = exchange_seconds(traffic_tokens, model, inner_size)
+    return link_order(exchange_seconds(traffic_tokens, model, inner_size), len(traffic_tokens))
+
+
+def link_order(exchange_s: Mapping[tuple[int, int], float], R: int) -> dict[tuple[int, int], int]:
+    """`exchange_order` of the exchanges' seconds (`exchange_seconds`) among `R` outer ranks."""
     pairs = list(exchange_s)
     if len(pairs) > MAX_ORDERED_PAIRS:
         # Rounds, each a matching of the ranks: cheap, but blind to the sizes.

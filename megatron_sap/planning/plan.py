@@ -11,8 +11,9 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -20,8 +21,8 @@ import torch
 from ..validation import check_bool, check_divisible, cu_seqlens_to_list, positive_int
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, inner_peer_links, step_pairs, ulysses_cost, whole_documents_s
-from .order import (ALWAYS_PACED_PAIRS, MAX_PACED_PAIRS, backward_order, exchange_order, exchange_seconds,
-                    layer_seconds, matching_order, paced_exchange_order)
+from .order import (ALWAYS_PACED_PAIRS, MAX_PACED_PAIRS, backward_order, exchange_seconds, layer_seconds, link_order,
+                    matching_order, paced_exchange_order)
 from .candidates import candidates
 from .placement import Build, Placement
 from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _index_tensor, _Layout,
@@ -131,21 +132,32 @@ def at_bound(time_s: float, bound_s: float) -> bool:
     return time_s <= bound_s + max(bound_s * TIME_TOLERANCE, TIME_RESOLUTION_S)
 
 
-class _StepSeconds(NamedTuple):
+@dataclass(eq=False)
+class _StepSeconds:
     """What the step-level models of a plan read (`order`), in the pipelined schedule the
     model assumes (`pipelined_kernel_factor`): each exchanging pair's exchange seconds, each
     rank's forward kernel seconds of its step with each peer and of its local calls, and
-    backward of its step with each peer ([R, R] array) and of all its calls."""
+    backward of its step with each peer ([R, R] array) and of all its calls; and the link
+    order of the exchanges (`order.exchange_order`). The candidate choice and the plan's
+    choice of order weigh the same orders: each is made, and timed, once (`seconds`)."""
 
     exchange_s: dict[tuple[int, int], float]
     forward: list[list[float]]
     local: list[float]
     backward: np.ndarray
     backward_total: list[float]
+    link: dict[tuple[int, int], int]
+    _seconds: dict[str, float] = field(default_factory=dict, repr=False)
 
-    def paced_order(self) -> dict[tuple[int, int], int]:
+    @cached_property
+    def paced(self) -> dict[tuple[int, int], int]:
         """`order.paced_exchange_order` of these steps."""
         return paced_exchange_order(self.exchange_s, self.forward, self.local)
+
+    @cached_property
+    def matching(self) -> dict[tuple[int, int], int]:
+        """`order.matching_order` of these steps' exchanges."""
+        return matching_order(self.exchange_s, len(self.local))
 
     @property
     def every_pair_exchanges(self) -> bool:
@@ -154,15 +166,12 @@ class _StepSeconds(NamedTuple):
         ranks = len(self.local)
         return len(self.exchange_s) == ranks * (ranks - 1) // 2
 
-    def orders(self, link: dict[tuple[int, int], int], matching: bool = True) -> dict[str, dict[tuple[int, int], int]]:
-        """The exchange orders weighed, by name: the `link` order, the paced one and (with
-        `matching`) the matching one (`order.matching_order`), each only where it differs
-        from those before it."""
-        orders = {"link": link}
-        candidates = [("paced", self.paced_order())]
-        if matching:
-            candidates.append(("matching", matching_order(self.exchange_s, len(self.local))))
-        for name, order in candidates:
+    def orders(self, names: Sequence[str] = ("link", "paced", "matching")) -> dict[str, dict[tuple[int, int], int]]:
+        """The exchange orders of `names` (`link`, `paced`, `matching`), in that order, each
+        only where it differs from those before it."""
+        orders: dict[str, dict[tuple[int, int], int]] = {}
+        for name in names:
+            order = getattr(self, name)
             if all(order != other for other in orders.values()):
                 orders[name] = order
         return orders
@@ -171,19 +180,24 @@ class _StepSeconds(NamedTuple):
         """`order.layer_seconds` of these steps with the exchanges in `order`."""
         return layer_seconds(order, self.exchange_s, self.forward, self.local, self.backward.tolist(), self.backward_total)
 
-    def level_seconds(self, traffic_tokens: np.ndarray, model: CostModel, inner_size: int) -> float:
+    def seconds(self, name: str) -> float:
+        """`layer_seconds` of the order of `name` (`link`, `paced`, `matching`), worked out once."""
+        if name not in self._seconds:
+            self._seconds[name] = self.layer_seconds(getattr(self, name))
+        return self._seconds[name]
+
+    def level_seconds(self) -> float:
         """The pipelined layer, all ranks together, under the step-level models
-        (`layer_seconds`), in the link order (`order.exchange_order` of the plan's
-        `traffic_tokens`) or the paced one, whichever ends sooner. Unlike the estimate, it
-        sees a rank wait for a peer busy with its own kernels or exchanges (a contiguous
-        split's chain of exchanges, say); the all-to-alls, the same for every candidate, are
-        left out. The matching order, which the plan weighs too (`orders`), is weighed here
-        only where every pair of ranks exchanges, as the plan's own choice of order does
-        beyond JOINT_SCHEDULE_RANKS: weighed everywhere, in the choice among candidates it
-        changed 2 of 728 rows' layouts for the worse (by up to 1%) and none for the better
-        (docs/planner.md, "The matching order")."""
-        orders = self.orders(exchange_order(traffic_tokens, model, inner_size), matching=self.every_pair_exchanges)
-        return min(self.layer_seconds(order) for order in orders.values())
+        (`layer_seconds`), in the link order or the paced one, whichever ends sooner.
+        Unlike the estimate, it sees a rank wait for a peer busy with its own kernels or
+        exchanges (a contiguous split's chain of exchanges, say); the all-to-alls, the same
+        for every candidate, are left out. The matching order, which the plan weighs too
+        (`orders`), is weighed here only where every pair of ranks exchanges, as the plan's
+        own choice of order does beyond JOINT_SCHEDULE_RANKS: weighed everywhere, in the
+        choice among candidates it changed 2 of 728 rows' layouts for the worse (by up to 1%)
+        and none for the better (docs/planner.md, "The matching order")."""
+        names = ("link", "paced", "matching") if self.every_pair_exchanges else ("link", "paced")
+        return min(self.seconds(name) for name in self.orders(names))
 
 
 @dataclass(eq=False)
@@ -438,11 +452,10 @@ class Plan:
         together (`_choose_together`), beyond by the slowest rank and the step-level models
         (`_choose_by_steps`). Sets the orders, their levels and `_chosen`. The order is the
         plan's whether a rank runs with `recompute_kv` or not (every rank must follow one)."""
-        link = exchange_order(self.evaluation.traffic_tokens, self.cost_model, self.inner_size)
         choose = self._choose_together if self.outer_size <= JOINT_SCHEDULE_RANKS else self._choose_by_steps
-        choose(keep_rank, link, self._step_seconds())
+        choose(keep_rank, self._step_seconds())
 
-    def _choose_by_steps(self, keep_rank: int | None, link: dict[tuple[int, int], int], steps: _StepSeconds) -> None:
+    def _choose_by_steps(self, keep_rank: int | None, steps: _StepSeconds) -> None:
         """The schedule the plan's slowest rank by the estimate (`evaluation.rank_time_s`,
         the lowest such rank) runs faster alone in the `link` order (`timeline.rank_schedule`),
         the gathered one also where it is at most GATHERED_PREFERENCE slower: its exchanges
@@ -457,6 +470,7 @@ class Plan:
         steps it keeps in lockstep); gathered, the link order. Of the
         programs compiled the plan keeps `keep_rank`'s where it is the slowest rank and
         runs them."""
+        link = steps.link
         orders = self._orders_of(link, steps)
         order, levels, _, backward_levels = orders
         slowest = int(np.argmax(self.evaluation.rank_time_s))
@@ -467,22 +481,16 @@ class Plan:
                  for s, p in programs.items()}
         schedule = "gathered" if alone["gathered"] <= alone["pipelined"] * (1 + GATHERED_PREFERENCE) else "pipelined"
         if schedule == "pipelined" and len(link) <= MAX_PACED_PAIRS:
-            link_s = steps.layer_seconds(link) if len(link) > ALWAYS_PACED_PAIRS else None
             a2a_s = ulysses_cost(self.cost_model, self.capacity, self.inner_size, self.outer_size)[1]
-            others = []
-            if link_s is None or misjudged(link_s + a2a_s, self.evaluation.makespan_s):
-                others.append(steps.paced_order())
+            names = ["link"]
+            if len(link) <= ALWAYS_PACED_PAIRS or misjudged(steps.seconds("link") + a2a_s, self.evaluation.makespan_s):
+                names.append("paced")
             if steps.every_pair_exchanges:
-                others.append(matching_order(steps.exchange_s, self.outer_size))
-            others = [o for o in others if o != link]
-            if others:
-                best, best_s = link, steps.layer_seconds(link) if link_s is None else link_s
-                for other in others:
-                    other_s = steps.layer_seconds(other)
-                    if other_s < best_s:
-                        best, best_s = other, other_s
-                if best is not link:
-                    orders = self._orders_of(best, steps)
+                names.append("matching")
+            weighed = steps.orders(names)
+            best = min(weighed, key=steps.seconds) if len(weighed) > 1 else "link"  # the link order on a tie
+            if best != "link":
+                orders = self._orders_of(weighed[best], steps)
         self._order, self._levels, self._backward_order, self._backward_levels = orders
         chunks = min(inner_chunk_choices(self.cost_model, self.inner_size), key=lambda c: rank_schedule(
             programs[schedule], self.inner_size, self.capacity, self.cost_model, inner_chunks=c).total_s)
@@ -490,7 +498,7 @@ class Plan:
         if keep_rank == slowest and orders[0] is order:
             self._programs.setdefault((keep_rank, "cpu", schedule), programs[schedule])
 
-    def _choose_together(self, keep_rank: int | None, link: dict[tuple[int, int], int], steps: _StepSeconds) -> None:
+    def _choose_together(self, keep_rank: int | None, steps: _StepSeconds) -> None:
         """Choose the exchange order and the schedule every rank runs by all ranks' compiled
         programs timed together (`timeline.joint_schedule`), keeping the K/V: the `link`
         order in either schedule, or in the pipelined one the order paced by the kernels
@@ -501,7 +509,7 @@ class Plan:
         the programs compiled the plan keeps only `keep_rank`'s, in the order and schedule it
         will run (another rank's, or one it will not run, would go with the plan wherever it
         is pickled)."""
-        orders = steps.orders(link)
+        orders = steps.orders()
         # each: the forward order, its levels, the backward's order and its levels
         ordered = {name: self._orders_of(order, steps) for name, order in orders.items()}
         options = [("link", "gathered"), ("link", "pipelined"), ("paced", "pipelined"), ("matching", "pipelined")]
@@ -899,9 +907,9 @@ def step_seconds(placement: Placement, ev: Evaluation, model: CostModel, inner_s
     pairs = step_pairs(placement)
     forward, backward = (model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=b, head_fraction=1.0 / inner_size)
                          for b in (False, True))
-    return _StepSeconds(exchange_seconds(ev.traffic_tokens, model, inner_size), (pairs * forward).tolist(),
-                        (ev.tile_pairs * forward - (pairs * forward).sum(1)).tolist(), pairs * backward,
-                        (ev.tile_pairs * backward).tolist())
+    exchange_s = exchange_seconds(ev.traffic_tokens, model, inner_size)
+    return _StepSeconds(exchange_s, (pairs * forward).tolist(), (ev.tile_pairs * forward - (pairs * forward).sum(1)).tolist(),
+                        pairs * backward, (ev.tile_pairs * backward).tolist(), link_order(exchange_s, placement.num_ranks))
 
 
 def _outmoved(build: Build, floor_s: float, evaluated: list[tuple[int, Placement, Evaluation]]) -> bool:
@@ -1118,7 +1126,7 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
     def steps_of(placement: Placement, ev: Evaluation) -> float:
         if placement.strategy not in stepped:
             steps[placement.strategy] = step_seconds(placement, ev, model, inner_size)
-            stepped[placement.strategy] = steps[placement.strategy].level_seconds(ev.traffic_tokens, model, inner_size)
+            stepped[placement.strategy] = steps[placement.strategy].level_seconds()
         return stepped[placement.strategy]
 
     def finished(chosen: Plan) -> Plan:
