@@ -954,9 +954,12 @@ def plan_sequences(
     moves fewer bytes; up to STEP_CHOICE_RANKS outer ranks, of those no other is as fast
     with fewer bytes, the one the step-level models of all ranks together end soonest;
     up to RECHECK_RANKS CP ranks, where those models time the choice over RECHECK_MARGIN
-    beyond its estimate, the candidate they end soonest is timed against it with every
-    rank's program, all ranks together, and the sooner wins; beyond, both on rows of a few
-    long documents, `step_checks`, the recheck beyond 16 outer ranks by those models alone).
+    beyond its estimate, the candidate they end soonest, of those up to 10% slower by
+    estimate and including those given up for their bytes, is timed against it with every
+    rank's program, all ranks together (with the soonest of the others, where that one was
+    given up for its bytes), and the sooner wins; beyond, both on rows of a few long
+    documents, `step_checks`, the recheck beyond 16 outer ranks by those models alone,
+    among the candidates not given up for their bytes).
     The search stops at the first candidate within 1% or 10 us of
     the lower bound (every document computed whole, spread evenly, no communication but
     the Ulysses all-to-alls), which no other candidate could beat by more than that; a
@@ -1088,6 +1091,7 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
     band = TIMELINE_BAND if by_timeline else TIME_TOLERANCE
     queue = [(b.floor_s, b.index, b) for b in builds if b.placement is None]
     heapq.heapify(queue)
+    outmoved: list[Build] = []  # given up by `_outmoved`: out of the choice by estimate, not of the recheck (below)
 
     def search(limit_s: Callable[[], float], outmove: bool, stop_at_bound: bool) -> None:
         """Build the queued candidates, the lowest floor first, until that floor is over
@@ -1100,7 +1104,7 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
                 return
             if (outmove and build.placement is None and floor_s + a2a_s >= fastest
                     and _outmoved(build, floor_s + a2a_s, evaluated)):
-                heapq.heappop(queue)
+                outmoved.append(heapq.heappop(queue)[2])
                 pruned.update((name, floor_s + a2a_s) for name in build.names)
                 continue
             if build.placement is None:
@@ -1145,27 +1149,37 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
     # candidates up to that time (at most TIMELINE_BAND over the fastest estimate) are
     # built, and the one the step-level models end soonest is timed against the choice
     # with every rank's program, all ranks together; the sooner is the plan
-    # (docs/planner.md, "Choice").
+    # (docs/planner.md, "Choice"). Up to JOINT_SCHEDULE_RANKS outer ranks that includes
+    # the candidates given up for the bytes they move (`_outmoved`); where the models
+    # prefer one of those, the soonest of the others is timed too, so that the plan is
+    # never slower than the soonest of the others alone would have made it.
     level_s = min(steps_of(placement, ev) + a2a_s, fastest * (1 + TIMELINE_BAND))  # the models leave the all-to-alls out
     plan._steps = steps[placement.strategy]
     if not misjudged(level_s, fastest):
         return finished(plan)
+    revived = set()
+    if outer_size <= JOINT_SCHEDULE_RANKS:  # beyond, the models' rival is not timed (below)
+        for build in outmoved:
+            revived.update(build.names)
+            heapq.heappush(queue, (build.floor_s, build.index, build))
     search(lambda: level_s, outmove=False, stop_at_bound=False)
     for name in considered:
         pruned.pop(name, None)
     others = [(i, p, e) for i, p, e in evaluated if e.makespan_s <= level_s and p is not placement]
-    if not others:
+    by_steps = lambda ipe: (steps_of(ipe[1], ipe[2]), ipe[2].traffic_total, ipe[2].makespan_s, ipe[0])  # noqa: E731
+    rivals = [min(others, key=by_steps)] if others else []
+    if rivals and rivals[0][1].strategy in revived:
+        kept = [o for o in others if o[1].strategy not in revived]
+        rivals += [min(kept, key=by_steps)] if kept else []
+    rivals = [Plan(tuple(cu), outer_size, inner_size, model, other, other_ev, considered, pruned, slacks,
+                   _steps=steps[other.strategy])
+              for _, other, other_ev in rivals if stepped[other.strategy] < stepped[placement.strategy]]
+    if not rivals:
         return finished(plan)
-    _, other, other_ev = min(others, key=lambda ipe: (steps_of(ipe[1], ipe[2]), ipe[2].traffic_total,
-                                                      ipe[2].makespan_s, ipe[0]))
-    if stepped[other.strategy] >= stepped[placement.strategy]:
-        return finished(plan)
-    rival = Plan(tuple(cu), outer_size, inner_size, model, other, other_ev, considered, pruned, slacks,
-                 _steps=steps[other.strategy])
     if outer_size > JOINT_SCHEDULE_RANKS:  # beyond, the plans choose their exchange orders by these models too
-        return finished(rival)
-    timed = {p.strategy: max(rank.total_s for rank in p._default_schedule_times(model)) for p in (plan, rival)}
-    chosen = rival if timed[other.strategy] < timed[placement.strategy] else plan
+        return finished(rivals[0])
+    timed = {p.strategy: max(rank.total_s for rank in p._default_schedule_times(model)) for p in (plan, *rivals)}
+    chosen = min((plan, *rivals), key=lambda p: timed[p.strategy])  # the first on a tie: the choice, then the models'
     chosen.timed = timed
     chosen._programs.clear()  # beyond JOINT_SCHEDULE_RANKS, every rank's, compiled to time them
     return finished(chosen)
