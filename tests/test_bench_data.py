@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -159,6 +160,20 @@ def test_scale_projection_with_kv_heads_replaced():
     ring, ring32 = (next(p for p in points if p.method == "p2p") for points in (default, mha))
     assert ring32.sent_bytes_mean == pytest.approx(4 * ring.sent_bytes_mean)
     assert [r.preset for r in scale.scale_rows(mha)] == ["h100-kv32"]
+
+
+def test_scale_plots_of_another_model_shape_draw_its_points(tmp_path):
+    """`python -m megatron_sap.bench.scale --kv-heads 32 --img-dir D`: the bytes figure draws
+    the points of that shape (it drew the default preset's, of which there were none, an
+    empty figure over the default one's name)."""
+    from megatron_sap.bench import plots, scale
+
+    mha = scale.project(corpora=("sharegpt",), presets=("h100",), Ps=(8, 16), Ts=(32_768,), num_batches=1,
+                        num_kv_heads=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warns of a legend with nothing to label
+        paths = plots.scale_plots(mha, tmp_path)
+    assert sorted(p.name for p in paths) == ["scale_bytes_vs_p_h100-kv32.png", "scale_time_vs_p_h100-kv32.png"]
 
 
 def test_scale_target_says_how_close_to_ideal_the_misses_would_need_to_be():

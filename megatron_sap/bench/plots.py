@@ -98,10 +98,15 @@ def time_vs_p(points: list[MethodPoint], path: Path, preset: str) -> Path:
 
 
 def scale_plots(points: list[MethodPoint], img_dir: Path) -> list[Path]:
-    """Bytes and time against P for the projection; one time figure per preset."""
+    """Bytes and time against P for the projection; one time figure per preset, and one
+    bytes figure (the bytes depend on the model shape, not on the links): the default
+    preset's, else the first preset's, named after it."""
     img_dir.mkdir(parents=True, exist_ok=True)
-    out = [bytes_vs_p(points, img_dir / "scale_bytes_vs_p.png")]
-    for preset in sorted({p.preset for p in points}):
+    presets = sorted({p.preset for p in points})
+    shape = "h100" if "h100" in presets else presets[0]
+    name = "scale_bytes_vs_p.png" if shape == "h100" else f"scale_bytes_vs_p_{shape}.png"
+    out = [bytes_vs_p(points, img_dir / name, shape)]
+    for preset in presets:
         out.append(time_vs_p(points, img_dir / f"scale_time_vs_p_{preset}.png", preset))
     return out
 
