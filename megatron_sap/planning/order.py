@@ -84,22 +84,22 @@ def exchange_order(traffic_tokens: np.ndarray, model: CostModel, inner_size: int
     return link_order(exchange_seconds(traffic_tokens, model, inner_size), len(traffic_tokens))
 
 
-def link_order(exchange_s: Mapping[tuple[int, int], float], R: int) -> dict[tuple[int, int], int]:
-    """`exchange_order` of the exchanges' seconds (`exchange_seconds`) among `R` outer ranks."""
+def link_order(exchange_s: Mapping[tuple[int, int], float], num_ranks: int) -> dict[tuple[int, int], int]:
+    """`exchange_order` of the exchanges' seconds (`exchange_seconds`) among `num_ranks` outer ranks."""
     pairs = list(exchange_s)
     if len(pairs) > MAX_ORDERED_PAIRS:
         # Rounds, each a matching of the ranks: cheap, but blind to the sizes.
-        pairs.sort(key=lambda pair: (exchange_round(*pair, R), pair))
+        pairs.sort(key=lambda pair: (exchange_round(*pair, num_ranks), pair))
         return {pair: i for i, pair in enumerate(pairs)}
     seconds = list(exchange_s.values())
     # Each rank's peers, the longest exchange first, then the lower rank.
     ends = [(r, -s, q) for (x, y), s in zip(pairs, seconds) for r, q in ((x, y), (y, x))]
     ends.sort()
-    peers: list[list[int]] = [[] for _ in range(R)]
+    peers: list[list[int]] = [[] for _ in range(num_ranks)]
     for r, _, q in ends:
         peers[r].append(q)
-    free = [0.0] * R  # when each rank's link is done with its exchanges so far
-    heap = [(0.0, r) for r in range(R) if peers[r]]
+    free = [0.0] * num_ranks  # when each rank's link is done with its exchanges so far
+    heap = [(0.0, r) for r in range(num_ranks) if peers[r]]
     order: dict[tuple[int, int], int] = {}
     pop, push = heapq.heappop, heapq.heappush
     while heap:
