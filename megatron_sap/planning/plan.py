@@ -1166,7 +1166,9 @@ def _fresh_plan(cu: list[int], outer_size: int, inner_size: int, model: CostMode
     for name in considered:
         pruned.pop(name, None)
     others = [(i, p, e) for i, p, e in evaluated if e.makespan_s <= level_s and p is not placement]
-    by_steps = lambda ipe: (steps_of(ipe[1], ipe[2]), ipe[2].traffic_total, ipe[2].makespan_s, ipe[0])  # noqa: E731
+    def by_steps(ipe: tuple[int, Placement, Evaluation]) -> tuple:
+        return steps_of(ipe[1], ipe[2]), ipe[2].traffic_total, ipe[2].makespan_s, ipe[0]
+
     rivals = [min(others, key=by_steps)] if others else []
     if rivals and rivals[0][1].strategy in revived:
         kept = [o for o in others if o[1].strategy not in revived]
