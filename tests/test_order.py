@@ -1,19 +1,23 @@
 """The one order of rank pairs in which every outer rank runs its exchanges (`planning.order`)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import megatron_sap as sap
 from megatron_sap.bench.data import document_lengths
 from megatron_sap.bench.packing import pack
 from megatron_sap.planning import CostModel, compile_all
-from megatron_sap.planning.evaluate import evaluate, step_pairs
+from megatron_sap.planning.evaluate import evaluate, step_pairs, ulysses_cost
 from megatron_sap.planning.greedy import greedy
 from megatron_sap.planning.order import (MAX_ORDERED_PAIRS, backward_order, backward_seconds, exchange_order,
                                          exchange_seconds, matching_order, matching_round, paced_exchange_order,
-                                         paced_forward)
+                                         paced_forward, ring_layer_seconds)
+from megatron_sap.planning.plan import RING, rings_weighed, step_seconds
 from megatron_sap.planning.program import _Layout, compile_program, exchange_levels, exchange_round
 from megatron_sap.planning.timeline import joint_schedule
 from test_program import outer_batches
@@ -278,6 +282,52 @@ def test_paced_forward_is_the_timelines_pipelined_forward(corpus):
                                      model, alone=False)
                 assert paced_forward(exchange_s, step_s, local_s, order)[1] == pytest.approx(ends, rel=1e-12)
     assert differ >= 4  # of the 6 plans
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(outer_batches(max_outer=9, max_tokens=4096), st.sampled_from([1, 2]), st.sampled_from([1.0, 1.27]))
+def test_the_step_level_models_time_the_compiled_pipelined_programs(batch, inner, pipelined_factor):
+    """The step-level models (`Plan._step_seconds`) read each step's kernels tile-rounded as
+    the pipelined programs run them, and every rank's total from the pipelined calls: in
+    each exchange order the plan weighs (and as ring shifts, at odd outer sizes) their
+    layer is the slowest rank's forward plus the slowest rank's backward of the compiled
+    pipelined programs run together (`joint_schedule`, the all-to-alls left out), the
+    backward in the order `backward_order` takes; with pipelined kernels slower than the
+    gathered ones (`pipelined_kernel_factor`, as calibrated) too."""
+    cu, outer = batch
+    model = replace(CostModel.preset("h100"), pipelined_kernel_factor=pipelined_factor)
+    cu = [c * inner for c in cu]
+    plan = sap.plan_sequences(cu, outer_size=outer, inner_size=inner, cost_model=model, cache=None)
+    steps = step_seconds(plan.placement, plan.evaluation, model, inner)
+    options = {name: plan._orders_of(order, steps) for name, order in steps.orders().items()}
+    if rings_weighed(outer):
+        options[RING] = None
+    a2a_s = ulysses_cost(model, plan.capacity, inner, outer)[1]
+    for name, orders in options.items():
+        if orders is None:
+            programs = compile_all(plan.placement, "pipelined", tile=model.tile, ring=True)
+        else:
+            order, levels, _, backward_levels = orders
+            programs = [compile_program(plan.placement, r, None, "pipelined", order, levels, backward_levels,
+                                        tile=model.tile) for r in range(outer)]
+        times = joint_schedule(programs, inner, plan.capacity, model)
+        together = max(t.forward_s for t in times) + max(t.backward_s for t in times) - a2a_s
+        assert steps.seconds(name) == pytest.approx(together, rel=1e-9, abs=1e-15), name
+
+
+def test_ring_shifts_step_by_step():
+    """Three ranks, in shift 1 rank 0 sending 1 a 2 s message and 1 sending 2 a 1 s one
+    (shift 2 empty). Forward, every rank posts the shift at 0 and runs its local calls
+    (1 s); rank 1's message from 0 is in at 2, its step's calls (3 s) end at 5; rank 2's is
+    in at 1, its calls (4 s) end at 5. Backward (each step's calls twice as long), rank 1
+    computes 6 s and returns 0's gradients (2 s) by 8; rank 2 computes 8 s, its return to 1
+    (1 s) ends at 9, its local calls (2 s) at 10: 5 + 10."""
+    directed = [[0.0, 2.0, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
+    step_s = [[0.0, 0.0, 0.0], [3.0, 0.0, 0.0], [0.0, 4.0, 0.0]]
+    local_s = [1.0, 1.0, 1.0]
+    backward_step_s = [[2 * s for s in row] for row in step_s]
+    backward_total_s = [2.0, 8.0, 10.0]
+    assert ring_layer_seconds(directed, step_s, local_s, backward_step_s, backward_total_s) == 15.0
 
 
 def test_backward_seconds_steps_through_the_order():

@@ -737,6 +737,31 @@ def layer_time_from(tiles: list[int], local: list[int], traffic: np.ndarray, cap
 
 
 @SETTINGS
+@given(batches(max_world=16, max_tokens=2048), st.sampled_from([16, 128]))
+def test_step_pairs_and_pipelined_pairs_are_the_pipelined_programs_tiles(batch, tile):
+    """`step_pairs` at the kernels' tile is what each rank's pipelined program computes in
+    its step with each peer, tile-rounded call segment by call segment as the timeline
+    counts it, and `Evaluation.pipelined_pairs` all it computes: the step-level models
+    read these (`Plan._step_seconds`)."""
+    from megatron_sap.planning.program import compile_all
+    from megatron_sap.planning.timeline import _call_pairs
+
+    cu, outer, inner = batch
+    model = replace(CostModel.preset("h100"), tile=tile)
+    built = build_all(candidates(cu[:-1], np.diff(cu).tolist(), outer, cu[-1] // outer, model, DEFAULT_SLACKS, inner))
+    for placement in built.values():
+        programs = compile_all(placement, "pipelined", tile=tile)
+        steps = np.zeros((outer, outer))
+        for r, program in enumerate(programs):
+            for step in program.transfers:
+                if step.recv_peer is not None:
+                    steps[r, step.recv_peer] = sum(_call_pairs(call, model) for call in step.calls)
+        totals = [sum(_call_pairs(c, model) for c in p.local_calls) + steps[r].sum() for r, p in enumerate(programs)]
+        assert step_pairs(placement, tile).tolist() == steps.tolist(), placement.strategy
+        assert evaluate(placement, inner, model).pipelined_pairs.tolist() == totals, placement.strategy
+
+
+@SETTINGS
 @given(batches(max_world=32, max_tokens=384))
 def test_every_candidate_evaluates_as_its_pieces(batch):
     """The evaluation sums each document's cut (chunk sizes, memoised sends); the same

@@ -47,6 +47,7 @@ class Evaluation:
 
     placement: Placement = field(repr=False)
     tile_pairs: np.ndarray  # tile-rounded pairs
+    pipelined_pairs: np.ndarray  # tile-rounded pairs of the pipelined schedule's calls (`Tally.pipelined`)
     local_pairs: np.ndarray  # tile-rounded pairs whose keys the rank holds
     traffic_total: int  # forward KV tokens moved between outer ranks in all
     intra: np.ndarray  # [R, R] bool: the pair of ranks shares a node
@@ -109,22 +110,28 @@ def rank_work(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
     return np.array(exact, dtype=np.float64), traffic.reshape(R, R)
 
 
-def step_pairs(placement: Placement) -> np.ndarray:
-    """[R, R] float64: the causal (q, k) pairs the row rank computes on keys the column
-    rank holds (what its exchange step with that rank computes): every piece of a split
-    document against the other ranks' pieces before it."""
+def step_pairs(placement: Placement, tile: int = 1) -> np.ndarray:
+    """[R, R] float64: the (q, k) pairs the row rank computes on keys the column rank
+    holds (what its exchange step with that rank computes in the pipelined schedule), in
+    `tile`-rounded blocks as its calls run them (1: the exact causal pairs). Slot i of a
+    split document runs its head and tail as one query segment of s_i tiles against each
+    earlier slot's head (h_j tiles), and its tail (t_i tiles) against each later slot's
+    head and tail as one key segment (s_j tiles), as `cuts.pipelined_pairs` counts them."""
     R = placement.num_ranks
     index, pairs = [], []
     for record in placement.records:
         if len(record.ranks) == 1:
             continue
         cut = record.cut
-        owner = np.array(record.ranks * 2)
-        offset = np.array(cut.head_at + cut.tail_at)
-        length = np.array(cut.heads + cut.tails, dtype=np.float64)
-        earlier = (offset[None, :] < offset[:, None]) & (owner[None, :] != owner[:, None])  # [query chunk, key chunk]
+        owner = np.array(record.ranks)
+        heads, tails = np.array(cut.heads, dtype=np.int64), np.array(cut.tails, dtype=np.int64)
+        head_tiles, tail_tiles, both = -(-heads // tile), -(-tails // tile), -(-(heads + tails) // tile)
+        slot = np.arange(len(owner))
+        blocks = np.where(slot[None, :] < slot[:, None], both[:, None] * head_tiles[None, :],  # [query slot, key slot]
+                          np.where(slot[None, :] > slot[:, None], tail_tiles[:, None] * both[None, :], 0))
+        blocks = np.where(owner[None, :] != owner[:, None], blocks, 0)
         index.append((owner[:, None] * R + owner[None, :]).ravel())
-        pairs.append(np.where(earlier, length[:, None] * length[None, :], 0.0).ravel())
+        pairs.append(blocks.ravel().astype(np.float64) * (tile * tile))
     if not pairs:
         return np.zeros((R, R))
     return np.bincount(np.concatenate(index), weights=np.concatenate(pairs), minlength=R * R).reshape(R, R)
@@ -244,6 +251,7 @@ def evaluate(placement: Placement, inner_size: int, model: CostModel) -> Evaluat
     return Evaluation(
         placement=placement,
         tile_pairs=tile_pairs,
+        pipelined_pairs=np.array(tally.pipelined, dtype=np.float64),
         local_pairs=local_pairs,
         traffic_total=tally.tokens,
         intra=tally.node_array[:, None] == tally.node_array[None, :],

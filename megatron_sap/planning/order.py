@@ -63,16 +63,23 @@ ALWAYS_PACED_PAIRS = 1024
 MAX_PACED_PAIRS = MAX_ORDERED_PAIRS
 
 
-def exchange_seconds(traffic_tokens: np.ndarray, model: CostModel, inner_size: int) -> dict[tuple[int, int], float]:
-    """The seconds of every exchanging pair's exchange `(a, b)`, a < b (in row-major order):
-    its larger direction over its link, one message's latency (`CostModel.transfer_seconds`)."""
+def directed_seconds(traffic_tokens: np.ndarray, model: CostModel, inner_size: int) -> np.ndarray:
+    """The seconds of every outer rank s's K/V message to d, `[s, d]` (0 where it sends d
+    nothing): its tokens over their link, one message's latency (`CostModel.transfer_seconds`)."""
     R = len(traffic_tokens)
-    first, second = np.nonzero(np.triu(traffic_tokens + traffic_tokens.T, 1))
-    larger = np.maximum(traffic_tokens[first, second], traffic_tokens[second, first])
-    larger = larger * model.inner_kv_bytes_per_token(inner_size)
     node = model.node_of(np.arange(R) * inner_size)  # as `CostModel.link_between` compares them
-    rate = np.where(node[first] == node[second], model.bandwidth(LINK_INTRA), model.bandwidth(LINK_INTER))
-    seconds = (model.message_latency_us * 1e-6 + larger / rate).tolist()
+    rate = np.where(node[:, None] == node[None, :], model.bandwidth(LINK_INTRA), model.bandwidth(LINK_INTER))
+    seconds = model.message_latency_us * 1e-6 + traffic_tokens * model.inner_kv_bytes_per_token(inner_size) / rate
+    return np.where(traffic_tokens > 0, seconds, 0.0)
+
+
+def exchange_seconds(traffic_tokens: np.ndarray, model: CostModel, inner_size: int,
+                     directed: np.ndarray | None = None) -> dict[tuple[int, int], float]:
+    """The seconds of every exchanging pair's exchange `(a, b)`, a < b (in row-major order):
+    its larger direction (`directed_seconds`, given or worked out)."""
+    directed = directed_seconds(traffic_tokens, model, inner_size) if directed is None else directed
+    first, second = np.nonzero(np.triu(traffic_tokens + traffic_tokens.T, 1))
+    seconds = np.maximum(directed[first, second], directed[second, first]).tolist()
     return dict(zip(zip(first.tolist(), second.tolist()), seconds))
 
 
@@ -305,3 +312,73 @@ def backward_seconds(order: Mapping[tuple[int, int], int], exchange_s: Mapping[t
             posted[r] = max(link[r], computed[r])
         link[a] = link[b] = max(posted[a], posted[b]) + exchange_s[a, b]
     return max(max(max(c, p) + rest, x) for c, p, rest, x in zip(computed, posted, local, link))
+
+
+def ring_layer_seconds(directed_s: Sequence[Sequence[float]], step_s: Sequence[Sequence[float]],
+                       local_s: Sequence[float], backward_step_s: Sequence[Sequence[float]],
+                       backward_total_s: Sequence[float]) -> float:
+    """`layer_seconds` with the exchanges as ring shifts (`program.ring_exchanges`): in
+    step d (1 to R - 1) rank r sends r + d its message (`directed_s[r][r + d]`, 0: none)
+    and receives r - d's, skipping steps with neither; each message starts once both its
+    ranks have posted the step, the step is done with the later one, and backward the
+    gradients go the other way in the same steps. Otherwise as `paced_forward` and
+    `backward_seconds` time pairwise exchanges."""
+    R = len(local_s)
+    shifts = [[d for d in range(1, R) if directed_s[r][(r + d) % R] or directed_s[(r - d) % R][r]] for r in range(R)]
+    return _ring_forward(directed_s, step_s, local_s, shifts) + _ring_backward(directed_s, backward_step_s,
+                                                                                backward_total_s, shifts)
+
+
+def _ring_step_ends(message_s: Sequence[Sequence[float]], posted: Sequence[float], ranks: Sequence[int],
+                    d: int) -> list[float]:
+    """When step d of each of `ranks` is done: its message to r + d and the one from r - d
+    (`message_s[s][t]`: the seconds of s's message to t) each start once both ranks have
+    posted the step (`posted`), the later ends it."""
+    R = len(posted)
+    ends = []
+    for r in ranks:
+        to, source = (r + d) % R, (r - d) % R
+        out, into = message_s[r][to], message_s[source][r]
+        ends.append(max(max(posted[r], posted[to]) + out if out else 0.0,
+                        max(posted[r], posted[source]) + into if into else 0.0))
+    return ends
+
+
+def _ring_forward(directed_s: Sequence[Sequence[float]], step_s: Sequence[Sequence[float]],
+                  local_s: Sequence[float], shifts: Sequence[Sequence[int]]) -> float:
+    """The pipelined forward's slowest rank with ring shifts (`paced_forward`'s rules: a
+    rank posts step k + 1 once its link and step k - 1's calls are done; the calls queued
+    after it, the local ones after the first, step k's after the second, start then)."""
+    R = len(local_s)
+    link = [0.0] * R
+    computed = [0.0] * R  # when the calls queued so far are done
+    posted = [0.0] * R  # when the rank's last step left its queue
+    last = [-1] * R  # the rank whose K/V its last step brought (-1: none yet)
+    for d in range(1, R):
+        ranks = [r for r in range(R) if d in shifts[r]]
+        for r in ranks:
+            posted[r] = max(link[r], computed[r])
+            computed[r] = posted[r] + (local_s[r] if last[r] < 0 else step_s[r][last[r]])
+            last[r] = (r - d) % R
+        for r, end in zip(ranks, _ring_step_ends(directed_s, posted, ranks, d)):
+            link[r] = end
+    return max(local_s[r] if last[r] < 0 else max(computed[r], link[r]) + step_s[r][last[r]] for r in range(R))
+
+
+def _ring_backward(directed_s: Sequence[Sequence[float]], step_s: Sequence[Sequence[float]],
+                   total_s: Sequence[float], shifts: Sequence[Sequence[int]]) -> float:
+    """`backward_seconds` with ring shifts: each rank computes step d on what r - d sent it
+    and posts the return, which goes back to r - d while r + d's comes in."""
+    R = len(total_s)
+    returns_s = list(zip(*directed_s))  # r's return to q: what q sent r
+    computed, link, posted, rest = [0.0] * R, [0.0] * R, [0.0] * R, list(total_s)
+    for d in range(1, R):
+        ranks = [r for r in range(R) if d in shifts[r]]
+        for r in ranks:
+            seconds = step_s[r][(r - d) % R]
+            computed[r] = max(computed[r], posted[r]) + seconds
+            rest[r] -= seconds
+            posted[r] = max(link[r], computed[r])
+        for r, end in zip(ranks, _ring_step_ends(returns_s, posted, ranks, -d)):
+            link[r] = end
+    return max(max(max(c, p) + left, x) for c, p, left, x in zip(computed, posted, rest, link))

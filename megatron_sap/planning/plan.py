@@ -21,8 +21,8 @@ import torch
 from ..validation import check_bool, check_divisible, cu_seqlens_to_list, positive_int
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, inner_peer_links, step_pairs, ulysses_cost, whole_documents_s
-from .order import (ALWAYS_PACED_PAIRS, MAX_PACED_PAIRS, backward_order, exchange_seconds, layer_seconds, link_order,
-                    matching_order, paced_exchange_order)
+from .order import (ALWAYS_PACED_PAIRS, MAX_PACED_PAIRS, backward_order, directed_seconds, exchange_seconds,
+                    layer_seconds, link_order, matching_order, paced_exchange_order, ring_layer_seconds)
 from .candidates import candidates
 from .placement import Build, Placement
 from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _index_tensor, _Layout,
@@ -104,6 +104,12 @@ def check_choose_by(choose_by: str) -> str:
     return choose_by
 
 
+def rings_weighed(outer_size: int) -> bool:
+    """Whether a plan of `outer_size` outer ranks weighs ring shifts (RING) among its exchange
+    orders: at odd sizes, up to JOINT_SCHEDULE_RANKS (`Plan._choose_together`)."""
+    return outer_size % 2 == 1 and 1 < outer_size <= JOINT_SCHEDULE_RANKS
+
+
 def misjudged(level_s: float, estimate_s: float) -> bool:
     """Whether the step-level models (with the all-to-alls, which they leave out) time a
     layer over its estimate by more than RECHECK_MARGIN (relative) and TIME_RESOLUTION_S
@@ -135,12 +141,14 @@ def at_bound(time_s: float, bound_s: float) -> bool:
 @dataclass(eq=False)
 class _StepSeconds:
     """What the step-level models of a plan read (`order`), in the pipelined schedule the
-    model assumes (`pipelined_kernel_factor`): each exchanging pair's exchange seconds, each
+    model assumes (`pipelined_kernel_factor`): each rank's message seconds to each other
+    ([R, R] array, `order.directed_seconds`) and each exchanging pair's exchange seconds, each
     rank's forward kernel seconds of its step with each peer and of its local calls, and
     backward of its step with each peer ([R, R] array) and of all its calls; and the link
     order of the exchanges (`order.exchange_order`). The candidate choice and the plan's
     choice of order weigh the same orders: each is made, and timed, once (`seconds`)."""
 
+    directed: np.ndarray
     exchange_s: dict[tuple[int, int], float]
     forward: list[list[float]]
     local: list[float]
@@ -181,9 +189,14 @@ class _StepSeconds:
         return layer_seconds(order, self.exchange_s, self.forward, self.local, self.backward.tolist(), self.backward_total)
 
     def seconds(self, name: str) -> float:
-        """`layer_seconds` of the order of `name` (`link`, `paced`, `matching`), worked out once."""
+        """`layer_seconds` of the order of `name` (`link`, `paced`, `matching`), or with the
+        exchanges as ring shifts (RING, `order.ring_layer_seconds`), worked out once."""
         if name not in self._seconds:
-            self._seconds[name] = self.layer_seconds(getattr(self, name))
+            if name == RING:
+                self._seconds[name] = ring_layer_seconds(self.directed.tolist(), self.forward, self.local,
+                                                         self.backward.tolist(), self.backward_total)
+            else:
+                self._seconds[name] = self.layer_seconds(getattr(self, name))
         return self._seconds[name]
 
     def level_seconds(self) -> float:
@@ -197,7 +210,8 @@ class _StepSeconds:
         choice among candidates it changed 2 of 728 rows' layouts for the worse (by up to 1%)
         and none for the better (docs/planner.md, "The matching order")."""
         names = ("link", "paced", "matching") if self.every_pair_exchanges else ("link", "paced")
-        return min(self.seconds(name) for name in self.orders(names))
+        ring = [self.seconds(RING)] if rings_weighed(len(self.local)) else []
+        return min([self.seconds(name) for name in self.orders(names)] + ring)
 
 
 @dataclass(eq=False)
@@ -513,7 +527,7 @@ class Plan:
         # each: the forward order, its levels, the backward's order and its levels
         ordered = {name: self._orders_of(order, steps) for name, order in orders.items()}
         options = [("link", "gathered"), ("link", "pipelined"), ("paced", "pipelined"), ("matching", "pipelined")]
-        if self.outer_size % 2 and self.outer_size > 1:
+        if rings_weighed(self.outer_size):
             ordered[RING] = (MappingProxyType({}),) * 4
             options += [(RING, "pipelined"), (RING, "gathered")]
         best = None
@@ -904,12 +918,14 @@ def _cache_key_values(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[int, ..
 
 def step_seconds(placement: Placement, ev: Evaluation, model: CostModel, inner_size: int) -> _StepSeconds:
     """What the step-level models of `placement` (evaluated as `ev`) read (`_StepSeconds`)."""
-    pairs = step_pairs(placement)
+    pairs = step_pairs(placement, model.tile)
     forward, backward = (model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=b, head_fraction=1.0 / inner_size)
                          for b in (False, True))
-    exchange_s = exchange_seconds(ev.traffic_tokens, model, inner_size)
-    return _StepSeconds(exchange_s, (pairs * forward).tolist(), (ev.tile_pairs * forward - (pairs * forward).sum(1)).tolist(),
-                        pairs * backward, (ev.tile_pairs * backward).tolist(), link_order(exchange_s, placement.num_ranks))
+    directed = directed_seconds(ev.traffic_tokens, model, inner_size)
+    exchange_s = exchange_seconds(ev.traffic_tokens, model, inner_size, directed)
+    total = ev.pipelined_pairs
+    return _StepSeconds(directed, exchange_s, (pairs * forward).tolist(), (total * forward - (pairs * forward).sum(1)).tolist(),
+                        pairs * backward, (total * backward).tolist(), link_order(exchange_s, placement.num_ranks))
 
 
 def _outmoved(build: Build, floor_s: float, evaluated: list[tuple[int, Placement, Evaluation]]) -> bool:
