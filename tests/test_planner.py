@@ -31,8 +31,9 @@ from megatron_sap.planning.layouts import (BALANCED, DEALT, REFINED, ZigzagBuild
 from megatron_sap.planning.placement import build_all
 from megatron_sap.planning.program import compile_program
 from megatron_sap.planning.tally import Tally
-from megatron_sap.planning.plan import (DEFAULT_SLACKS, RECHECK_RANKS, STEP_CHOICE_RANKS, TIME_RESOLUTION_S, TIME_TOLERANCE,
-                                        TIMELINE_BAND, TIMELINE_CANDIDATES, at_bound, step_checks, step_seconds)
+from megatron_sap.planning.plan import (DEFAULT_SLACKS, RECHECK_MARGIN, RECHECK_RANKS, STEP_CHOICE_RANKS, TIME_RESOLUTION_S,
+                                        TIME_TOLERANCE, TIMELINE_BAND, TIMELINE_CANDIDATES, at_bound, step_checks,
+                                        step_seconds)
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MAX_TOKENS = 768  # keeps the dense T x T coverage matrices small
@@ -1432,6 +1433,24 @@ def test_plans_are_no_slower_than_the_baselines_at_their_layouts():
             assert ours <= baseline * (1 + 1e-9), (cu, method, inner, ours / baseline)
 
 
+@pytest.mark.parametrize("cu, P", [
+    ([0, 9732, 9762, 12288], 3), ([0, 7634, 49152], 3), ([0, 4889, 6144], 3),
+    ([0, 2733, 11410, 21017, 22964, 26693, 49152], 3), ([0, 22183, 32724, 40960], 5), ([0, 37682, 40960], 5),
+    ([0, 1072, 2875, 3950, 6412, 10240], 5), ([0, 2579, 32909, 54460, 65052, 114688], 7), ([0, 50888, 57344], 7),
+])
+def test_plans_at_odd_outer_sizes_are_no_slower_than_the_baselines(cu, P):
+    """Rows of a random sweep at odd outer sizes where SAP ran up to 1.037x the p2p ring's
+    model while the step-level models timed pairwise exchanges only: at `1 x 3` the zigzag
+    layout (the ring's own) runs the ring's time as ring shifts, but paired it was 0.9%
+    slower than a greedy plan, which ran 1.004x the ring. Timing ring shifts too, the plan
+    is no slower than the p2p and all-gather baselines' models."""
+    from megatron_sap.bench.scale import raw_stats
+
+    model = CostModel.preset("h100")
+    baseline = min(raw_stats(method, cu, P, 1, model)["modelled_time_s"] for method in ("p2p", "all_gather"))
+    assert raw_stats("sap", cu, P, 1, model)["modelled_time_s"] <= baseline * (1 + 1e-9)
+
+
 def test_rows_of_a_few_long_documents_beyond_the_step_choice_ranks_are_checked_on_the_step_level_models(monkeypatch):
     """Three documents (one of 121K tokens) over 32 outer ranks of 2, a layer of about
     36 ms: `step_checks` lets the step-level models weigh the near candidates and recheck
@@ -1539,10 +1558,12 @@ def test_step_level_choice_keeps_ranks_from_waiting_for_each_other():
     assert level(plan) < level(other)
     assert plan.stats()["modelled_time_s"] < 0.9 * other.stats()["modelled_time_s"]
     # The near candidates weighed, the chosen one the soonest; the step-level models time it
-    # 9% over its estimate, so the others up to that time were weighed too (RECHECK_MARGIN).
+    # as all ranks run its pipelined programs together, within RECHECK_MARGIN of its
+    # estimate, so nothing is rechecked.
     stepped = plan.stats()["candidates_step_level_s"]
-    assert set(stepped) > set(near) and min(stepped, key=stepped.get) == plan.strategy
-    assert stepped[plan.strategy] == level(plan)
+    assert len(stepped) > 1 and set(stepped) <= set(near) and min(stepped, key=stepped.get) == plan.strategy
+    assert stepped[plan.strategy] == level(plan) < plan.evaluation.makespan_s * (1 + RECHECK_MARGIN)
+    assert plan.stats()["modelled_time_s"] == pytest.approx(level(plan), rel=1e-9) and not plan.timed
     assert "(step-level" in describe(plan)
     # Read once and let go; a plan that works them out itself chooses alike.
     again = sap.Plan(tuple(cu), outer, inner, model, plan.placement, plan.evaluation, {})

@@ -134,18 +134,18 @@ def test_one_hardware_queue_by_hand():
     assert up_front == pytest.approx(x0 + max(x1, local))
 
 
-def test_backward_seconds_holds_kernels_behind_a_waiting_return():
+def test_backward_ends_hold_kernels_behind_a_waiting_return():
     """Rank 0 meets rank 1, then rank 2. Its return to rank 1 waits until rank 1 has computed
     its step (10 s); its return to rank 2, posted after its step with 2, waits on the same
     stream for that one to be done (11 s), and its local calls (5 s), queued behind it,
     start only then: 16 s, where kernels free of the queue would be done at 12."""
-    from megatron_sap.planning.order import backward_seconds
+    from megatron_sap.planning.order import backward_ends
 
     order = {(0, 1): 0, (0, 2): 1}
     exchange_s = {(0, 1): 1.0, (0, 2): 1.0}
     step_s = [[0.0, 1.0, 1.0], [10.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
     total_s = [7.0, 10.0, 1.0]  # rank 0: its two steps and 5 s of local calls
-    assert backward_seconds(order, exchange_s, step_s, total_s) == 16.0
+    assert max(backward_ends(order, exchange_s, step_s, total_s)) == 16.0
 
 
 def test_auto_schedule_follows_the_kernel_factor():
@@ -197,8 +197,9 @@ def order_options(plan):
     the time all ranks together take in each option `auto` weighs."""
     ev, model, U = plan.evaluation, plan.cost_model, plan.inner_size
     link = exchange_order(ev.traffic_tokens, model, U)
-    steps = step_pairs(plan.placement) * model.pipelined_kernel_factor * model.compute_seconds(1.0, head_fraction=1 / U)
-    local = ev.tile_pairs * model.pipelined_kernel_factor * model.compute_seconds(1.0, head_fraction=1 / U) - steps.sum(1)
+    pair_s = model.pipelined_kernel_factor * model.compute_seconds(1.0, head_fraction=1 / U)
+    steps = step_pairs(plan.placement, model.tile) * pair_s
+    local = ev.pipelined_pairs * pair_s - steps.sum(1)
     exchange_s = exchange_seconds(ev.traffic_tokens, model, U)
     paced = paced_exchange_order(exchange_s, steps.tolist(), local.tolist())
     matching = matching_order(exchange_s, plan.outer_size)
@@ -249,8 +250,8 @@ def step_model_seconds(plan, order):
     ev, model, U = plan.evaluation, plan.cost_model, plan.inner_size
     rates = [model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=b, head_fraction=1 / U)
              for b in (False, True)]
-    steps = [step_pairs(plan.placement) * rate for rate in rates]
-    totals = [ev.tile_pairs * rate for rate in rates]
+    steps = [step_pairs(plan.placement, model.tile) * rate for rate in rates]
+    totals = [ev.pipelined_pairs * rate for rate in rates]
     return layer_seconds(order, exchange_seconds(ev.traffic_tokens, model, U), steps[0].tolist(),
                          (totals[0] - steps[0].sum(1)).tolist(), steps[1].tolist(), totals[1].tolist())
 

@@ -38,7 +38,18 @@ step for each other, and each rank computes its steps in its own order. The forw
 order, built for links that are all free at the start, can make a rank whose first
 steps are heavy hold up peers that have little to compute before them, and them the
 next. `backward_order` runs the backward in the forward's order or in its reverse,
-whichever a step-level model of the joint backward (`backward_seconds`) finishes first.
+whichever ends the slowest rank's layer sooner on the step-level models (its forward,
+`paced_forward`, then its backward, `backward_ends`).
+
+At odd outer sizes the ranks may exchange as ring shifts instead of pairwise
+(`program.ring_exchanges`: R - 1 steps, each rank sending to one peer and receiving from
+another); `ring_layer_seconds` times that layer under the same rules.
+
+The step-level models read what the compiled pipelined programs run (each step's calls
+tile-rounded segment by segment, `evaluate.step_pairs`, and each rank's total,
+`Evaluation.pipelined_pairs`), and time a rank's layer as `timeline.joint_schedule` does,
+its forward and backward together: fed so, they give what that timeline gives the
+pipelined programs in the same order, the all-to-alls left out.
 """
 from __future__ import annotations
 
@@ -267,33 +278,47 @@ def layer_seconds(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tupl
                   step_s: Sequence[Sequence[float]], local_s: Sequence[float],
                   backward_step_s: Sequence[Sequence[float]], backward_total_s: Sequence[float]) -> float:
     """The pipelined layer with its exchanges in `order` under the step-level models: the
-    forward's slowest rank (`paced_forward`; `step_s`, `local_s` its kernel seconds) plus
-    the backward (`backward_seconds`; `backward_step_s`, `backward_total_s`) in the order
-    `backward_order` takes, `order` or its reverse. What the plan weighs the two orders by
-    where compiling every rank's programs to time them together would cost too much."""
-    forward = max(paced_forward(exchange_s, step_s, local_s, order)[1], default=0.0)
+    slowest rank's forward (`paced_forward`; `step_s`, `local_s` its kernel seconds) and
+    backward (`backward_ends`; `backward_step_s`, `backward_total_s`) together, the
+    backward in the order `backward_order` takes, `order` or its reverse, as
+    `timeline.joint_schedule` times a rank's layer. What the plan weighs the orders by where
+    compiling every rank's programs to time them together would cost too much."""
+    forward = paced_forward(exchange_s, step_s, local_s, order)[1]
+    return min(_slowest(forward, backward_ends(o, exchange_s, backward_step_s, backward_total_s))
+               for o in (order, _reversed(order)))
+
+
+def _slowest(forward_s: Sequence[float], backward_s: Sequence[float]) -> float:
+    """The slowest rank's forward and backward together."""
+    return max((f + b for f, b in zip(forward_s, backward_s)), default=0.0)
+
+
+def _reversed(order: Mapping[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+    """`order` run backwards."""
     last = len(order) - 1
-    reverse = {pair: last - i for pair, i in order.items()}
-    return forward + min(backward_seconds(o, exchange_s, backward_step_s, backward_total_s) for o in (order, reverse))
+    return {pair: last - i for pair, i in order.items()}
 
 
 def backward_order(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tuple[int, int], float],
-                   step_s: np.ndarray, total_s: Sequence[float]) -> dict[tuple[int, int], int]:
+                   step_s: np.ndarray, total_s: Sequence[float],
+                   forward_s: Sequence[float] | None = None) -> dict[tuple[int, int], int]:
     """The position of every pair of `order` in the order the backward runs its exchanges:
-    `order` itself, or its reverse where the joint backward of that one ends sooner
-    (`backward_seconds`; `step_s[a, b]`: the seconds of a's step with b; ties: `order`).
-    Every rank chooses alike from the same plan."""
-    last = len(order) - 1
-    reverse = {pair: last - i for pair, i in order.items()}
+    `order` itself, or its reverse where the slowest rank's layer ends sooner with it
+    (`forward_s`, each rank's forward seconds, default 0, plus its `backward_ends`;
+    `step_s[a, b]`: the seconds of a's step with b; ties: `order`). Every rank chooses
+    alike from the same plan."""
+    reverse = _reversed(order)
     step_s = step_s.tolist()  # indexed pair by pair below: lists are faster there
-    if backward_seconds(reverse, exchange_s, step_s, total_s) < backward_seconds(order, exchange_s, step_s, total_s):
+    forward_s = [0.0] * len(total_s) if forward_s is None else forward_s
+    if (_slowest(forward_s, backward_ends(reverse, exchange_s, step_s, total_s))
+            < _slowest(forward_s, backward_ends(order, exchange_s, step_s, total_s))):
         return reverse
     return dict(order)
 
 
-def backward_seconds(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tuple[int, int], float],
-                     step_s: Sequence[Sequence[float]], total_s: Sequence[float]) -> float:
-    """When the last outer rank is done with a backward pass whose exchanges run in `order`,
+def backward_ends(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tuple[int, int], float],
+                  step_s: Sequence[Sequence[float]], total_s: Sequence[float]) -> list[float]:
+    """When each outer rank is done with a backward pass whose exchanges run in `order`,
     step by step: each rank computes its steps in that order (`step_s[a][b]`: the seconds of
     a's step with b), posting each step's return once computed; a return leaves a rank's
     queue once its link is free and the step is computed, and no later kernel of the rank
@@ -311,7 +336,7 @@ def backward_seconds(order: Mapping[tuple[int, int], int], exchange_s: Mapping[t
             local[r] -= step_s[r][peer]
             posted[r] = max(link[r], computed[r])
         link[a] = link[b] = max(posted[a], posted[b]) + exchange_s[a, b]
-    return max(max(max(c, p) + rest, x) for c, p, rest, x in zip(computed, posted, local, link))
+    return [max(max(c, p) + rest, x) for c, p, rest, x in zip(computed, posted, local, link)]
 
 
 def ring_layer_seconds(directed_s: Sequence[Sequence[float]], step_s: Sequence[Sequence[float]],
@@ -322,11 +347,11 @@ def ring_layer_seconds(directed_s: Sequence[Sequence[float]], step_s: Sequence[S
     and receives r - d's, skipping steps with neither; each message starts once both its
     ranks have posted the step, the step is done with the later one, and backward the
     gradients go the other way in the same steps. Otherwise as `paced_forward` and
-    `backward_seconds` time pairwise exchanges."""
+    `backward_ends` time pairwise exchanges."""
     R = len(local_s)
     shifts = [[d for d in range(1, R) if directed_s[r][(r + d) % R] or directed_s[(r - d) % R][r]] for r in range(R)]
-    return _ring_forward(directed_s, step_s, local_s, shifts) + _ring_backward(directed_s, backward_step_s,
-                                                                                backward_total_s, shifts)
+    return _slowest(_ring_forward(directed_s, step_s, local_s, shifts),
+                    _ring_backward(directed_s, backward_step_s, backward_total_s, shifts))
 
 
 def _ring_step_ends(message_s: Sequence[Sequence[float]], posted: Sequence[float], ranks: Sequence[int],
@@ -345,10 +370,11 @@ def _ring_step_ends(message_s: Sequence[Sequence[float]], posted: Sequence[float
 
 
 def _ring_forward(directed_s: Sequence[Sequence[float]], step_s: Sequence[Sequence[float]],
-                  local_s: Sequence[float], shifts: Sequence[Sequence[int]]) -> float:
-    """The pipelined forward's slowest rank with ring shifts (`paced_forward`'s rules: a
-    rank posts step k + 1 once its link and step k - 1's calls are done; the calls queued
-    after it, the local ones after the first, step k's after the second, start then)."""
+                  local_s: Sequence[float], shifts: Sequence[Sequence[int]]) -> list[float]:
+    """When each rank is done with the pipelined forward with ring shifts, by
+    `paced_forward`'s rules: a rank posts step k + 1 once its link and step k - 1's calls
+    are done; the calls queued after it (the local ones after the first step, step k's
+    after step k + 1) start then."""
     R = len(local_s)
     link = [0.0] * R
     computed = [0.0] * R  # when the calls queued so far are done
@@ -362,12 +388,12 @@ def _ring_forward(directed_s: Sequence[Sequence[float]], step_s: Sequence[Sequen
             last[r] = (r - d) % R
         for r, end in zip(ranks, _ring_step_ends(directed_s, posted, ranks, d)):
             link[r] = end
-    return max(local_s[r] if last[r] < 0 else max(computed[r], link[r]) + step_s[r][last[r]] for r in range(R))
+    return [local_s[r] if last[r] < 0 else max(computed[r], link[r]) + step_s[r][last[r]] for r in range(R)]
 
 
 def _ring_backward(directed_s: Sequence[Sequence[float]], step_s: Sequence[Sequence[float]],
-                   total_s: Sequence[float], shifts: Sequence[Sequence[int]]) -> float:
-    """`backward_seconds` with ring shifts: each rank computes step d on what r - d sent it
+                   total_s: Sequence[float], shifts: Sequence[Sequence[int]]) -> list[float]:
+    """`backward_ends` with ring shifts: each rank computes step d on what r - d sent it
     and posts the return, which goes back to r - d while r + d's comes in."""
     R = len(total_s)
     returns_s = list(zip(*directed_s))  # r's return to q: what q sent r
@@ -381,4 +407,4 @@ def _ring_backward(directed_s: Sequence[Sequence[float]], step_s: Sequence[Seque
             posted[r] = max(link[r], computed[r])
         for r, end in zip(ranks, _ring_step_ends(returns_s, posted, ranks, -d)):
             link[r] = end
-    return max(max(max(c, p) + left, x) for c, p, left, x in zip(computed, posted, rest, link))
+    return [max(max(c, p) + left, x) for c, p, left, x in zip(computed, posted, rest, link)]

@@ -22,7 +22,8 @@ from ..validation import check_bool, check_divisible, cu_seqlens_to_list, positi
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, inner_peer_links, step_pairs, ulysses_cost, whole_documents_s
 from .order import (ALWAYS_PACED_PAIRS, MAX_PACED_PAIRS, backward_order, directed_seconds, exchange_seconds,
-                    layer_seconds, link_order, matching_order, paced_exchange_order, ring_layer_seconds)
+                    layer_seconds, link_order, matching_order, paced_exchange_order, paced_forward,
+                    ring_layer_seconds)
 from .candidates import candidates
 from .placement import Build, Placement
 from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _index_tensor, _Layout,
@@ -141,12 +142,14 @@ def at_bound(time_s: float, bound_s: float) -> bool:
 @dataclass(eq=False)
 class _StepSeconds:
     """What the step-level models of a plan read (`order`), in the pipelined schedule the
-    model assumes (`pipelined_kernel_factor`): each rank's message seconds to each other
-    ([R, R] array, `order.directed_seconds`) and each exchanging pair's exchange seconds, each
-    rank's forward kernel seconds of its step with each peer and of its local calls, and
-    backward of its step with each peer ([R, R] array) and of all its calls; and the link
-    order of the exchanges (`order.exchange_order`). The candidate choice and the plan's
-    choice of order weigh the same orders: each is made, and timed, once (`seconds`)."""
+    model assumes (its calls tile-rounded as its programs run them, `evaluate.step_pairs`
+    and `Evaluation.pipelined_pairs`, at `pipelined_kernel_factor`): each rank's message
+    seconds to each other ([R, R] array, `order.directed_seconds`) and each exchanging
+    pair's exchange seconds, each rank's forward kernel seconds of its step with each peer
+    and of its local calls, and backward of its step with each peer ([R, R] array) and of
+    all its calls; and the link order of the exchanges (`order.exchange_order`). The
+    candidate choice and the plan's choice of order weigh the same orders: each is made,
+    and timed, once (`seconds`)."""
 
     directed: np.ndarray
     exchange_s: dict[tuple[int, int], float]
@@ -201,7 +204,8 @@ class _StepSeconds:
 
     def level_seconds(self) -> float:
         """The pipelined layer, all ranks together, under the step-level models
-        (`layer_seconds`), in the link order or the paced one, whichever ends sooner.
+        (`layer_seconds`), in the link order or the paced one, or as ring shifts at odd outer
+        sizes up to JOINT_SCHEDULE_RANKS (`rings_weighed`), whichever ends sooner.
         Unlike the estimate, it sees a rank wait for a peer busy with its own kernels or
         exchanges (a contiguous split's chain of exchanges, say); the all-to-alls, the same
         for every candidate, are left out. The matching order, which the plan weighs too
@@ -455,9 +459,10 @@ class Plan:
         return steps or step_seconds(self.placement, self.evaluation, self.cost_model, self.inner_size)
 
     def _orders_of(self, order: dict[tuple[int, int], int], steps: _StepSeconds) -> tuple[Mapping[tuple[int, int], int], ...]:
-        """A forward `order`, its levels, the backward's order (`order.backward_order`) and its
-        levels, read-only."""
-        backward = backward_order(order, steps.exchange_s, steps.backward, steps.backward_total)
+        """A forward `order`, its levels, the backward's order (`order.backward_order`, given
+        each rank's forward in `order`) and its levels, read-only."""
+        forward = paced_forward(steps.exchange_s, steps.forward, steps.local, order)[1]
+        backward = backward_order(order, steps.exchange_s, steps.backward, steps.backward_total, forward)
         return tuple(MappingProxyType(o) for o in (order, exchange_levels(order), backward, exchange_levels(backward)))
 
     def _choose(self, keep_rank: int | None) -> None:
