@@ -12,7 +12,7 @@ from megatron_sap.planning import CostModel
 from megatron_sap.planning.evaluate import step_pairs
 from megatron_sap.bench.data import document_lengths
 from megatron_sap.bench.packing import pack
-from megatron_sap.planning.order import (exchange_order, exchange_seconds, layer_seconds, matching_order,
+from megatron_sap.planning.order import (exchange_order, exchange_seconds, layer_timing, matching_order,
                                          paced_exchange_order)
 from megatron_sap.planning.program import compile_all, compile_program
 from megatron_sap.planning.timeline import joint_schedule, plan_schedule, rank_schedule
@@ -246,14 +246,14 @@ def test_auto_runs_the_order_and_schedule_all_ranks_together_finish_soonest(cu, 
 
 
 def step_model_seconds(plan, order):
-    """`order.layer_seconds` of `plan` with its exchanges in `order`, from the public pieces."""
+    """`order.layer_timing`'s seconds of `plan` with its exchanges in `order`, from the public pieces."""
     ev, model, U = plan.evaluation, plan.cost_model, plan.inner_size
     rates = [model.pipelined_kernel_factor * model.compute_seconds(1.0, backward=b, head_fraction=1 / U)
              for b in (False, True)]
     steps = [step_pairs(plan.placement, model.tile) * rate for rate in rates]
     totals = [ev.pipelined_pairs * rate for rate in rates]
-    return layer_seconds(order, exchange_seconds(ev.traffic_tokens, model, U), steps[0].tolist(),
-                         (totals[0] - steps[0].sum(1)).tolist(), steps[1].tolist(), totals[1].tolist())
+    return layer_timing(order, exchange_seconds(ev.traffic_tokens, model, U), steps[0].tolist(),
+                        (totals[0] - steps[0].sum(1)).tolist(), steps[1].tolist(), totals[1].tolist())[0]
 
 
 @pytest.mark.parametrize("corpus, factor, seed", [("stdlib", 1.0, 0), ("sharegpt", 1.0, 1), ("stdlib", 1.27, 2)])
@@ -262,7 +262,7 @@ def test_beyond_joint_schedule_ranks_the_slowest_rank_chooses_the_schedule_and_t
     """Beyond JOINT_SCHEDULE_RANKS outer ranks nothing is timed together: the schedule is the
     one the slowest rank alone runs faster in the link order (the gathered one within
     GATHERED_PREFERENCE); pipelined, the exchange order is the link or the paced one,
-    whichever the step-level models end sooner (`order.layer_seconds`), gathered the link
+    whichever the step-level models end sooner (`order.layer_timing`), gathered the link
     order (the paced one is built for the pipelined forward). On these 128K-token rows at
     32 outer ranks, with the presets' kernel factor the paced order is chosen, and all
     ranks together run it at most 0.95x the link order's time; on the third, with the H200

@@ -27,7 +27,7 @@ every pair exchanges and computes alike (the zigzag layout, a KV ring's) every r
 one peer a round in lockstep, as the ring's steps go, where the simulated orders can pair a
 rank with a peer still busy with another. Which order runs is chosen on the compiled
 programs timed together (all three, up to 16 outer ranks), or beyond by the step-level
-models (`layer_seconds`; the link and paced orders, the paced one beyond ALWAYS_PACED_PAIRS
+models (`layer_timing`; the link and paced orders, the paced one beyond ALWAYS_PACED_PAIRS
 pairs only where the ranks wait in the link order, and the matching order where every pair
 of ranks exchanges: elsewhere it all but never wins and costs milliseconds to weigh)
 (`Plan.exchange_order`).
@@ -274,18 +274,19 @@ def _take_soonest(exchange_s: Mapping[tuple[int, int], float], free: list[float]
                 search(x, found[x])
 
 
-def layer_seconds(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tuple[int, int], float],
-                  step_s: Sequence[Sequence[float]], local_s: Sequence[float],
-                  backward_step_s: Sequence[Sequence[float]], backward_total_s: Sequence[float]) -> float:
+def layer_timing(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tuple[int, int], float],
+                 step_s: Sequence[Sequence[float]], local_s: Sequence[float],
+                 backward_step_s: Sequence[Sequence[float]],
+                 backward_total_s: Sequence[float]) -> tuple[float, dict[tuple[int, int], int]]:
     """The pipelined layer with its exchanges in `order` under the step-level models: the
     slowest rank's forward (`paced_forward`; `step_s`, `local_s` its kernel seconds) and
-    backward (`backward_ends`; `backward_step_s`, `backward_total_s`) together, the
-    backward in the order `backward_order` takes, `order` or its reverse, as
-    `timeline.joint_schedule` times a rank's layer. What the plan weighs the orders by where
-    compiling every rank's programs to time them together would cost too much."""
-    forward = paced_forward(exchange_s, step_s, local_s, order)[1]
-    return min(_slowest(forward, backward_ends(o, exchange_s, backward_step_s, backward_total_s))
-               for o in (order, _reversed(order)))
+    backward (`backward_ends`; `backward_step_s`, `backward_total_s`) together, as
+    `timeline.joint_schedule` times a rank's layer, with the backward in the order
+    `backward_order` takes, `order` or its reverse: (its seconds, that order). What the plan
+    weighs the orders by where compiling every rank's programs to time them together would
+    cost too much."""
+    return backward_order(order, exchange_s, backward_step_s, backward_total_s,
+                          paced_forward(exchange_s, step_s, local_s, order)[1])
 
 
 def _slowest(forward_s: Sequence[float], backward_s: Sequence[float]) -> float:
@@ -300,20 +301,18 @@ def _reversed(order: Mapping[tuple[int, int], int]) -> dict[tuple[int, int], int
 
 
 def backward_order(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tuple[int, int], float],
-                   step_s: np.ndarray, total_s: Sequence[float],
-                   forward_s: Sequence[float] | None = None) -> dict[tuple[int, int], int]:
-    """The position of every pair of `order` in the order the backward runs its exchanges:
+                   step_s: Sequence[Sequence[float]], total_s: Sequence[float],
+                   forward_s: Sequence[float] | None = None) -> tuple[float, dict[tuple[int, int], int]]:
+    """The order the backward runs its exchanges in, the position of every pair of `order`:
     `order` itself, or its reverse where the slowest rank's layer ends sooner with it
     (`forward_s`, each rank's forward seconds, default 0, plus its `backward_ends`;
-    `step_s[a, b]`: the seconds of a's step with b; ties: `order`). Every rank chooses
-    alike from the same plan."""
+    `step_s[a][b]`: the seconds of a's step with b; ties: `order`), with that layer's
+    seconds: (seconds, order). Every rank chooses alike from the same plan."""
     reverse = _reversed(order)
-    step_s = step_s.tolist()  # indexed pair by pair below: lists are faster there
     forward_s = [0.0] * len(total_s) if forward_s is None else forward_s
-    if (_slowest(forward_s, backward_ends(reverse, exchange_s, step_s, total_s))
-            < _slowest(forward_s, backward_ends(order, exchange_s, step_s, total_s))):
-        return reverse
-    return dict(order)
+    ahead = _slowest(forward_s, backward_ends(order, exchange_s, step_s, total_s))
+    behind = _slowest(forward_s, backward_ends(reverse, exchange_s, step_s, total_s))
+    return (behind, reverse) if behind < ahead else (ahead, dict(order))
 
 
 def backward_ends(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tuple[int, int], float],
@@ -342,7 +341,7 @@ def backward_ends(order: Mapping[tuple[int, int], int], exchange_s: Mapping[tupl
 def ring_layer_seconds(directed_s: Sequence[Sequence[float]], step_s: Sequence[Sequence[float]],
                        local_s: Sequence[float], backward_step_s: Sequence[Sequence[float]],
                        backward_total_s: Sequence[float]) -> float:
-    """`layer_seconds` with the exchanges as ring shifts (`program.ring_exchanges`): in
+    """`layer_timing`'s seconds with the exchanges as ring shifts (`program.ring_exchanges`): in
     step d (1 to R - 1) rank r sends r + d its message (`directed_s[r][r + d]`, 0: none)
     and receives r - d's, skipping steps with neither; each message starts once both its
     ranks have posted the step, the step is done with the later one, and backward the

@@ -21,9 +21,8 @@ import torch
 from ..validation import check_bool, check_divisible, cu_seqlens_to_list, positive_int
 from .cost_model import CostModel
 from .evaluate import Evaluation, evaluate, inner_peer_links, step_pairs, ulysses_cost, whole_documents_s
-from .order import (ALWAYS_PACED_PAIRS, MAX_PACED_PAIRS, backward_order, directed_seconds, exchange_seconds,
-                    layer_seconds, link_order, matching_order, paced_exchange_order, paced_forward,
-                    ring_layer_seconds)
+from .order import (ALWAYS_PACED_PAIRS, MAX_PACED_PAIRS, directed_seconds, exchange_seconds, layer_timing, link_order,
+                    matching_order, paced_exchange_order, ring_layer_seconds)
 from .candidates import candidates
 from .placement import Build, Placement
 from .program import (CPU, COMPUTE, FETCH, LOCAL, RETURN, SCHEDULES, Event, RankProgram, _index_tensor, _Layout,
@@ -53,7 +52,7 @@ RING = "ring"
 DEFAULT_COST_MODEL = CostModel.preset("h100")
 TIME_TOLERANCE = 0.01  # candidates this close to the fastest compete on the step-level models, then bytes moved
 # Up to this many outer ranks the candidates within TIME_TOLERANCE of the fastest estimate
-# compete on the step-level models of all ranks together (`order.layer_seconds`: 0.4-0.9 ms a
+# compete on the step-level models of all ranks together (`order.layer_timing`: 0.4-0.9 ms a
 # candidate at 8 outer ranks), then on the bytes they move; beyond, on bytes (at 16 outer ranks
 # the models gained nothing on average, docs/planner.md "Choice"), but on rows of a few long
 # documents (`step_checks`).
@@ -148,8 +147,8 @@ class _StepSeconds:
     pair's exchange seconds, each rank's forward kernel seconds of its step with each peer
     and of its local calls, and backward of its step with each peer ([R, R] array) and of
     all its calls; and the link order of the exchanges (`order.exchange_order`). The
-    candidate choice and the plan's choice of order weigh the same orders: each is made,
-    and timed, once (`seconds`)."""
+    candidate choice and the plan's choice of order and of the backward's order weigh the
+    same orders: each is made, and timed, once (`layer`)."""
 
     directed: np.ndarray
     exchange_s: dict[tuple[int, int], float]
@@ -158,7 +157,9 @@ class _StepSeconds:
     backward: np.ndarray
     backward_total: list[float]
     link: dict[tuple[int, int], int]
-    _seconds: dict[str, float] = field(default_factory=dict, repr=False)
+    # id of an order timed -> (that order, `layer`'s seconds and backward order)
+    _layers: dict[int, tuple[Mapping[tuple[int, int], int], float, dict[tuple[int, int], int]]] = field(
+        default_factory=dict, repr=False)
 
     @cached_property
     def paced(self) -> dict[tuple[int, int], int]:
@@ -187,24 +188,30 @@ class _StepSeconds:
                 orders[name] = order
         return orders
 
-    def layer_seconds(self, order: Mapping[tuple[int, int], int]) -> float:
-        """`order.layer_seconds` of these steps with the exchanges in `order`."""
-        return layer_seconds(order, self.exchange_s, self.forward, self.local, self.backward.tolist(), self.backward_total)
+    def layer(self, order: Mapping[tuple[int, int], int]) -> tuple[float, dict[tuple[int, int], int]]:
+        """`order.layer_timing` of these steps with the exchanges in `order`: (the layer's
+        seconds, the backward's order), worked out once per order (`link`, `paced` and
+        `matching` are made once)."""
+        timed = self._layers.get(id(order))
+        if timed is None or timed[0] is not order:
+            timed = self._layers[id(order)] = (order, *layer_timing(
+                order, self.exchange_s, self.forward, self.local, self.backward.tolist(), self.backward_total))
+        return timed[1], timed[2]
+
+    @cached_property
+    def ring_seconds(self) -> float:
+        """The layer with the exchanges as ring shifts (`order.ring_layer_seconds`)."""
+        return ring_layer_seconds(self.directed.tolist(), self.forward, self.local, self.backward.tolist(),
+                                  self.backward_total)
 
     def seconds(self, name: str) -> float:
-        """`layer_seconds` of the order of `name` (`link`, `paced`, `matching`), or with the
-        exchanges as ring shifts (RING, `order.ring_layer_seconds`), worked out once."""
-        if name not in self._seconds:
-            if name == RING:
-                self._seconds[name] = ring_layer_seconds(self.directed.tolist(), self.forward, self.local,
-                                                         self.backward.tolist(), self.backward_total)
-            else:
-                self._seconds[name] = self.layer_seconds(getattr(self, name))
-        return self._seconds[name]
+        """The layer's seconds (`layer`) in the order of `name` (`link`, `paced`, `matching`),
+        or with the exchanges as ring shifts (RING, `ring_seconds`)."""
+        return self.ring_seconds if name == RING else self.layer(getattr(self, name))[0]
 
     def level_seconds(self) -> float:
         """The pipelined layer, all ranks together, under the step-level models
-        (`layer_seconds`), in the link order or the paced one, or as ring shifts at odd outer
+        (`layer`), in the link order or the paced one, or as ring shifts at odd outer
         sizes up to JOINT_SCHEDULE_RANKS (`rings_weighed`), whichever ends sooner.
         Unlike the estimate, it sees a rank wait for a peer busy with its own kernels or
         exchanges (a contiguous split's chain of exchanges, say); the all-to-alls, the same
@@ -460,9 +467,8 @@ class Plan:
 
     def _orders_of(self, order: dict[tuple[int, int], int], steps: _StepSeconds) -> tuple[Mapping[tuple[int, int], int], ...]:
         """A forward `order`, its levels, the backward's order (`order.backward_order`, given
-        each rank's forward in `order`) and its levels, read-only."""
-        forward = paced_forward(steps.exchange_s, steps.forward, steps.local, order)[1]
-        backward = backward_order(order, steps.exchange_s, steps.backward, steps.backward_total, forward)
+        each rank's forward in `order`: `_StepSeconds.layer`) and its levels, read-only."""
+        backward = steps.layer(order)[1]
         return tuple(MappingProxyType(o) for o in (order, exchange_levels(order), backward, exchange_levels(backward)))
 
     def _choose(self, keep_rank: int | None) -> None:
@@ -480,7 +486,7 @@ class Plan:
         the gathered one also where it is at most GATHERED_PREFERENCE slower: its exchanges
         wait for no kernel, so the ranks do not wait for each other's kernels, which a rank
         run alone cannot show. Then, pipelined, the paced order where the step-level models
-        end the layer sooner (`order.layer_seconds`, built for the pipelined schedule; the
+        end the layer sooner (`order.layer_timing`, built for the pipelined schedule; the
         link order on a tie), weighed up to ALWAYS_PACED_PAIRS pairs, and up to
         MAX_PACED_PAIRS where the link order's ranks wait for each other (`misjudged`:
         under it the paced order gained nothing on the rows measured, docs/planner.md, "The
