@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import itertools
 import os
 import re
@@ -783,6 +784,36 @@ def test_a_loader_plan_of_another_cost_model_or_slacks_is_refused(caplog) -> Non
         reset_sap_options()
 
 
+def test_the_batch_split_takes_the_plan_a_loader_sample_carries() -> None:
+    """A micro-batch of a `PlannedDataset` goes to `sap_split_batch` as it comes: the plan the
+    worker made is adopted (the split plans nothing itself) and its entry is not in the split
+    batch, whose tensors are the plan's positions."""
+    from megatron_sap.megatron import plans
+    from megatron_sap.megatron.batch import sap_split_batch
+    from megatron_sap.megatron.loader import PLAN_KEY, LoaderPlanning, PlannedDataset
+    from megatron_sap.megatron.options import reset_sap_options, set_sap_options
+
+    set_sap_options(plan_cache_size=3)
+    try:
+        cache = plans._planning()[0]
+        cache.clear()  # one cache per size, shared with other tests
+        planning = LoaderPlanning(1, 1, plans.planning_cost_model(), outer_rank=0, schedule="pipelined",
+                                  recompute_kv=False, reset_position_ids=True)
+        rows = _Rows([[700, 300, 1048], [1, 2, 3, 2042]])
+        loader = torch.utils.data.DataLoader(PlannedDataset(rows, planning), batch_size=1)
+        for documents, batch in zip(rows.documents, loader):
+            assert PLAN_KEY in batch
+            cu = [0, *itertools.accumulate(documents)]
+            local, params = sap_split_batch(batch, cu)
+            assert PLAN_KEY not in local and set(local) == {"tokens", "labels", "loss_mask", "position_ids"}
+            plan = plans.plan_for(cu, None)
+            assert torch.equal(local["tokens"], batch["tokens"][:, plan.local_indices(0)])
+            assert params.cu_seqlens_q.tolist() == cu
+        assert cache.misses == 0 and len(cache) == 2  # every plan came from the loader
+    finally:
+        reset_sap_options()
+
+
 def test_choose_by_goes_from_the_flag_to_every_plan_made() -> None:
     """--sap-choose-by (default: estimate) sets how the batch split's plans and the loader
     workers' are chosen among the candidates; a loader plan chosen alike is taken."""
@@ -1054,6 +1085,11 @@ def test_fork_patch_applies_and_compiles(tmp_path) -> None:
         (dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=[]), "CUDA graphs that capture attention"),
         (dict(cuda_graph_impl="local", cuda_graph_scope=[SimpleNamespace(name="mlp"), SimpleNamespace(name="attn")]),
          "CUDA graphs that capture attention"),
+        # core_v0.19: --cuda-graph-modules ([] the whole layer), the whole iteration an implementation of its own
+        (dict(cuda_graph_impl="local", cuda_graph_modules=[]), "CUDA graphs that capture attention"),
+        (dict(cuda_graph_impl="local", cuda_graph_modules=[SimpleNamespace(name="mlp"), SimpleNamespace(name="attn")]),
+         "CUDA graphs that capture attention"),
+        (dict(cuda_graph_impl="full_iteration", cuda_graph_modules=[]), "CUDA graphs that capture attention"),
     ],
 )
 def test_settings_sap_would_get_wrong_are_refused(settings: dict, match: str) -> None:
@@ -1204,6 +1240,29 @@ def test_cuda_graphs_of_other_parts_than_attention_are_fine() -> None:
     assert configure_sap(args) == [1, 2]
     args.cuda_graph_impl, args.cuda_graph_scope = "none", []
     assert configure_sap(args) == [1, 2]
+    # core_v0.19 parses --cuda-graph-modules and no scope
+    del args.cuda_graph_scope
+    args.cuda_graph_impl, args.cuda_graph_modules = "transformer_engine", [SimpleNamespace(name="mlp")]
+    assert configure_sap(args) == [1, 2]
+
+
+def test_cuda_graph_flags_as_megatron_parses_them() -> None:
+    """The CUDA graph flags through the installed Megatron-LM parser (the megatron-core wheel ships
+    `megatron.training` from core_v0.19, whose `--cuda-graph-modules` replaces the scope): MLP
+    graphs are fine, attention or whole-layer graphs refused."""
+    arguments = pytest.importorskip("megatron.training.arguments")
+    from megatron_sap.megatron.hooks import _cuda_graphs_capture_attention
+
+    flag = "--cuda-graph-modules" if "--cuda-graph-modules" in inspect.getsource(arguments) else "--cuda-graph-scope"
+
+    def parsed(*modules: str) -> argparse.Namespace:
+        with mock.patch.object(sys, "argv", ["pretrain_gpt.py", "--cuda-graph-impl", "local", *(
+                [flag, *modules] if modules else [])]):
+            return arguments.parse_args(add_sap_args)
+
+    assert not _cuda_graphs_capture_attention(parsed("mlp"))
+    assert _cuda_graphs_capture_attention(parsed("mlp", "attn"))
+    assert _cuda_graphs_capture_attention(parsed())  # the whole layer
 
 
 def test_flags_are_added_once_and_the_dataloader_mask_is_turned_off() -> None:

@@ -94,13 +94,14 @@ def _as_cu_seqlens(cu_seqlens: Union[Tensor, list[int]], total_tokens: Optional[
 
 
 PACKING_KEYS = frozenset({"cu_seqlens", "cu_seqlens_padded", "max_seqlen"})  # batch entries that describe the packing
+PLAN_KEY = "sap_plan"  # the entry a `loader.PlannedDataset` sample carries its pickled plan in
 
 
 def _is_token_tensor(key: str, value: object) -> bool:
     """Whether a batch entry is one of the [1, T] tensors the split slices: not the packing
     entries, the mask, nor a sample's metadata of at most one element (a blend's `dataset_id`,
     which Megatron-LM's get_batch keeps from core_v0.18)."""
-    return (isinstance(value, Tensor) and key != "attention_mask" and key not in PACKING_KEYS
+    return (isinstance(value, Tensor) and key not in ("attention_mask", PLAN_KEY) and key not in PACKING_KEYS
             and not (value.dim() < 2 and value.numel() <= 1))
 
 
@@ -120,7 +121,10 @@ def sap_split_batch(
     packing entries Megatron's THD batches carry (`cu_seqlens`, `cu_seqlens_padded`,
     `max_seqlen`), a sample's one-element metadata (a blend's `dataset_id`) and entries that
     are not tensors come back unchanged, as Megatron's own
-    `get_thd_batch_on_this_cp_rank` leaves them. `cu_seqlens` as a list of ints (read on the
+    `get_thd_batch_on_this_cp_rank` leaves them. The plan a `PlannedDataset` sample carries
+    (entry `sap_plan`, from the data loader's workers) goes to the plan cache
+    (`adopt_loader_plan`) where it is this row's for this layout, and is left out of the
+    result. `cu_seqlens` as a list of ints (read on the
     host, as the hooks read them from the data loader's CPU copy) is planned from without a
     device read; a device tensor is read back, which waits for the GPU. A rank whose batch is
     invalid raises its own error, and the other CP ranks, in the agreement check, an error
@@ -142,10 +146,16 @@ def sap_split_batch(
             raise ValueError(f"batch tensors disagree on the packed length: { {k: s[1] for k, s in lengths.items()} }")
         device = next(value.device for key, value in batch.items() if key in lengths)
         cu, values = _as_cu_seqlens(cu_seqlens, total.pop(), device)
+        if PLAN_KEY in batch:
+            from .loader import adopt_loader_plan, loader_plan_bytes  # loader imports this module
+
+            adopt_loader_plan(loader_plan_bytes(batch), values, groups)
         plan = _plan_this_rank(cu, values, groups, summarise=True)
     indices, positions, params = _use_plan(plan, cu, values, groups, device)
     local: dict[str, Optional[Tensor]] = {}
     for key, value in batch.items():
+        if key == PLAN_KEY:
+            continue
         if key == "attention_mask" or value is None:
             local[key] = None
         elif not _is_token_tensor(key, value):

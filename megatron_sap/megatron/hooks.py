@@ -191,9 +191,10 @@ def _refuse_unsupported(args: Any) -> None:
     if _cuda_graphs_capture_attention(args):
         raise ValueError(
             "SAP does not run inside CUDA graphs that capture attention (--cuda-graph-impl / --enable-cuda-graph / "
-            "--external-cuda-graph with a --cuda-graph-scope that covers attention): it plans every micro-batch "
-            "from its documents, and a captured graph would replay the first batch's transfers and kernel calls; "
-            "capture only other parts (e.g. --cuda-graph-scope mlp) or drop CUDA graphs"
+            "--external-cuda-graph with a --cuda-graph-scope, or from core_v0.19 --cuda-graph-modules, that covers "
+            "attention): it plans every micro-batch from its documents, and a captured graph would replay the first "
+            "batch's transfers and kernel calls; capture only other parts (e.g. --cuda-graph-modules mlp, before "
+            "core_v0.19 --cuda-graph-scope mlp) or drop CUDA graphs"
         )
     if getattr(args, "hybrid_context_parallel", False):
         raise ValueError("SAP replaces context parallelism; it cannot run with --hybrid-context-parallel")
@@ -249,13 +250,19 @@ def _refuse_unsupported(args: Any) -> None:
 
 def _cuda_graphs_capture_attention(args: Any) -> bool:
     """Whether Megatron's CUDA graphs are on with a scope that covers attention: 0.13 to 0.15's
-    `--enable-cuda-graph` / `--external-cuda-graph` (scope "full" or "attn"), 0.16's
-    `--cuda-graph-impl` (scope [] for the whole layer, or a list with "attn" or "full_iteration")."""
+    `--enable-cuda-graph` / `--external-cuda-graph` (scope "full" or "attn"), 0.16 to 0.18's
+    `--cuda-graph-impl` with `--cuda-graph-scope` ([] for the whole layer, or a list with
+    "attn" or "full_iteration"), from 0.19 with `--cuda-graph-modules` ([] for the whole
+    layer, or a list with "attn"; the whole iteration is `--cuda-graph-impl full_iteration`)."""
     impl = getattr(args, "cuda_graph_impl", None)
     enabled = impl not in (None, "none") or getattr(args, "enable_cuda_graph", False) or getattr(args, "external_cuda_graph", False)
     if not enabled:
         return False
-    scope = getattr(args, "cuda_graph_scope", "full")
+    if impl == "full_iteration":
+        return True
+    scope = getattr(args, "cuda_graph_modules", None)
+    if scope is None:
+        scope = getattr(args, "cuda_graph_scope", "full")
     names = [getattr(s, "name", s) for s in (scope if isinstance(scope, (list, tuple)) else [scope])]
     return not names or any(name in ("full", "attn", "full_iteration") for name in names)
 

@@ -20,11 +20,10 @@ from torch.utils.data import Dataset
 
 import megatron_sap as sap
 
-from .batch import cu_seqlens_from_position_ids, resolve_groups, without_trailing_empty
+from .batch import PLAN_KEY, GroupsLike, cu_seqlens_from_position_ids, resolve_groups, without_trailing_empty
 from .options import get_sap_options
 from .plans import adopt_plan, planning_cost_model, sap_levels
 
-PLAN_KEY = "sap_plan"  # the sample entry that carries the pickled plan
 logger = logging.getLogger(__name__)
 
 
@@ -120,16 +119,18 @@ def loader_plan_bytes(sample: Any) -> Optional[bytes]:
     return data.numpy().tobytes() if data.dim() == 1 else None
 
 
-def adopt_loader_plan(data: Optional[bytes], documents: Optional[list[int]]) -> Optional["sap.Plan"]:
+def adopt_loader_plan(data: Optional[bytes], documents: Optional[list[int]],
+                      cp_group: GroupsLike = None) -> Optional["sap.Plan"]:
     """The plan a worker made, put where `plans.plan_for` finds it, if it is the plan of this
-    row (`documents`) for this process's layout and cost model; else None (planned here)."""
+    row (`documents`) for the layout of `cp_group` (as `sap_split_batch` takes it; None:
+    Megatron's parallel state) and this process's cost model; else None (planned here)."""
     global _refusal_logged
     if data is None or documents is None:
         return None
     known = _ADOPTED.get(id(data))
     plan = known[1] if known is not None and known[0] is data else pickle.loads(data)
     if (isinstance(plan, sap.Plan) and list(plan.cu_seqlens) == documents
-            and (plan.inner_size, plan.outer_size) == sap_levels(resolve_groups(None)) and adopt_plan(plan)):
+            and (plan.inner_size, plan.outer_size) == sap_levels(resolve_groups(cp_group)) and adopt_plan(plan)):
         _ADOPTED[id(data)] = (data, plan)  # the bytes held, so that no other object takes their identity
         while len(_ADOPTED) > ADOPTED_KEPT:
             del _ADOPTED[next(iter(_ADOPTED))]
