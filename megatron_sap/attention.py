@@ -639,7 +639,7 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
     digest = hashlib.sha1(f"{plan.signature()}|{recompute_kv}|{shape}{scale}{chunks}".encode()).hexdigest()
     mine = int(digest[:16], 16) & ((1 << 62) - 1)
     high, low, failed = _exchange_hashes(mine, groups, over)
-    described = (f"this rank (cp_rank {groups.cp_rank}) planned hash {mine:x} ({plan.total_tokens} tokens, "
+    described = (f"this rank (cp_rank {groups.cp_rank}) planned hash {mine:016x} ({plan.total_tokens} tokens, "
                  f"{len(plan.cu_seqlens) - 1} documents, layout {plan.inner_size}x{plan.outer_size}, cost model "
                  f"{plan.cost_model.name!r}, attention shape (heads, kv heads, head dim, dtype) {shape}, "
                  f"recompute_kv={recompute_kv}, softmax_scale "
@@ -653,7 +653,7 @@ def verify_plan_agreement(plan: Plan, groups: SAPGroups, recompute_kv: bool = Fa
     if high != low:
         raise RuntimeError(
             f"CP ranks disagree on the batch, the layout, the cost model, the attention shape, the softmax scale or "
-            f"recompute_kv: {described}, the group has hashes from {low:x} to {high:x} (head chunks count too, "
+            f"recompute_kv: {described}, the group has hashes from {low:016x} to {high:016x} (head chunks count too, "
             f"where a rank asks for inner_chunks other than 'auto' gives)"
         )
     _LAST_CHECKED[groups.cp_group] = (plan.signature(), recompute_kv, shape, softmax_scale,

@@ -53,7 +53,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     source.add_argument("--cu-seqlens", help="comma-separated document boundaries, e.g. 0,100,4096")
     source.add_argument("--lengths-from", choices=SOURCES,
                         help="pack rows of document lengths: a real corpus (stdlib, sharegpt) or a synthetic mix")
-    source.add_argument("--lengths-file", type=Path, help="pack rows of these document lengths (one per line, or .npy)")
+    source.add_argument("--lengths-file", type=Path, help="pack rows of these document lengths (one per line, or .npy; packed as "
+                        "Megatron does: a document longer than a row goes on in the next rows)")
     parser.add_argument("--tokens", type=int, help="tokens T of a packed row (with --lengths-from/--lengths-file)")
     parser.add_argument("--seed", type=int, default=0, help="packing seed")
     parser.add_argument("--rows", type=int, default=1, help="packed rows to average over (with --cp-size)")
@@ -62,7 +63,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     layout.add_argument("--cp-size", type=int, help="CP size P: compare every layout U x R = P")
     parser.add_argument("--inner-size", type=int, default=1, help="inner (Ulysses) CP size U (with --outer-size)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="TP size: each rank has 1/TP of the heads, a node GPUs/TP CP ranks (and U * TP GPUs must fit in it)")
+                        help="TP size: each rank has 1/TP of the heads, a node GPUs/TP CP ranks (an inner group of U * TP GPUs "
+                             "that spans nodes is warned of)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h100", help="cost-model preset")
     parser.add_argument("--gpus-per-node", type=int, help="GPUs of a node (default: the preset's)")
     parser.add_argument("--num-heads", type=int, help="query heads of the model (default: the preset's)")

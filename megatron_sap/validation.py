@@ -1,7 +1,7 @@
 """Input checks shared by the public entry points.
 
-Every check raises ValueError (TypeError for a value of the wrong kind) naming the problem
-and the offending values, so that bad input fails loudly at the entry point instead of
+Every check raises ValueError naming the problem and the offending values (TypeError where
+attention's inputs are not tensors), so that bad input fails loudly at the entry point instead of
 producing a wrong answer or a hang.
 """
 from __future__ import annotations
@@ -125,6 +125,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """q [tokens, Hq, D] and k/v [tokens, Hkv, D]: one dtype and device, k and v alike, a
     positive head_dim shared by all, query heads a multiple of key/value heads."""
     for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [tokens, heads, head_dim], got {type(t).__name__}")
         if t.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype):

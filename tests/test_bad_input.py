@@ -285,6 +285,14 @@ def test_sap_attention_rejects_non_3d() -> None:
         sap.sap_attention(q.flatten(1), k, v, _plan([0, 8]))
 
 
+def test_sap_attention_rejects_inputs_that_are_not_tensors() -> None:
+    q, k, v = _qkv(8)
+    with pytest.raises(TypeError, match=r"q must be a torch.Tensor \[tokens, heads, head_dim\], got ndarray"):
+        sap.sap_attention(q.numpy(), k, v, _plan([0, 8]))
+    with pytest.raises(TypeError, match=r"v must be a torch.Tensor .*, got list"):
+        sap.sap_attention(q, k, v.tolist(), _plan([0, 8]))
+
+
 def test_sap_attention_rejects_gqa_mismatch() -> None:
     q, k, v = _qkv(8, heads=6, kv_heads=4)
     with pytest.raises(ValueError, match=r"query heads \(6\) must be a multiple of key/value heads \(4\)"):
