@@ -1109,27 +1109,29 @@ def test_settings_sap_would_get_wrong_are_refused(settings: dict, match: str) ->
         (dict(sft=True, tensor_model_parallel_size=2), "packed", "--sft needs TP 1 \\(got TP=2\\)"),
         (dict(sft=True, pipeline_model_parallel_size=2), "sft-stages", "--sft and pipeline parallelism \\(got PP=2\\)"),
         (dict(multi_latent_attention=True), "mla", "megatron-core 0.14 or later for multi-latent attention"),
+        (dict(position_embedding_type="yarn"), "yarn", "megatron-core 0.16 or later for YaRN"),
         (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), "chunks",
          "virtual \\(interleaved\\) pipeline .* from Megatron-LM core_v0.15"),
     ],
-    ids=["mtp-cp1", "sft-tp2", "sft-pp2", "mla-cp2", "vpp"],
+    ids=["mtp-cp1", "sft-tp2", "sft-pp2", "mla-cp2", "yarn-cp2", "vpp"],
 )
 def test_release_specific_settings_are_refused_where_they_would_fail(settings: dict, refused: str, match: str) -> None:
     """Refused on the releases where they go wrong (see docs/megatron.md), accepted elsewhere:
     MTP at CP 1 before core_v0.16 (the hooks pack every row; those MTP layers refuse packed
     rows), SFT at TP > 1 on core_v0.16 and v0.17 (their broadcasts), SFT with pipeline stages on
-    core_v0.17 (each stage splits its own copy), MLA under CP on megatron-core 0.13 (its
-    rotary table), a virtual pipeline before core_v0.15 (every chunk of the first and last stages
+    core_v0.17 (each stage splits its own copy), MLA under CP on megatron-core 0.13 and GPT's
+    YaRN under CP before 0.16 (their rotary tables), a virtual pipeline before core_v0.15 (every chunk of the first and last stages
     reads its own batch). `make test` runs the 0.16.1 side, `make test-compat` the others."""
-    from megatron_sap.megatron.compat import (chunk_aware_get_batch, mla_keeps_packed_rope_table, mtp_takes_packed_rows,
-                                              packed_get_batch, sft_split_on_every_stage)
+    from megatron_sap.megatron.compat import (chunk_aware_get_batch, gpt_yarn_keeps_packed_rope_table,
+                                              mla_keeps_packed_rope_table, mtp_takes_packed_rows, packed_get_batch,
+                                              sft_split_on_every_stage)
     from megatron_sap.megatron.hooks import configure_sap
 
     args = _parse("--context-parallel-size 2 --cp-comm-type sap")
     for name, value in settings.items():
         setattr(args, name, value)
     expected = {"legacy": not mtp_takes_packed_rows(), "packed": packed_get_batch(), "sft-stages": sft_split_on_every_stage(), "mla": not mla_keeps_packed_rope_table(),
-                "chunks": not chunk_aware_get_batch()}
+                "yarn": not gpt_yarn_keeps_packed_rope_table(), "chunks": not chunk_aware_get_batch()}
     if expected[refused]:
         with pytest.raises(ValueError, match=match):
             configure_sap(args)

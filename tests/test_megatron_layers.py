@@ -636,6 +636,32 @@ def test_mla_under_context_parallelism_needs_megatron_core_0_14(monkeypatch) -> 
             _attention(config=config)
 
 
+def test_gpt_yarn_under_context_parallelism_needs_megatron_core_0_16(monkeypatch) -> None:
+    """GPTModel's YaRN table (the training code sets the config's yarn_* fields) is cut to
+    Megatron's own CP layout on 0.15: refused there under CP, built on later releases and at CP 1."""
+    from megatron_sap.megatron.compat import gpt_yarn_keeps_packed_rope_table
+
+    config = _config()
+    config.yarn_rotary_scaling_factor = 4.0
+    _attention(config=config)
+    _two_ranks(monkeypatch)
+    _attention()  # no YaRN
+    if gpt_yarn_keeps_packed_rope_table():
+        _attention(config=config)
+    else:
+        with pytest.raises(ValueError, match="megatron-core 0.16 or later for YaRN"):
+            _attention(config=config)
+
+
+def test_multi_token_prediction_is_refused_under_context_parallelism(monkeypatch) -> None:
+    """Megatron shifts MTP's labels along its own CP layout: under SAP the model would train on
+    wrong targets, so the layers of an MTP model refuse CP > 1 (at CP 1 they are built)."""
+    _attention(config=_config(mtp_num_layers=1))
+    _two_ranks(monkeypatch)
+    with pytest.raises(ValueError, match="does not support multi-token prediction"):
+        _attention(config=_config(mtp_num_layers=1))
+
+
 @pytest.mark.parametrize("name", ["cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"])
 def test_boundaries_must_be_the_split_tensor_under_context_parallelism(monkeypatch, name) -> None:
     """RoPE finds a token's position through the cu_seqlens tensor the batch split registered;

@@ -23,7 +23,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .compat import MLA_ROPE_TABLE_REFUSED, mla_keeps_packed_rope_table
+from .compat import GPT_YARN_REFUSED, MLA_ROPE_TABLE_REFUSED, gpt_yarn_keeps_packed_rope_table, mla_keeps_packed_rope_table
 from .groups import sap_groups_from_pg_collection
 from .options import get_sap_options
 from .plans import plan_for, split_plan
@@ -89,6 +89,14 @@ class SAPDotProductAttention(MegatronModule):
             )
         if self.groups is not None and getattr(config, "multi_latent_attention", False) and not mla_keeps_packed_rope_table():
             raise ValueError(MLA_ROPE_TABLE_REFUSED)
+        if (self.groups is not None and not getattr(config, "multi_latent_attention", False)
+                and hasattr(config, "yarn_rotary_scaling_factor") and not gpt_yarn_keeps_packed_rope_table()):
+            raise ValueError(GPT_YARN_REFUSED)  # the training code sets the yarn_* fields for GPTModel's YaRN
+        if self.groups is not None and getattr(config, "mtp_num_layers", None):
+            raise ValueError(
+                "SAP with context parallelism does not support multi-token prediction (mtp_num_layers): Megatron "
+                "shifts the MTP labels and inputs along its own CP layout, not SAP's token order (train MTP at CP 1)"
+            )
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type

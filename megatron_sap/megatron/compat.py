@@ -46,6 +46,14 @@ def mla_keeps_packed_rope_table() -> bool:
     return megatron_core_version() >= (0, 14)
 
 
+def gpt_yarn_keeps_packed_rope_table() -> bool:
+    """Whether GPTModel keeps the whole YaRN rotary table (position_embedding_type "yarn",
+    without multi-latent attention) for packed rows under CP (0.16 on). 0.15 builds it without
+    `packed_seq`, cut to Megatron's own CP layout: SAP's per-document positions overrun it or
+    read the wrong rows."""
+    return megatron_core_version() >= (0, 16)
+
+
 def chunk_aware_get_batch() -> bool:
     """Whether Megatron-LM's `pretrain_gpt.get_batch` gives a virtual pipeline's batch to the first
     stage's first model chunk and the last stage's last only (core_v0.15 on, with `vp_stage`);
@@ -57,6 +65,12 @@ def chunk_aware_get_batch() -> bool:
 MLA_ROPE_TABLE_REFUSED = (
     "SAP with context parallelism needs megatron-core 0.14 or later for multi-latent attention: 0.13 cuts the "
     "rotary table to Megatron's own CP layout, which SAP's per-document positions overrun"
+)
+
+GPT_YARN_REFUSED = (
+    "SAP with context parallelism needs megatron-core 0.16 or later for YaRN rotary embeddings without multi-latent "
+    "attention (--position-embedding-type yarn): 0.15's GPTModel cuts the YaRN table to Megatron's own CP layout, "
+    "which SAP's per-document positions overrun"
 )
 
 TRAINING_LAYOUT_REFUSED = (

@@ -56,8 +56,9 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from .arguments import add_sap_args, chain_args_providers, flat_layout_hint, sap_requested, sap_settings_from_args
 from .attention import refuse_unsupported_attention
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_packed_seq_params, sap_split_batch
-from .compat import (MLA_ROPE_TABLE_REFUSED, TRAINING_LAYOUT_REFUSED, chunk_aware_get_batch, mla_keeps_packed_rope_table,
-                     mtp_takes_packed_rows, packed_get_batch, sft_split_on_every_stage, training_layout)
+from .compat import (GPT_YARN_REFUSED, MLA_ROPE_TABLE_REFUSED, TRAINING_LAYOUT_REFUSED, chunk_aware_get_batch,
+                     gpt_yarn_keeps_packed_rope_table, mla_keeps_packed_rope_table, mtp_takes_packed_rows,
+                     packed_get_batch, sft_split_on_every_stage, training_layout)
 from .groups import prepare_pipeline_host_group, tensor_parallel_host_group
 from .loader import PLAN_KEY, PlannedDataset, adopt_loader_plan, host_boundaries, loader_plan_bytes, loader_planning
 from .rope import install_sap_rope
@@ -183,6 +184,9 @@ def _refuse_unsupported(args: Any) -> None:
             )
     if cp > 1 and getattr(args, "multi_latent_attention", False) and not mla_keeps_packed_rope_table():
         raise ValueError(MLA_ROPE_TABLE_REFUSED)
+    if (cp > 1 and getattr(args, "position_embedding_type", None) == "yarn"
+            and not getattr(args, "multi_latent_attention", False) and not gpt_yarn_keeps_packed_rope_table()):
+        raise ValueError(GPT_YARN_REFUSED)
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
         raise ValueError(
             "SAP does not support --overlap-moe-expert-parallel-comm: its schedule builds the model's forward "
