@@ -1120,8 +1120,9 @@ def test_release_specific_settings_are_refused_where_they_would_fail(settings: d
     MTP at CP 1 before core_v0.16 (the hooks pack every row; those MTP layers refuse packed
     rows), SFT at TP > 1 on core_v0.16 and v0.17 (their broadcasts), SFT with pipeline stages on
     core_v0.17 (each stage splits its own copy), MLA under CP on megatron-core 0.13 and GPT's
-    YaRN under CP before 0.16 (their rotary tables), a virtual pipeline before core_v0.15 (every chunk of the first and last stages
-    reads its own batch). `make test` runs the 0.16.1 side, `make test-compat` the others."""
+    YaRN under CP before 0.16 (their rotary tables), a virtual pipeline before core_v0.15
+    (every chunk of the first and last stages reads its own batch). `make test` runs the
+    0.16.1 side, `make test-compat` the others."""
     from megatron_sap.megatron.compat import (chunk_aware_get_batch, gpt_yarn_keeps_packed_rope_table,
                                               mla_keeps_packed_rope_table, mtp_takes_packed_rows, packed_get_batch,
                                               sft_split_on_every_stage)
