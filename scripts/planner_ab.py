@@ -10,8 +10,9 @@ script extracts `megatron_sap/` at REV into a temporary directory (as the packag
 `megatron_sap_at_rev`), packs 128K-token rows of both corpora that each layout has not
 seen, and plans every row with both versions, alternating which goes first, the plan
 cache bypassed. Times are the process's CPU time (a minute when other work holds the
-cores counts less). It checks that both versions place every token alike and prints
-the median fresh-plan time of each and their ratio.
+cores counts less). It checks that both versions place every token alike (the exit
+status is 1 where they do not, after every row) and prints the median fresh-plan time of
+each and their ratio.
 """
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ def main() -> int:
     from megatron_sap.bench.packing import pack
     from megatron_sap.planning import plan as new
 
+    differ = 0  # rows the two versions place differently
     with tempfile.TemporaryDirectory() as tmp:
         old = import_revision(args.rev, Path(tmp))
         if args.uniform:
@@ -99,11 +101,14 @@ def main() -> int:
                         times[name].append(time.process_time() - start)
                         pieces[name] = [tuple(rank) for rank in plan.placement.ranks]
                     if pieces["rev"] != pieces["now"]:
+                        differ += 1
                         print(f"{corpus} {layout} row {i}: the placements differ")
                 rev_ms, now_ms = (statistics.median(times[k]) * 1e3 for k in ("rev", "now"))
                 print(f"{corpus:9s} {layout:5s} {args.rev}: {rev_ms:6.2f} ms   now: {now_ms:6.2f} ms   ratio {now_ms / rev_ms:.2f}",
                       flush=True)
-    return 0
+    if differ:
+        print(f"{differ} rows placed differently by {args.rev} and this checkout")
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

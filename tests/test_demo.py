@@ -12,7 +12,9 @@ def test_attention_demo_agrees_with_the_reference(capsys):
     assert out.count("check: errors within 1e-10 and bytes as planned: passed") == 2
     errors = [float(x) for x in re.findall(r"(?:out|dq|dk|dv) ([0-9.e+-]+)", out)]
     assert len(errors) == 2 * 4 and max(errors) < 1e-12, out
-    for sap_bytes, plan_bytes in re.findall(r"SAP (\[[^\]]*\]) \(plan (\[[^\]]*\])\)", out):
+    sent = re.findall(r"SAP (\[[^\]]*\]) \(plan (\[[^\]]*\])\)", out)
+    assert len(sent) == 2, out  # one line per batch
+    for sap_bytes, plan_bytes in sent:
         assert sap_bytes == plan_bytes  # bytes counted at the send sites equal the plan's
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from bisect import bisect_right
 from itertools import accumulate
 
 import pytest
@@ -22,6 +23,15 @@ def test_rank_work_covers_every_causal_pair_once(method, world, inner):
     work = rank_work(method, cu, world, inner)
     assert len(work) == world
     assert sum(w.pairs * w.head_fraction for w in work) == pytest.approx(total_pairs(cu))
+    # Each run's queries attend to every key of their own document up to themselves: every
+    # query row is computed once over all the heads (the ranks' head fractions add up to 1).
+    cover = torch.zeros(cu[-1], dtype=torch.float64)
+    for w in work:
+        for doc_start, start, end in w.runs:
+            doc = bisect_right(cu, start) - 1
+            assert cu[doc] == doc_start and start < end <= cu[doc + 1], (doc_start, start, end)
+            cover[start:end] += w.head_fraction
+    assert torch.allclose(cover, torch.ones_like(cover)), cover
 
 
 def test_query_runs_split_at_documents_and_gaps():

@@ -570,11 +570,32 @@ def test_every_tile_layout_matches_the_dense_reference(monkeypatch, causal, bloc
 
 
 def test_plan_cache_is_bounded():
-    q = torch.randn(8, 1, 4)
-    for n in range(torch_backend.PLAN_CACHE_SIZE + 5):
-        cu = torch.tensor([0, n % 8 + 1, 8], dtype=torch.int32)
-        varlen_forward(q, q, q, cu, cu, 8, 8, causal=True)
-    assert len(torch_backend._plans) <= torch_backend.PLAN_CACHE_SIZE
+    """More distinct batches than the cache holds: it keeps the most recent ones, evicting
+    the oldest first, and a hit moves a plan to the back."""
+    torch_backend._plans.clear()
+    size = torch_backend.PLAN_CACHE_SIZE
+    tokens = size + 8
+    q = torch.randn(tokens, 1, 4)
+
+    def run(n: int) -> None:
+        cu = torch.tensor([0, n + 1, tokens], dtype=torch.int32)
+        varlen_forward(q, q, q, cu, cu, tokens, tokens, causal=True)
+
+    for n in range(size):
+        run(n)
+    assert len(torch_backend._plans) == size
+    oldest = next(iter(torch_backend._plans))
+    run(0)  # a hit: the first batch's plan is now the most recent
+    assert next(iter(torch_backend._plans)) != oldest
+    for n in range(size, size + 5):
+        run(n)
+    assert len(torch_backend._plans) == size
+    keys = list(torch_backend._plans)
+    run(0)  # still held after five evictions, thanks to the hit: nothing planned anew
+    assert set(torch_backend._plans) == set(keys)
+    run(1)  # evicted (the oldest once the first batch was hit): planned again, at the back
+    assert len(torch_backend._plans) == size and list(torch_backend._plans)[-1] not in keys
+    torch_backend._plans.clear()
 
 
 def test_backend_resolution():

@@ -233,9 +233,10 @@ def test_cost_model_takes_the_model_shape_and_tp_from_the_flags(monkeypatch, mod
     assert cost_model.gpus_per_node == 8 // tp
 
 
-def test_unknown_backend_is_an_argparse_error() -> None:
-    with pytest.raises(SystemExit):
+def test_unknown_backend_is_an_argparse_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
         _parse("--sap-backend nonsense")
+    assert exit_info.value.code == 2 and "--sap-backend: invalid choice: 'nonsense'" in capsys.readouterr().err
 
 
 def test_sap_requested() -> None:
@@ -335,7 +336,9 @@ def test_batch_hooks_split_packed_rows_with_sap() -> None:
     local, params = split(batch, cu, padded, max_seqlen, cp_size=1, cp_rank=0)
     assert list(local) == ["tokens", "labels", "loss_mask", "attention_mask", "position_ids"]
     assert params.cu_seqlens_q.tolist() == [0, 3, 5, 8] and params.max_seqlen_q == 3
+    assert torch.equal(local["tokens"], torch.arange(8)[None])  # one CP rank: the whole row, in order
     assert torch.equal(local["labels"], local["tokens"] + 1)
+    assert local["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]] and bool(local["loss_mask"].all())
 
 
 def test_legacy_batch_hooks_split_rows_and_hand_the_model_their_params() -> None:
@@ -814,7 +817,7 @@ def test_the_batch_split_takes_the_plan_a_loader_sample_carries() -> None:
         reset_sap_options()
 
 
-def test_choose_by_goes_from_the_flag_to_every_plan_made() -> None:
+def test_choose_by_goes_from_the_flag_to_every_plan_made(capsys) -> None:
     """--sap-choose-by (default: estimate) sets how the batch split's plans and the loader
     workers' are chosen among the candidates; a loader plan chosen alike is taken."""
     import pickle
@@ -826,8 +829,9 @@ def test_choose_by_goes_from_the_flag_to_every_plan_made() -> None:
     parser = chain_args_providers(None, add_sap_args)(argparse.ArgumentParser())
     parser.add_argument("--context-parallel-size", type=int, default=1)
     assert sap_settings_from_args(parser.parse_args([])).options.choose_by == "estimate"
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         parser.parse_args(["--sap-choose-by", "fastest"])
+    assert exit_info.value.code == 2 and "--sap-choose-by: invalid choice: 'fastest'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="choose_by must be one of"):
         SAPOptions(choose_by="fastest")
     row = [0, 700, 1000, 2048]
