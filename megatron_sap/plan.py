@@ -346,11 +346,17 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"minutes (and GBs) from about {SLOW_OUTER_SIZE * 4} outer ranks", file=sys.stderr)
     try:
         model = CostModel.preset(args.preset, **({} if args.gpus_per_node is None else {"gpus_per_node": args.gpus_per_node}))
-        model = model.with_shape(  # a value given (even 0, which the cost model refuses) replaces the preset's
-            model.num_heads if args.num_heads is None else args.num_heads,
-            model.num_kv_heads if args.num_kv_heads is None else args.num_kv_heads,
-            model.head_dim if args.head_dim is None else args.head_dim,
-        )
+        try:
+            model = model.with_shape(  # a value given (even 0, which the cost model refuses) replaces the preset's
+                model.num_heads if args.num_heads is None else args.num_heads,
+                model.num_kv_heads if args.num_kv_heads is None else args.num_kv_heads,
+                model.head_dim if args.head_dim is None else args.head_dim,
+            )
+        except ValueError as err:
+            if args.num_kv_heads is not None or args.num_heads is None or args.num_heads < 1:
+                raise
+            raise ValueError(f"{err}: the {args.preset} preset has {model.num_kv_heads} key/value heads; "
+                             "give the model's with --num-kv-heads") from err
         try:
             batches = batches_from_args(args)
         except RuntimeError as err:  # a corpus that cannot be read here

@@ -2030,6 +2030,8 @@ def test_cli_packs_synthetic_lengths(capsys):
         (["--cu-seqlens", "0,4096,8192", "--outer-size", "2", "--inner-size", "4", "--num-heads", "6",
           "--num-kv-heads", "6"], "query heads (6) must be divisible by the inner (Ulysses) size (4)"),
         (["--cu-seqlens", "0,8192", "--cp-size", "8", "--num-heads", "0"], "num_heads must be a positive integer, got 0"),
+        (["--cu-seqlens", "0,8192", "--cp-size", "8", "--num-heads", "6"],
+         "must be a multiple of num_kv_heads (8): the h100 preset has 8 key/value heads; give the model's with --num-kv-heads"),
         (["--cu-seqlens", "0,8192", "--cp-size", "8", "--head-dim", "0"], "head_dim must be a positive integer, got 0"),
         (["--cu-seqlens", "0,8192", "--cp-size", "0"], "--cp-size must be >= 1, got 0"),
         (["--cu-seqlens", "0,8192", "--cp-size", "8", "--num-heads", "48", "--num-kv-heads", "12",
