@@ -474,7 +474,7 @@ def test_gpt_with_mla_at_cp4_equals_cp1(pool4) -> None:
     from megatron_sap.megatron.compat import mla_keeps_packed_rope_table
 
     if not mla_keeps_packed_rope_table():
-        pytest.skip("megatron-core 0.13 refuses MLA under CP (test_mla_under_context_parallelism_needs_megatron_core_0_14)")
+        pytest.skip("megatron-core 0.13 refuses MLA under CP (test_rotary_tables_cut_to_megatrons_layout_are_refused_under_context_parallelism)")
     _assert_one_step_equal(pool4.run(run_mla_rank, "rope"))
 
 

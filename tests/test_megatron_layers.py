@@ -616,40 +616,40 @@ def test_mla_with_fused_rope_is_refused_under_context_parallelism(monkeypatch) -
         _attention(config=config)
 
 
-def test_mla_under_context_parallelism_needs_megatron_core_0_14(monkeypatch) -> None:
-    """megatron-core 0.13's MLA cuts the rotary table to Megatron's own CP layout: refused there
-    under CP, built on later releases (`make test-compat` runs 0.13)."""
+def _mla_config():
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from megatron_sap.megatron.compat import mla_keeps_packed_rope_table
-
-    config = MLATransformerConfig(
+    return MLATransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, attention_dropout=0.0,
         use_cpu_initialization=True, apply_rope_fusion=False,
     )
-    _attention(config=config)
-    _two_ranks(monkeypatch)
-    if mla_keeps_packed_rope_table():
-        _attention(config=config)
-    else:
-        with pytest.raises(ValueError, match="megatron-core 0.14 or later for multi-latent attention"):
-            _attention(config=config)
 
 
-def test_gpt_yarn_under_context_parallelism_needs_megatron_core_0_16(monkeypatch) -> None:
-    """GPTModel's YaRN table (the training code sets the config's yarn_* fields) is cut to
-    Megatron's own CP layout on 0.15: refused there under CP, built on later releases and at CP 1."""
-    from megatron_sap.megatron.compat import gpt_yarn_keeps_packed_rope_table
-
+def _yarn_config():
     config = _config()
-    config.yarn_rotary_scaling_factor = 4.0
+    config.yarn_rotary_scaling_factor = 4.0  # as the training code sets it for GPTModel's YaRN
+    return config
+
+
+@pytest.mark.parametrize("make_config, keeps_table, message", [
+    (_mla_config, "mla_keeps_packed_rope_table", "megatron-core 0.14 or later for multi-latent attention"),
+    (_yarn_config, "gpt_yarn_keeps_packed_rope_table", "megatron-core 0.16 or later for YaRN"),
+], ids=["mla", "gpt-yarn"])
+def test_rotary_tables_cut_to_megatrons_layout_are_refused_under_context_parallelism(
+        monkeypatch, make_config, keeps_table, message) -> None:
+    """megatron-core 0.13's MLA and 0.15's GPTModel YaRN cut the rotary table to Megatron's own
+    CP layout: refused there under CP, built on later releases and at CP 1 (`make test-compat`
+    runs those releases); a model without either is built under CP on every release."""
+    from megatron_sap.megatron import compat
+
+    config = make_config()
     _attention(config=config)
     _two_ranks(monkeypatch)
-    _attention()  # no YaRN
-    if gpt_yarn_keeps_packed_rope_table():
+    _attention()  # neither
+    if getattr(compat, keeps_table)():
         _attention(config=config)
     else:
-        with pytest.raises(ValueError, match="megatron-core 0.16 or later for YaRN"):
+        with pytest.raises(ValueError, match=message):
             _attention(config=config)
 
 

@@ -23,7 +23,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .compat import GPT_YARN_REFUSED, MLA_ROPE_TABLE_REFUSED, gpt_yarn_keeps_packed_rope_table, mla_keeps_packed_rope_table
+from .compat import packed_rope_refusal
 from .groups import sap_groups_from_pg_collection
 from .options import get_sap_options
 from .plans import plan_for, split_plan
@@ -87,11 +87,11 @@ class SAPDotProductAttention(MegatronModule):
                 "SAP with context parallelism needs apply_rope_fusion=False for MLA: the fused MLA RoPE finds each "
                 "token's position from Megatron's own CP layout (--no-rope-fusion)"
             )
-        if self.groups is not None and getattr(config, "multi_latent_attention", False) and not mla_keeps_packed_rope_table():
-            raise ValueError(MLA_ROPE_TABLE_REFUSED)
-        if (self.groups is not None and not getattr(config, "multi_latent_attention", False)
-                and hasattr(config, "yarn_rotary_scaling_factor") and not gpt_yarn_keeps_packed_rope_table()):
-            raise ValueError(GPT_YARN_REFUSED)  # the training code sets the yarn_* fields for GPTModel's YaRN
+        # The training code sets the config's yarn_* fields for GPTModel's YaRN.
+        refusal = packed_rope_refusal(getattr(config, "multi_latent_attention", False),
+                                      hasattr(config, "yarn_rotary_scaling_factor"))
+        if self.groups is not None and refusal:
+            raise ValueError(refusal)
         if self.groups is not None and getattr(config, "mtp_num_layers", None):
             raise ValueError(
                 "SAP with context parallelism does not support multi-token prediction (mtp_num_layers): Megatron "

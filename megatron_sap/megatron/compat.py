@@ -73,6 +73,16 @@ GPT_YARN_REFUSED = (
     "which SAP's per-document positions overrun"
 )
 
+
+
+def packed_rope_refusal(multi_latent_attention: bool, yarn: bool) -> str | None:
+    """Why this release's rotary table cannot serve SAP's per-document positions under CP
+    (MLA before 0.14, GPTModel's YaRN without MLA before 0.16), or None where it can."""
+    if multi_latent_attention:
+        return None if mla_keeps_packed_rope_table() else MLA_ROPE_TABLE_REFUSED
+    return GPT_YARN_REFUSED if yarn and not gpt_yarn_keeps_packed_rope_table() else None
+
+
 TRAINING_LAYOUT_REFUSED = (
     "SAP's hooks for Megatron-LM's pretrain_gpt.py follow core_v0.13 to core_v0.19: this checkout has the batch "
     "functions neither in megatron.training.utils (core_v0.13 to core_v0.17) nor, with pretrain_gpt.forward_step "

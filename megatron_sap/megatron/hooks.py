@@ -56,9 +56,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from .arguments import add_sap_args, chain_args_providers, flat_layout_hint, sap_requested, sap_settings_from_args
 from .attention import refuse_unsupported_attention
 from .batch import cu_seqlens_from_position_ids, resolve_groups, sap_packed_seq_params, sap_split_batch
-from .compat import (GPT_YARN_REFUSED, MLA_ROPE_TABLE_REFUSED, TRAINING_LAYOUT_REFUSED, chunk_aware_get_batch,
-                     gpt_yarn_keeps_packed_rope_table, mla_keeps_packed_rope_table, mtp_takes_packed_rows,
-                     packed_get_batch, sft_split_on_every_stage, training_layout)
+from .compat import (TRAINING_LAYOUT_REFUSED, chunk_aware_get_batch, mtp_takes_packed_rows, packed_get_batch,
+                     packed_rope_refusal, sft_split_on_every_stage, training_layout)
 from .groups import prepare_pipeline_host_group, tensor_parallel_host_group
 from .loader import PLAN_KEY, PlannedDataset, adopt_loader_plan, host_boundaries, loader_plan_bytes, loader_planning
 from .rope import install_sap_rope
@@ -182,11 +181,10 @@ def _refuse_unsupported(args: Any) -> None:
                 "SAP does not support multi-token prediction (--mtp-num-layers) before Megatron-LM core_v0.16: the "
                 "hooks pack every row, at CP 1 too, and these releases' MTP layers refuse packed rows"
             )
-    if cp > 1 and getattr(args, "multi_latent_attention", False) and not mla_keeps_packed_rope_table():
-        raise ValueError(MLA_ROPE_TABLE_REFUSED)
-    if (cp > 1 and getattr(args, "position_embedding_type", None) == "yarn"
-            and not getattr(args, "multi_latent_attention", False) and not gpt_yarn_keeps_packed_rope_table()):
-        raise ValueError(GPT_YARN_REFUSED)
+    refusal = packed_rope_refusal(getattr(args, "multi_latent_attention", False),
+                                  getattr(args, "position_embedding_type", None) == "yarn")
+    if cp > 1 and refusal:
+        raise ValueError(refusal)
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
         raise ValueError(
             "SAP does not support --overlap-moe-expert-parallel-comm: its schedule builds the model's forward "
