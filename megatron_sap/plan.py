@@ -121,8 +121,12 @@ def read_lengths(path: Path) -> np.ndarray:
     try:
         with warnings.catch_warnings():  # an empty file: reported below
             warnings.simplefilter("ignore", UserWarning)
-            lengths = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.loadtxt(path, dtype=np.int64, ndmin=1)
-    except (OSError, ValueError) as err:
+            if path.suffix == ".npy":
+                lengths = np.load(path, allow_pickle=False)
+            else:  # read as words and converted here: numpy before 2.3 reads "1.5" as 1 when asked for integers
+                words = np.loadtxt(path, dtype=str, ndmin=1)
+                lengths = np.array([int(word) for word in words.ravel().tolist()], dtype=np.int64).reshape(words.shape)
+    except (OSError, ValueError, OverflowError) as err:
         if path.suffix == ".npy" and "pickled" in str(err):  # numpy's word for a file that is no .npy array
             err = "not a .npy array file (numpy.save's format); name a text file of lengths otherwise"
         raise ValueError(f"cannot read document lengths from {path}: {err}") from None

@@ -657,9 +657,23 @@ def test_flash_backends_are_offered_on_nvidia_gpus_only(monkeypatch, hip):
     monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4) if hip else (9, 0))
-    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    monkeypatch.setattr(kernels.aten_flash, "built", lambda device: True)
     monkeypatch.setattr(kernels, "_flash_attn_importable", lambda: True)
     assert available_backends("cuda") == (["torch"] if hip else ["flash-attn", "aten-flash", "torch"])
+
+
+def test_flash_kernels_are_probed_where_torch_has_no_query(monkeypatch):
+    """torch 2.4 has no torch.backends.cuda.is_flash_attention_available: a tiny call tells
+    whether the kernels run on the device (on the CPU, which has none, they do not)."""
+    from megatron_sap.kernels import aten_flash
+
+    monkeypatch.delattr(torch.backends.cuda, "is_flash_attention_available", raising=False)
+    aten_flash._runs_on.cache_clear()
+    assert aten_flash.built(torch.device("cpu")) is False
+    monkeypatch.setattr(aten_flash, "_kernel_forward", lambda *args: None)  # a build whose kernels run
+    aten_flash._runs_on.cache_clear()
+    assert aten_flash.built(torch.device("cpu")) is True
+    aten_flash._runs_on.cache_clear()
 
 
 def _bad_inputs():

@@ -2152,6 +2152,7 @@ def test_layouts_under_tp_are_modelled_per_tp_rank():
     ("lengths.txt", "", "non-empty"),
     ("lengths.txt", "10\n-3\n", "non-negative"),
     ("lengths.txt", "1.5\n", "cannot read document lengths"),
+    ("lengths.txt", "99999999999999999999\n", "cannot read document lengths"),  # over int64
     ("lengths.npy", "10\n20\n", "not a .npy array file"),  # text named .npy: not numpy's word "pickled"
 ])
 def test_cli_rejects_bad_lengths_files(tmp_path, name, content, message, capsys):

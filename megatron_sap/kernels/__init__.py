@@ -93,7 +93,7 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
             and torch.cuda.get_device_capability(device)[0] >= 8):
         if _flash_attn_importable():
             names.append("flash-attn")
-        if torch.backends.cuda.is_flash_attention_available():
+        if aten_flash.built(device):
             names.append("aten-flash")
     names.append("torch")
     return names

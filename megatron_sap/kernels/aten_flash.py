@@ -27,6 +27,24 @@ _WIDE_HEADS = (192, 224)  # head dims in (192, 224]: the backward runs on sm80 a
 _WIDE_HEAD_GPUS = ((8, 0), (9, 0))  # A100/A800, H100/H800/H200
 
 
+def built(device: torch.device) -> bool:
+    """Whether this PyTorch build has the flash kernels for `device` (a CUDA GPU of sm80
+    or newer). torch 2.4 has no query for it: there a tiny forward call tells, once per device."""
+    query = getattr(torch.backends.cuda, "is_flash_attention_available", None)  # torch 2.5 on
+    return query() if query is not None else _runs_on(torch.device(device))
+
+
+@functools.cache
+def _runs_on(device: torch.device) -> bool:
+    x = torch.zeros(1, 1, 8, dtype=torch.float16, device=device)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    try:
+        _kernel_forward(x, x, x, cu, cu, 2, 1, False, 1.0)
+    except RuntimeError:  # not compiled in, or no kernel for this device (NotImplementedError)
+        return False
+    return True
+
+
 def head_dim_supported(dim: int, capability: tuple[int, int] | None = None) -> bool:
     """The flash kernels need a head dim that is a multiple of 8 and at most 256; their
     backward refuses 192 < dim <= 224 on GPUs other than sm80 and sm90 (`capability`,
