@@ -443,8 +443,7 @@ def test_summarize_counts_each_rank_s_bytes_received_from_what_the_others_send()
 
 def test_device_copies_are_made_once_per_layout():
     """A method's index tensors and kernel boundaries go to the device once per layout (each
-    copy from host memory waits for the GPU's queued work), kept with the layout, which still
-    compares by its fields."""
+    copy from host memory waits for the GPU's queued work), kept with the layout."""
     from megatron_sap.baselines import ring_p2p
     from megatron_sap.baselines.common import zero_padding_rows
 
@@ -459,7 +458,6 @@ def test_device_copies_are_made_once_per_layout():
         assert torch.equal(zeroed[:, 0, 0], (layout.positions[rank] >= 0).to(out.dtype))
         mask = layout.on_device(f"real rows {rank}", "cpu", lambda d: pytest.fail("made again"))
         assert torch.equal(mask, layout.positions[rank] >= 0)
-    assert layout == dataclasses.replace(layout)
 
 
 

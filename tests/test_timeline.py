@@ -256,6 +256,16 @@ def step_model_seconds(plan, order):
                         (totals[0] - steps[0].sum(1)).tolist(), steps[1].tolist(), totals[1].tolist())[0]
 
 
+# `pack(document_lengths("stdlib"), 128K, 1, seed)[0]` of Python 3.11's files, by seed: the corpus's
+# rows depend on the running Python's files.
+STDLIB_ROWS_128K = {
+    0: [0, 62, 1545, 2423, 24366, 24431, 24648, 31274, 32487, 32757, 32872, 33636, 62172, 62296, 63120, 65354,
+        65598, 73224, 78378, 94537, 95622, 97785, 101102, 101108, 111567, 113081, 131072],
+    2: [0, 5127, 9416, 11749, 12479, 12969, 13718, 18401, 18450, 19468, 23692, 23998, 46607, 46703, 50776, 68704,
+        72725, 78958, 79914, 80531, 86695, 87166, 90036, 90226, 92709, 116158, 131072],
+}
+
+
 @pytest.mark.parametrize("corpus, factor, seed", [("stdlib", 1.0, 0), ("sharegpt", 1.0, 1), ("stdlib", 1.27, 2)])
 def test_beyond_joint_schedule_ranks_the_slowest_rank_chooses_the_schedule_and_the_step_models_the_order(
         monkeypatch, corpus, factor, seed):
@@ -271,7 +281,7 @@ def test_beyond_joint_schedule_ranks_the_slowest_rank_chooses_the_schedule_and_t
     from megatron_sap.planning import plan as plan_module
 
     model = CostModel.preset("h100", pipelined_kernel_factor=factor)
-    cu = pack(document_lengths(corpus), 128 * 1024, 1, seed=seed)[0]
+    cu = STDLIB_ROWS_128K[seed] if corpus == "stdlib" else pack(document_lengths(corpus), 128 * 1024, 1, seed=seed)[0]
     plan = sap.plan_sequences(cu, outer_size=32, cost_model=model, cache=None)
     orders, _ = order_options(plan)
     link, levels, _, backward_levels = plan._orders_of(orders["link"], plan._step_seconds())

@@ -22,13 +22,14 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class BaselineLayout:
     """Where the tokens of one packed row live under a baseline method.
 
     cu_seqlens: the row's document boundaries (int64, CPU). positions[r]: global
     position of every row rank r holds, -1 for padding rows. Every rank holds the
-    same number of rows, so collectives and ring buffers have one shape.
+    same number of rows, so collectives and ring buffers have one shape. A layout equals
+    only itself (`eq=False`): its tensor fields have no single truth value to compare by.
     """
 
     method: str

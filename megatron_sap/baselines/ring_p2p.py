@@ -49,7 +49,7 @@ from megatron_sap.planning.cost_model import CostModel
 NAME = "p2p"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class ZigzagLayout(BaselineLayout):
     """Zigzag layout; chunk_sizes[d]: rows of each of document d's 2P chunks."""
 
