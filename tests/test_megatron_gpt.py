@@ -200,7 +200,8 @@ def _assert_sap_trains_like_cp1(results: list[dict], inner: int, outer: int) -> 
         # Adam steps every weight by about LR whatever its gradient's size, so the float32 noise of a
         # gradient near zero (other kernel tiles, other summation orders) can move its weight by a
         # small part of LR (up to 5% of a step seen, on Python 3.13's files as the row): 10% of a
-        # step is allowed, a wrong gradient moves weights by whole steps.
+        # step is allowed. The gradients' values are checked above; a weight stepped the wrong way
+        # or not at all is off by a whole step.
         for name, param in reference["final"].items():
             torch.testing.assert_close(r["sap"]["final"][name], param, rtol=1e-4, atol=0.1 * LR, msg=lambda m: f"{name}: {m}")
     # Training moved the weights, so the final comparison is not vacuous.

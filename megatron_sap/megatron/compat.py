@@ -74,7 +74,6 @@ GPT_YARN_REFUSED = (
 )
 
 
-
 def packed_rope_refusal(multi_latent_attention: bool, yarn: bool) -> str | None:
     """Why this release's rotary table cannot serve SAP's per-document positions under CP
     (MLA before 0.14, GPTModel's YaRN without MLA before 0.16), or None where it can."""
